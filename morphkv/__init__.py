@@ -1,0 +1,16 @@
+"""morphkv: constant-size KV caches (MorphKV and its eviction family) for mlx_lm."""
+
+from .builder import KVCacheBuilder, patch_model, unpatch_model
+from .cache import MorphKVCache
+from .config import KVCacheConfig
+from .rules import METHODS
+
+__all__ = [
+    "KVCacheBuilder",
+    "KVCacheConfig",
+    "METHODS",
+    "MorphKVCache",
+    "patch_model",
+    "unpatch_model",
+]
+__version__ = "0.1.0"

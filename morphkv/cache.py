@@ -1,0 +1,255 @@
+"""MorphKVCache: one constant-size KV cache class for every eviction rule, drop-in for mlx_lm.
+
+Storage is (B, n_kv_heads, slots, head_dim) in the dtype the keys arrive in. Each (batch row,
+KV head) keeps its own set of tokens, so slots are not in position order: a new token is
+written into the slot its row evicted one step earlier. Attention does not care about the
+order of stored keys, and with a multi-token update the new tokens are returned after the
+stored ones, so mlx_lm's bottom-right-aligned "causal" mask stays right.
+
+Semantics of one update of C tokens (C = 1 when decoding): the returned keys and values are
+[tokens kept before the update + all C new tokens]; then, token by token, each new token is
+appended and, while more than ``budget`` tokens are stored, the rule evicts one. The kept set
+is therefore the same for any chunking of a stream, and at most ``budget`` tokens remain.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.base import create_causal_mask
+
+from .config import KVCacheConfig
+from .engine import Engine
+
+
+def _to_numpy(x: mx.array) -> np.ndarray:
+    """Host copy for the selection engine (float16/float32 exactly; bfloat16 via float32)."""
+    if x.dtype not in (mx.float16, mx.float32):
+        x = x.astype(mx.float32)
+    return np.asarray(x)
+
+
+def _pack(a: np.ndarray) -> mx.array:
+    """Bit-exact MLX copy of a host array (float64 has no portable MLX dtype)."""
+    a = np.ascontiguousarray(a)
+    return mx.array(a.view(np.uint32) if a.dtype.itemsize == 8 else a)
+
+
+def _unpack(a: mx.array, dtype) -> np.ndarray:
+    return np.array(a).view(dtype)
+
+
+class MorphKVCache(mlx_cache._BaseCache):
+    """A fixed-budget KV cache for one attention layer (see the module docstring)."""
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        self.config = config.validate()
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.engine: Engine | None = None
+        self.offset = 0  # tokens seen: the RoPE position of the next token
+
+    # ---- mlx_lm hot path -----------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store new keys/values (B, n_kv_heads, C, head_dim); return what attention reads."""
+        self._check(keys, values)
+        B, H, C, D = keys.shape
+        if C == 0:
+            return self._fetch() if self.keys is not None else (keys, values)
+        if self.engine is None:
+            self.engine = Engine(self.config, B * H, D)
+        engine = self.engine
+        dead, before, first = engine.dead, engine.slots, engine.seen
+        rows = self._place(keys, values, dead)
+        engine.feed(_to_numpy(keys).reshape(B * H, C, D))
+        self.offset = engine.seen
+        fetched = self._fetch(rows)
+        if engine.slots < rows:  # slots were reused inside the chunk: compact to the layout
+            self._compact(fetched, dead, before, first)
+        return fetched
+
+    def _place(self, keys: mx.array, values: mx.array, dead: np.ndarray | None) -> int:
+        """Write the new tokens: the first into the dead slot (if any), the rest appended.
+        Returns the number of rows that now hold tokens."""
+        B, H, C, _ = keys.shape
+        start = self.engine.slots
+        if dead is not None:
+            slot = mx.array(dead.reshape(B, H, 1, 1).astype(np.int32))
+            self.keys = mx.put_along_axis(self.keys, slot, keys[:, :, :1], axis=2)
+            self.values = mx.put_along_axis(self.values, slot, values[:, :, :1], axis=2)
+            keys, values = keys[:, :, 1:], values[:, :, 1:]
+            C -= 1
+        if C == 0:
+            return start
+        end = start + C
+        if self.keys is None or end > self.keys.shape[2]:
+            self._reserve(end, keys, values)
+        self.keys[:, :, start:end] = keys
+        self.values[:, :, start:end] = values
+        return end
+
+    def _reserve(self, rows: int, keys: mx.array, values: mx.array) -> None:
+        """Grow storage to hold ``rows`` rows (in steps of 256, never past budget + 1
+        unless a chunk itself needs more)."""
+        step = 256
+        capacity = -(-rows // step) * step
+        if self.config.method != "full":
+            capacity = max(rows, min(capacity, self.config.budget + 1))
+        B, H, _, _ = keys.shape
+        used = 0 if self.keys is None else self.engine.slots
+        grown = []
+        for old, new in ((self.keys, keys), (self.values, values)):
+            fresh = mx.zeros((B, H, capacity - used, new.shape[3]), new.dtype)
+            grown.append(fresh if old is None else mx.concatenate([old[:, :, :used], fresh], 2))
+        self.keys, self.values = grown
+
+    def _fetch(self, rows: int | None = None) -> tuple[mx.array, mx.array]:
+        rows = self.engine.slots if rows is None else rows
+        if rows == self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[:, :, :rows], self.values[:, :, :rows]
+
+    def _compact(self, fetched, dead, before: int, first: int) -> None:
+        """Gather the engine's slot layout out of [old rows + chunk rows]."""
+        engine = self.engine
+        B, H = self.keys.shape[:2]
+        chunk_index = engine.positions[:, : engine.slots] - first  # < 0: stored before
+        had_dead = dead is not None
+        row = before + chunk_index - had_dead
+        if had_dead:
+            row = np.where(chunk_index == 0, dead[:, None], row)
+        slot = np.arange(engine.slots)[None, :]
+        source = np.where(chunk_index < 0, slot, row).reshape(B, H, -1, 1).astype(np.int32)
+        source = mx.array(source)
+        self.keys = mx.take_along_axis(fetched[0], source, axis=2)
+        self.values = mx.take_along_axis(fetched[1], source, axis=2)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """Mask for N new queries against [stored + N new] keys, as mlx_lm expects."""
+        if window_size is not None:
+            raise NotImplementedError(
+                "MorphKVCache does not support sliding-window attention layers; "
+                "keep mlx_lm's RotatingKVCache for those layers"
+            )
+        if N == 1:
+            return None
+        if return_array:
+            return create_causal_mask(N, offset=self.tokens_kept)
+        return "causal"
+
+    def _check(self, keys: mx.array, values: mx.array) -> None:
+        """Reject malformed input before anything is changed."""
+        if keys.ndim != 4 or values.ndim != 4:
+            raise ValueError(
+                "keys and values must be (batch, n_kv_heads, tokens, head_dim); "
+                f"got keys {tuple(keys.shape)} and values {tuple(values.shape)}"
+            )
+        if keys.shape[:3] != values.shape[:3]:
+            raise ValueError(
+                f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree on "
+                "batch, heads or tokens"
+            )
+        if not mx.issubdtype(keys.dtype, mx.floating):
+            raise ValueError(f"keys must be floating point, got {keys.dtype}")
+        head_dim = self.config.head_dim
+        if head_dim is not None and keys.shape[3] != head_dim:
+            raise ValueError(f"keys have head_dim {keys.shape[3]} but config.head_dim={head_dim}")
+        if self.keys is None:
+            return
+        for name, new, old in (("keys", keys, self.keys), ("values", values, self.values)):
+            B, H, _, D = old.shape
+            if (new.shape[0], new.shape[1], new.shape[3]) != (B, H, D):
+                raise ValueError(
+                    f"{name} of shape {tuple(new.shape)} do not match the cache: expected "
+                    f"batch {B}, n_kv_heads {H}, head_dim {D}"
+                )
+            if new.dtype != old.dtype:
+                raise ValueError(f"{name} dtype {new.dtype} differs from the stored {old.dtype}")
+
+    # ---- accounting (per sequence, per KV head) ------------------------------------------
+    @property
+    def tokens_seen(self) -> int:
+        return self.offset
+
+    @property
+    def tokens_kept(self) -> int:
+        return 0 if self.engine is None else self.engine.kept
+
+    def _bytes_per_token(self) -> int:
+        if self.keys is None:
+            return 0
+        return (self.keys.shape[3] + self.values.shape[3]) * self.keys.dtype.size
+
+    @property
+    def morphkv_kept_bytes(self) -> int:
+        """K+V bytes of the tokens kept, per sequence and KV head."""
+        return self.tokens_kept * self._bytes_per_token()
+
+    @property
+    def full_seq_bytes(self) -> int:
+        """K+V bytes a full cache would hold, per sequence and KV head."""
+        return self.tokens_seen * self._bytes_per_token()
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.full_seq_bytes / self.morphkv_kept_bytes if self.tokens_kept else 1.0
+
+    @property
+    def kept_positions(self) -> np.ndarray:
+        """Absolute positions of the kept tokens, (B, n_kv_heads, n_kept), ascending."""
+        if self.engine is None:
+            return np.zeros((0, 0, 0), np.int64)
+        B, H = self.keys.shape[:2]
+        positions = self.engine.positions[:, : self.engine.slots].copy()
+        if self.engine.dead is not None:
+            positions[np.arange(B * H), self.engine.dead] = np.iinfo(np.int64).max
+        kept = np.sort(positions, axis=1)[:, : self.engine.kept]
+        return kept.reshape(B, H, -1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K/V storage (budget + 1 rows once full: one slot awaits reuse)."""
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def size(self) -> int:
+        return self.tokens_kept
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def is_trimmable(self) -> bool:
+        """False: eviction is irreversible, so tokens cannot be taken back."""
+        return False
+
+    def trim(self, n: int) -> int:
+        return 0
+
+    # ---- persistence: mlx_lm save_prompt_cache / load_prompt_cache, copy.deepcopy ---------
+    @property
+    def state(self) -> list:
+        """[config JSON] when empty, else [config JSON, keys, values, host arrays...]."""
+        if self.engine is None:
+            return [self.config.to_json()]
+        keys, values = self._fetch()
+        host = self.engine.state()
+        return [self.config.to_json(), keys, values, *(_pack(host[k]) for k in sorted(host))]
+
+    @state.setter
+    def state(self, state: list) -> None:
+        self.config = KVCacheConfig.from_json(state[0]).validate()
+        self.keys = self.values = self.engine = None
+        self.offset = 0
+        if len(state) == 1:
+            return
+        _, self.keys, self.values, *host = state
+        B, H, _, D = self.keys.shape
+        names = sorted(Engine.saved_names(self.config))
+        saved = {k: _unpack(a, Engine.DTYPES.get(k, np.float64)) for k, a in zip(names, host)}
+        mirror = _to_numpy(self.keys).reshape(B * H, -1, D)
+        self.engine = Engine.from_state(self.config, B * H, D, saved, mirror)
+        self.offset = self.engine.seen
+
+
+# load_prompt_cache looks cache classes up in mlx_lm.models.cache by name.
+mlx_cache.MorphKVCache = MorphKVCache

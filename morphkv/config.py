@@ -1,0 +1,85 @@
+"""KVCacheConfig: the settings of one cache, checked when a cache is built."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+FUSIONS = ("mean", "max")
+SCORINGS = ("proxy", "attention")
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Settings shared by every layer's cache.
+
+    Args:
+        method: eviction rule, one of ``morphkv.METHODS``.
+        head_dim: key head dimension (the logit scale is ``1/sqrt(head_dim)``); inferred from
+            the keys or the model when ``None``.
+        morphkv_budget: most tokens stored per sequence and KV head after every update.
+        morphkv_n_sink: first tokens never evicted (ignored by ``sliding_window``).
+        morphkv_window: recent tokens protected from eviction; for ``morphkv`` also the number
+            of recent queries whose attention ranks the older tokens.
+        morphkv_fusion: how the window's attention rows are fused: ``"mean"`` or ``"max"``.
+        scoring: ``"proxy"`` (stored keys stand in for queries) or ``"attention"`` (the model's
+            real queries; needs ``morphkv.attach``).
+        seed: seed of the ``random`` rule.
+    """
+
+    method: str = "morphkv"
+    head_dim: int | None = None
+    morphkv_budget: int = 512
+    morphkv_n_sink: int = 4
+    morphkv_window: int = 8
+    morphkv_fusion: str = "mean"
+    scoring: str = "proxy"
+    seed: int = 0
+
+    @property
+    def budget(self) -> int:
+        return self.morphkv_budget
+
+    @property
+    def window(self) -> int:
+        return self.morphkv_window
+
+    @property
+    def n_sink(self) -> int:
+        """Protected first tokens; ``sliding_window`` keeps none."""
+        return 0 if self.method == "sliding_window" else self.morphkv_n_sink
+
+    def validate(self) -> KVCacheConfig:
+        """Raise ``ValueError`` naming the field and its bound; return self when valid."""
+        from .rules import METHODS
+
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r} is unknown; valid methods: {sorted(METHODS)}")
+        for name in ("morphkv_budget", "morphkv_n_sink", "morphkv_window", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 1):
+            raise ValueError(f"head_dim must be a positive int or None, got {self.head_dim!r}")
+        if self.morphkv_window < 1:
+            raise ValueError(f"morphkv_window must be >= 1, got {self.morphkv_window}")
+        if self.morphkv_n_sink < 0:
+            raise ValueError(f"morphkv_n_sink must be >= 0, got {self.morphkv_n_sink}")
+        if self.morphkv_budget <= self.n_sink + self.morphkv_window:
+            raise ValueError(
+                f"morphkv_budget must exceed n_sink + window = {self.n_sink} + "
+                f"{self.morphkv_window} = {self.n_sink + self.morphkv_window}, "
+                f"got {self.morphkv_budget}"
+            )
+        if self.morphkv_fusion not in FUSIONS:
+            raise ValueError(f"morphkv_fusion={self.morphkv_fusion!r} is unknown; valid: {FUSIONS}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring={self.scoring!r} is unknown; valid: {SCORINGS}")
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> KVCacheConfig:
+        return cls(**json.loads(text))
