@@ -245,7 +245,10 @@ class MorphKVCache(mlx_cache._BaseCache):
         _, self.keys, self.values, *host = state
         B, H, _, D = self.keys.shape
         names = sorted(Engine.saved_names(self.config))
-        saved = {k: _unpack(a, Engine.DTYPES.get(k, np.float64)) for k, a in zip(names, host)}
+        saved = {
+            k: _unpack(a, Engine.DTYPES.get(k, np.float64))
+            for k, a in zip(names, host, strict=True)
+        }
         mirror = _to_numpy(self.keys).reshape(B * H, -1, D)
         self.engine = Engine.from_state(self.config, B * H, D, saved, mirror)
         self.offset = self.engine.seen
