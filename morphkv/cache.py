@@ -56,7 +56,7 @@ class MorphKVCache(mlx_cache._BaseCache):
         self._check(keys, values)
         B, H, C, D = keys.shape
         if C == 0:
-            return self._fetch() if self.keys is not None else (keys, values)
+            return self._fetch_live() if self.keys is not None else (keys, values)
         if self.engine is None:
             self.engine = Engine(self.config, B * H, D)
         engine = self.engine
@@ -109,6 +109,18 @@ class MorphKVCache(mlx_cache._BaseCache):
         if rows == self.keys.shape[2]:
             return self.keys, self.values
         return self.keys[:, :, :rows], self.values[:, :, :rows]
+
+    def _fetch_live(self) -> tuple[mx.array, mx.array]:
+        """Stored keys/values without the slot awaiting reuse."""
+        if self.engine.dead is None:
+            return self._fetch()
+        B, H = self.keys.shape[:2]
+        live = np.ones((B * H, self.engine.slots), bool)
+        live[np.arange(B * H), self.engine.dead] = False
+        index = np.nonzero(live)[1].reshape(B, H, -1, 1).astype(np.int32)
+        index = mx.array(index)
+        k, v = self._fetch()
+        return mx.take_along_axis(k, index, axis=2), mx.take_along_axis(v, index, axis=2)
 
     def _compact(self, fetched, dead, before: int, first: int) -> None:
         """Gather the engine's slot layout out of [old rows + chunk rows]."""

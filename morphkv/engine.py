@@ -99,9 +99,10 @@ class Engine:
         queries = keys if queries is None else queries
         keys = np.asarray(keys, np.float64)
         queries = np.asarray(queries, np.float64)
-        start = self._append_block(keys, queries) if self.dead is None else 0
-        for i in range(start, keys.shape[1]):
-            self.step(keys[:, i], queries[:, i])
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite keys: see _clean
+            start = self._append_block(keys, queries) if self.dead is None else 0
+            for i in range(start, keys.shape[1]):
+                self.step(keys[:, i], queries[:, i])
 
     def _append_block(self, keys: np.ndarray, queries: np.ndarray) -> int:
         """Append, in one go, the leading tokens that cause no eviction and need no per-token

@@ -1,0 +1,186 @@
+"""The fast cache against the NumPy reference: random streams, chunkings, batches and ties."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import reference_kept
+
+from morphkv import KVCacheBuilder, KVCacheConfig
+
+RANKED = ["sliding_window", "streaming_llm", "h2o", "tova", "morphkv"]
+
+
+def feed(cache, keys: np.ndarray, cuts: list[int]) -> None:
+    """Feed keys (B, H, T, D) in chunks ending at ``cuts``; values are the keys plus one."""
+    start = 0
+    for end in [*cuts, keys.shape[2]]:
+        if end <= start:
+            continue
+        k = mx.array(keys[:, :, start:end])
+        cache.update_and_fetch(k, k + 1)
+        start = end
+
+
+def kept_sets(cache) -> np.ndarray:
+    return cache.kept_positions
+
+
+@st.composite
+def streams(draw, methods=tuple(RANKED)):
+    method = draw(st.sampled_from(methods))
+    fusion = draw(st.sampled_from(["mean", "max"]))
+    window = draw(st.integers(1, 6))
+    n_sink = draw(st.integers(0, 3))
+    budget = draw(st.integers(n_sink + window + 1, n_sink + window + 12))
+    T = draw(st.integers(1, 3 * budget + 5))
+    seed = draw(st.integers(0, 2**31 - 1))
+    cuts = sorted(draw(st.lists(st.integers(1, max(1, T - 1)), max_size=5)))
+    discrete = draw(st.booleans())
+    config = KVCacheConfig(
+        method=method,
+        morphkv_budget=budget,
+        morphkv_n_sink=n_sink,
+        morphkv_window=window,
+        morphkv_fusion=fusion,
+    )
+    rng = np.random.default_rng(seed)
+    if discrete:  # few distinct values: many exactly tied scores
+        keys = rng.integers(-2, 3, size=(2, 2, T, 4)).astype(np.float32)
+    else:
+        keys = (rng.standard_normal((2, 2, T, 8)) * rng.uniform(0.5, 3)).astype(np.float32)
+    return config, keys, cuts
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams())
+def test_fast_path_matches_reference(case):
+    config, keys, cuts = case
+    cache = KVCacheBuilder.build(config)
+    feed(cache, keys, cuts)
+    got = kept_sets(cache)
+    for b in range(keys.shape[0]):
+        for h in range(keys.shape[1]):
+            want = reference_kept(
+                keys[b, h],
+                config.method,
+                config.budget,
+                config.morphkv_n_sink,
+                config.window,
+                config.morphkv_fusion,
+            )
+            assert got[b, h].tolist() == want, (b, h)
+
+
+@settings(max_examples=60, deadline=None)
+@given(streams(methods=(*RANKED, "random")), st.data())
+def test_any_chunking_keeps_the_same_set(case, data):
+    config, keys, cuts = case
+    one_by_one = KVCacheBuilder.build(config)
+    feed(one_by_one, keys, list(range(1, keys.shape[2])))
+    chunked = KVCacheBuilder.build(config)
+    feed(chunked, keys, cuts)
+    np.testing.assert_array_equal(chunked.kept_positions, one_by_one.kept_positions)
+    # the storage rows hold exactly the kept tokens, same layout either way
+    np.testing.assert_array_equal(np.array(chunked._fetch()[0]), np.array(one_by_one._fetch()[0]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(streams(methods=(*RANKED, "random")))
+def test_budget_sinks_window_and_storage_invariants(case):
+    config, keys, cuts = case
+    cache = KVCacheBuilder.build(config)
+    start = 0
+    for end in [*cuts, keys.shape[2]]:
+        if end <= start:
+            continue
+        k = mx.array(keys[:, :, start:end])
+        out_k, out_v = cache.update_and_fetch(k, k + 1)
+        assert out_k.shape[2] == min(start, config.budget) + (end - start)
+        start = end
+        kept = cache.kept_positions
+        assert kept.shape[2] == min(end, config.budget)
+        assert cache.offset == end
+        must = set(range(min(config.n_sink, end))) | set(range(max(0, end - config.window), end))
+        for row in kept.reshape(-1, kept.shape[2]):
+            assert must <= set(row.tolist())
+            assert np.all(np.diff(row) > 0)
+    # every stored row holds the key (and value) of the position the engine says it holds
+    stored_k, stored_v = (np.array(a) for a in cache._fetch())
+    positions = cache.engine.positions[:, : cache.engine.slots].reshape(2, 2, -1)
+    for b in range(2):
+        for h in range(2):
+            np.testing.assert_array_equal(stored_k[b, h], keys[b, h, positions[b, h]])
+            np.testing.assert_array_equal(stored_v[b, h], keys[b, h, positions[b, h]] + 1)
+
+
+def test_window_one_morphkv_is_tova_even_when_the_newest_scores_lowest():
+    rng = np.random.default_rng(0)
+    u = np.eye(8)[0]
+    keys = (rng.standard_normal((1, 1, 40, 8)) + 5 * u).astype(np.float32)
+    keys[0, 0, 30] = 0.1 * u  # a short key: its logit against itself is its smallest
+    caches = {}
+    for method in ("morphkv", "tova"):
+        config = KVCacheConfig(method=method, morphkv_budget=8, morphkv_n_sink=1, morphkv_window=1)
+        cache = KVCacheBuilder.build(config)
+        for t in range(31):
+            k = mx.array(keys[:, :, t : t + 1])
+            cache.update_and_fetch(k, k)
+            if t == 30:  # check the construction: the newest token's own score is the lowest
+                probs = cache.engine.newest_logits()
+                assert probs.argmin() == cache.engine.positions[0].tolist().index(30)
+        caches[method] = cache.kept_positions
+    np.testing.assert_array_equal(caches["morphkv"], caches["tova"])
+    assert 30 in caches["tova"][0, 0]  # protected as the window, although it scores lowest
+
+
+def test_batch_rows_are_independent():
+    rng = np.random.default_rng(1)
+    keys = rng.standard_normal((2, 3, 60, 8)).astype(np.float32)
+    config = KVCacheConfig(method="morphkv", morphkv_budget=12, morphkv_n_sink=2, morphkv_window=3)
+    both = KVCacheBuilder.build(config)
+    feed(both, keys, [17, 40])
+    for b in range(2):
+        alone = KVCacheBuilder.build(config)
+        feed(alone, keys[b : b + 1], [5])
+        np.testing.assert_array_equal(both.kept_positions[b], alone.kept_positions[0])
+
+
+def test_identical_keys_tie_to_the_oldest():
+    keys = np.ones((1, 1, 30, 4), np.float32)
+    for method in ("morphkv", "tova", "h2o"):
+        config = KVCacheConfig(method=method, morphkv_budget=10, morphkv_n_sink=2, morphkv_window=3)
+        cache = KVCacheBuilder.build(config)
+        feed(cache, keys, [7])
+        kept = cache.kept_positions[0, 0].tolist()
+        if method == "h2o":  # older tokens have accumulated more: h2o clings to them
+            assert kept == [*range(7), 27, 28, 29]
+        else:  # every unprotected token scores the same, so the oldest go first
+            assert kept == [0, 1, *range(22, 30)], method
+
+
+def test_random_is_seeded_and_deterministic():
+    rng = np.random.default_rng(2)
+    keys = rng.standard_normal((1, 2, 80, 8)).astype(np.float32)
+    runs = {}
+    for seed in (0, 0, 1):
+        config = KVCacheConfig(method="random", morphkv_budget=16, seed=seed)
+        cache = KVCacheBuilder.build(config)
+        feed(cache, keys, [30])
+        runs.setdefault(seed, []).append(cache.kept_positions)
+    np.testing.assert_array_equal(runs[0][0], runs[0][1])
+    assert not np.array_equal(runs[0][0], runs[1][0])
+
+
+@pytest.mark.parametrize("method", RANKED + ["random", "full"])
+def test_same_stream_twice_is_deterministic(method):
+    rng = np.random.default_rng(3)
+    keys = rng.standard_normal((1, 2, 70, 8)).astype(np.float32)
+    config = KVCacheConfig(method=method, morphkv_budget=20, morphkv_window=4)
+    a, b = KVCacheBuilder.build(config), KVCacheBuilder.build(config)
+    feed(a, keys, [33])
+    feed(b, keys, [33])
+    np.testing.assert_array_equal(a.kept_positions, b.kept_positions)
