@@ -1,0 +1,281 @@
+"""Synthetic retention benchmark: which tokens does each eviction rule keep, and does it matter?
+
+Key streams are drawn per head (head_dim 32, 4 heads per stream, each head with its own random
+orthonormal axes) and fed through one ``MorphKVCache`` layer per arm. Three scenarios:
+
+``topic_shift``
+    The first 70% of keys carry a strong component on axis A (norm 6, small noise); the last
+    30% a weaker component on a distinct axis B (norm 4) plus per-token noise (std 1 per
+    dimension). The recent window reads B. Relevant region: the B tokens.
+``stable``
+    Every key is on axis A with per-token noise: the control, where no token is special.
+    Relevant region: every non-sink token (so the kept fraction is the same for every arm;
+    only the probe perturbation is informative).
+``recall``
+    ``[sinks][filler][topic A, budget/2 tokens][filler, 1.5 * budget tokens][A again, 16]``.
+    Filler keys are random directions (std 1 per dimension) unrelated to A. The final window
+    reads topic A, last seen 1.5 budgets ago, so recency alone cannot keep it. Relevant region:
+    the first topic-A segment.
+
+Observables at the end of the stream, per arm:
+
+``kept``
+    Fraction of the relevant region still stored.
+``mass``
+    Fraction of the full-set softmax attention mass of a probe query (the relevant axis times
+    its norm in the stream) that falls on the kept tokens.
+``err``
+    Relative L2 error of the probe's attention output read against the kept set vs the full
+    set, with i.i.d. N(0, 1) values.
+
+Arms: MorphKV (mean and max fusion), TOVA, H2O (standard cumulative score), StreamingLLM and
+random eviction, all protecting the same 2 sinks and the same recent window (the grid's
+``window``). Grid points with ``window >= budget - sinks`` are invalid for the cache and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from .. import KVCacheBuilder, KVCacheConfig
+from ._util import (
+    Progress,
+    csv_ints,
+    csv_strs,
+    environment,
+    main,
+    markdown_table,
+    out_dir,
+    plt,
+    write_json,
+)
+
+NAME = "mechanism"
+HEAD_DIM = 32
+N_HEADS = 4
+N_SINK = 2
+SCENARIOS = ("topic_shift", "stable", "recall")
+ARMS = {
+    "morphkv_mean": dict(method="morphkv", morphkv_fusion="mean"),
+    "morphkv_max": dict(method="morphkv", morphkv_fusion="max"),
+    "tova": dict(method="tova"),
+    "h2o": dict(method="h2o"),
+    "streaming_llm": dict(method="streaming_llm"),
+    "random": dict(method="random"),
+}
+STRONG, WEAK, NOISE, SMALL_NOISE = 6.0, 4.0, 1.0, 0.5
+RECALL_TAIL = 16
+
+
+def _axes(rng: np.random.Generator, n: int = 2) -> np.ndarray:
+    q, _ = np.linalg.qr(rng.standard_normal((HEAD_DIM, HEAD_DIM)))
+    return q[:, :n].T  # (n, D) orthonormal
+
+
+def make_stream(scenario: str, length: int, budget: int, rng: np.random.Generator):
+    """Keys (H, L, D), relevant mask (L,), probe queries (H, D) for one scenario."""
+    keys = np.empty((N_HEADS, length, HEAD_DIM))
+    probes = np.empty((N_HEADS, HEAD_DIM))
+    relevant = np.zeros(length, bool)
+    for h in range(N_HEADS):
+        a, b = _axes(rng)
+        noise = rng.standard_normal((length, HEAD_DIM))
+        if scenario == "topic_shift":
+            split = int(0.7 * length)
+            keys[h, :split] = STRONG * a + SMALL_NOISE * noise[:split]
+            keys[h, split:] = WEAK * b + NOISE * noise[split:]
+            relevant[split:] = True
+            probes[h] = WEAK * b
+        elif scenario == "stable":
+            keys[h] = STRONG * a + NOISE * noise
+            relevant[N_SINK:] = True
+            probes[h] = STRONG * a
+        elif scenario == "recall":
+            topic_len, gap = budget // 2, (3 * budget) // 2
+            end_topic = length - RECALL_TAIL - gap
+            start_topic = end_topic - topic_len
+            if start_topic < N_SINK:
+                raise ValueError(f"recall needs length >= {N_SINK + topic_len + gap + 16}")
+            keys[h] = NOISE * noise  # unrelated filler
+            topic = STRONG * a + SMALL_NOISE * noise
+            keys[h, start_topic:end_topic] = topic[start_topic:end_topic]
+            keys[h, length - RECALL_TAIL :] = topic[length - RECALL_TAIL :]
+            relevant[start_topic:end_topic] = True
+            probes[h] = STRONG * a
+        else:
+            raise ValueError(f"unknown scenario {scenario!r}; valid: {SCENARIOS}")
+    return keys, relevant, probes
+
+
+def probe_metrics(keys, values, kept, probes):
+    """(mass, err) per head: attention mass of the probe on the kept set and relative L2 error
+    of the probe's output read from the kept set instead of the full set."""
+    H = keys.shape[0]
+    mass, err = np.empty(H), np.empty(H)
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    for h in range(H):
+        logits = keys[h] @ probes[h] * scale
+        w = np.exp(logits - logits.max())
+        full = w / w.sum()
+        out_full = full @ values[h]
+        wk = w[kept[h]]
+        out_kept = (wk / wk.sum()) @ values[h][kept[h]]
+        mass[h] = full[kept[h]].sum()
+        err[h] = np.linalg.norm(out_kept - out_full) / np.linalg.norm(out_full)
+    return mass, err
+
+
+def run_point(scenario, length, budget, window, arm, seed) -> dict:
+    """One stream through one arm: kept fraction, probe mass and error (head means)."""
+    rng = np.random.default_rng([seed, length, budget, SCENARIOS.index(scenario)])
+    keys, relevant, probes = make_stream(scenario, length, budget, rng)
+    values = rng.standard_normal((N_HEADS, length, HEAD_DIM))
+    cfg = KVCacheConfig(
+        morphkv_budget=budget, morphkv_n_sink=N_SINK, morphkv_window=window, seed=seed,
+        **ARMS[arm],
+    )
+    cache = KVCacheBuilder.build(cfg)
+    k = mx.array(keys[None].astype(np.float32))
+    cache.update_and_fetch(k, mx.array(values[None].astype(np.float32)))
+    kept = cache.kept_positions[0]  # (H, n_kept)
+    kept_frac = np.mean([relevant[kept[h]].sum() / relevant.sum() for h in range(N_HEADS)])
+    mass, err = probe_metrics(keys, values, kept, probes)
+    return {"kept": float(kept_frac), "mass": float(mass.mean()), "err": float(err.mean())}
+
+
+def grid(args) -> tuple[list[tuple], list[dict]]:
+    points, skipped = [], []
+    for length, budget, window in itertools.product(args.lengths, args.budgets, args.windows):
+        if budget <= N_SINK + window:
+            skipped.append(
+                {"length": length, "budget": budget, "window": window,
+                 "why": f"budget {budget} <= sinks {N_SINK} + window {window}"}
+            )
+            continue
+        points.append((length, budget, window))
+    return points, skipped
+
+
+def run_benchmark(
+    scenarios=SCENARIOS, lengths=(256, 512), budgets=(32, 64), windows=(1, 8, 32),
+    arms=tuple(ARMS), seeds=5, quiet=False,
+) -> dict:
+    ns = argparse.Namespace(lengths=list(lengths), budgets=list(budgets), windows=list(windows))
+    points, skipped = grid(ns)
+    total = len(scenarios) * len(points) * len(arms) * seeds
+    bar = Progress(total, NAME, quiet)
+    rows = []
+    for scenario in scenarios:
+        for length, budget, window in points:
+            for arm in arms:
+                per_seed = [run_point(scenario, length, budget, window, arm, s) for s in
+                            range(seeds)]
+                bar.update(seeds)
+                row = {"scenario": scenario, "length": length, "budget": budget,
+                       "window": window, "arm": arm, "seeds": seeds}
+                for key in ("kept", "mass", "err"):
+                    vals = np.array([p[key] for p in per_seed])
+                    row[key] = float(vals.mean())
+                    row[key + "_std"] = float(vals.std())
+                rows.append(row)
+    return {
+        "benchmark": NAME,
+        "settings": {
+            "scenarios": list(scenarios), "lengths": list(lengths), "budgets": list(budgets),
+            "windows": list(windows), "arms": list(arms), "seeds": seeds,
+            "n_sink": N_SINK, "head_dim": HEAD_DIM, "heads": N_HEADS,
+            "strong": STRONG, "weak": WEAK, "noise": NOISE, "small_noise": SMALL_NOISE,
+            "recall_tail": RECALL_TAIL,
+        },
+        "skipped": skipped,
+        "rows": rows,
+        "elapsed_s": bar.elapsed,
+        "environment": environment(),
+    }
+
+
+def table(result: dict, scenario: str | None = None, metric: str = "kept") -> str:
+    """Markdown table: one line per grid point, one column per arm."""
+    arms = result["settings"]["arms"]
+    scenarios = [scenario] if scenario else result["settings"]["scenarios"]
+    lines = []
+    for sc in scenarios:
+        rows = [r for r in result["rows"] if r["scenario"] == sc]
+        keys = sorted({(r["length"], r["budget"], r["window"]) for r in rows})
+        body = []
+        for key in keys:
+            cells = {r["arm"]: r for r in rows if (r["length"], r["budget"], r["window"]) == key}
+            body.append([sc, *key] + [cells[a][metric] if a in cells else float("nan")
+                                      for a in arms])
+        lines.append(markdown_table(["scenario", "length", "budget", "window", *arms], body))
+    return "\n\n".join(lines)
+
+
+def plot(result: dict, path) -> None:
+    pyplot = plt()
+    arms = result["settings"]["arms"]
+    scenarios = result["settings"]["scenarios"]
+    metrics = [("kept", "relevant region kept"), ("err", "probe output rel. L2 error")]
+    fig, axes = pyplot.subplots(len(scenarios), 2, figsize=(13, 3.2 * len(scenarios)),
+                                squeeze=False)
+    for i, sc in enumerate(scenarios):
+        rows = [r for r in result["rows"] if r["scenario"] == sc]
+        keys = sorted({(r["length"], r["budget"], r["window"]) for r in rows})
+        labels = [f"L{k[0]} b{k[1]} w{k[2]}" for k in keys]
+        x = np.arange(len(keys))
+        for j, (metric, title) in enumerate(metrics):
+            ax = axes[i, j]
+            width = 0.8 / len(arms)
+            for a, arm in enumerate(arms):
+                vals = []
+                for key in keys:
+                    match = [r[metric] for r in rows if r["arm"] == arm and
+                             (r["length"], r["budget"], r["window"]) == key]
+                    vals.append(match[0] if match else np.nan)
+                ax.bar(x + (a - len(arms) / 2 + 0.5) * width, vals, width, label=arm)
+            ax.set_xticks(x, labels, rotation=45, ha="right", fontsize=7)
+            ax.set_title(f"{sc}: {title}", fontsize=9)
+            if i == 0 and j == 0:
+                ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    pyplot.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="tiny smoke grid (seconds)")
+    parser.add_argument("--out", default=None, help="output folder (default results/mechanism)")
+    parser.add_argument("--scenarios", type=csv_strs, default=list(SCENARIOS))
+    parser.add_argument("--lengths", type=csv_ints, default=[256, 512])
+    parser.add_argument("--budgets", type=csv_ints, default=[32, 64])
+    parser.add_argument("--windows", type=csv_ints, default=[1, 8, 32])
+    parser.add_argument("--arms", type=csv_strs, default=list(ARMS))
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.quick:
+        args.lengths, args.budgets, args.windows, args.seeds = [160], [32], [1, 8], 2
+    result = run_benchmark(args.scenarios, args.lengths, args.budgets, args.windows,
+                           args.arms, args.seeds, args.quiet)
+    result["settings"]["quick"] = bool(args.quick)
+    folder = out_dir(args, NAME)
+    write_json(folder / f"{NAME}.json", result)
+    plot(result, folder / f"{NAME}.png")
+    for metric in ("kept", "err"):
+        print(f"\n## {metric} (mean over {args.seeds} seeds)\n")
+        print(table(result, metric=metric))
+    for s in result["skipped"]:
+        print(f"skipped L{s['length']} budget {s['budget']} window {s['window']}: {s['why']}")
+    print(f"\nwrote {folder}/{NAME}.json and {NAME}.png ({result['elapsed_s']:.1f} s)")
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(add_arguments, run, __doc__.splitlines()[0]))
