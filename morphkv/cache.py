@@ -76,12 +76,16 @@ class MorphKVCache(mlx_cache._BaseCache):
         start = self.engine.slots
         if dead is not None:
             slot = mx.array(dead.reshape(B, H, 1, 1).astype(np.int32))
-            self.keys = mx.put_along_axis(self.keys, slot, keys[:, :, :1], axis=2)
-            self.values = mx.put_along_axis(self.values, slot, values[:, :, :1], axis=2)
-            keys, values = keys[:, :, 1:], values[:, :, 1:]
+            if C > 1:
+                first_k, first_v = keys[:, :, :1], values[:, :, :1]
+                keys, values = keys[:, :, 1:], values[:, :, 1:]
+            else:
+                first_k, first_v = keys, values
+            self.keys = mx.put_along_axis(self.keys, slot, first_k, axis=2)
+            self.values = mx.put_along_axis(self.values, slot, first_v, axis=2)
             C -= 1
-        if C == 0:
-            return start
+            if C == 0:
+                return start
         end = start + C
         if self.keys is None or end > self.keys.shape[2]:
             self._reserve(end, keys, values)

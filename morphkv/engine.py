@@ -46,6 +46,7 @@ class Engine:
         self.dead: np.ndarray | None = None  # (rows,) slot evicted by the last step
         self._row = np.arange(rows)
         self._head = -1  # ring row of the newest query
+        self.finite = True  # no NaN/inf key or query seen yet: logits need no cleaning
         self._alloc(0)
 
     # ---- storage -------------------------------------------------------------------------
@@ -99,6 +100,8 @@ class Engine:
         queries = keys if queries is None else queries
         keys = np.asarray(keys, np.float64)
         queries = np.asarray(queries, np.float64)
+        if self.finite and self.rule.attention:
+            self.finite = bool(np.isfinite(keys).all() and np.isfinite(queries).all())
         with np.errstate(invalid="ignore", over="ignore"):  # non-finite keys: see _clean
             start = self._append_block(keys, queries) if self.dead is None else 0
             for i in range(start, keys.shape[1]):
@@ -126,10 +129,8 @@ class Engine:
             for i in range(max(0, n - W), n):  # the ring holds the last W queries
                 self._head = (self._head + 1) % W
                 self.ring_queries[:, self._head] = queries[:, i]
-            q = self.ring_queries
-            self.ring_logits[:, :, :end] = _clean(
-                q @ self.keys[:, :end].transpose(0, 2, 1) * self.scale
-            )
+            logits = self.ring_queries @ self.keys[:, :end].transpose(0, 2, 1)
+            self.ring_logits[:, :, :end] = self._scaled(logits)
         return n
 
     def step(self, key: np.ndarray, query: np.ndarray) -> None:
@@ -147,14 +148,18 @@ class Engine:
         if self.rule.attention:
             self.keys[r, slot] = key
             column = self.ring_queries @ key[:, :, None]  # (rows, W, 1): window vs new key
-            self.ring_logits[r, :, slot] = _clean(column[:, :, 0] * self.scale)
+            self.ring_logits[r, :, slot] = self._scaled(column[:, :, 0])
             self._head = (self._head + 1) % self.config.window
             self.ring_queries[:, self._head] = query
             row = self.keys[:, :n] @ query[:, :, None]
-            self.ring_logits[:, self._head, :n] = _clean(row[:, :, 0] * self.scale)
+            self.ring_logits[:, self._head, :n] = self._scaled(row[:, :, 0])
         self.seen += 1
         self.rule.observe(self)
         self.dead = self._select() if self.rule.evicts and n > self.config.budget else None
+
+    def _scaled(self, dots: np.ndarray) -> np.ndarray:
+        """Logits from dot products (finite keys give finite float64 dot products)."""
+        return dots * self.scale if self.finite else _clean(dots * self.scale)
 
     def _select(self) -> np.ndarray:
         """Slot to evict per row: lowest score among unprotected slots, ties to the oldest."""
@@ -162,7 +167,7 @@ class Engine:
         newest = self.seen - 1
         protected = (positions < self.config.n_sink) | (positions > newest - self.config.window)
         scores = self.rule.score(self)
-        scores = np.where(protected, np.inf, np.where(np.isnan(scores), -np.inf, scores))
+        scores = np.where(protected, np.inf, scores)
         low = scores.min(axis=1, keepdims=True)
         tied = scores <= low + TIE_RTOL * np.abs(low)
         return np.where(tied, positions, _NO_POSITION).argmin(axis=1)
@@ -180,7 +185,7 @@ class Engine:
     def state(self) -> dict:
         """Host arrays to save; the key mirror is rebuilt from the stored keys."""
         out = {k: getattr(self, k) for k in self.saved_names(self.config) if hasattr(self, k)}
-        out["scalars"] = np.array([self.seen, self.slots, self._head], np.int64)
+        out["scalars"] = np.array([self.seen, self.slots, self._head, self.finite], np.int64)
         out["dead"] = self.dead if self.dead is not None else np.full(self.rows, -1, np.int64)
         return out
 
@@ -190,7 +195,8 @@ class Engine:
     ) -> Engine:
         """Rebuild from ``state()`` and the stored keys (rows, slots, head_dim)."""
         engine = cls(config, rows, head_dim)
-        engine.seen, engine.slots, engine._head = (int(x) for x in saved["scalars"])
+        engine.seen, engine.slots, engine._head, finite = (int(x) for x in saved["scalars"])
+        engine.finite = bool(finite)
         dead = saved["dead"].astype(np.int64)
         engine.dead = None if (dead < 0).all() else dead
         for name in ("positions", "accumulated", "ring_logits", "ring_queries"):

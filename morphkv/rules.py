@@ -12,13 +12,18 @@ from __future__ import annotations
 import numpy as np
 
 
+def _exp(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """exp(logits - row max) and its row sums (1 where a row has no finite logit)."""
+    peak = logits.max(axis=-1, keepdims=True)
+    weights = np.exp(logits - np.where(np.isfinite(peak), peak, 0.0))
+    total = weights.sum(axis=-1)
+    return weights, np.where(total > 0, total, 1.0)
+
+
 def softmax(logits: np.ndarray) -> np.ndarray:
     """Softmax over the last axis; a row with no finite logit gets all zeros."""
-    peak = logits.max(axis=-1, keepdims=True)
-    peak = np.where(np.isfinite(peak), peak, 0.0)
-    weights = np.exp(logits - peak)
-    total = weights.sum(axis=-1, keepdims=True)
-    return weights / np.where(total > 0, total, 1.0)
+    weights, total = _exp(logits)
+    return weights / total[..., None]
 
 
 class Rule:
@@ -78,8 +83,11 @@ class WindowAttention(Rule):
     def score(self, engine) -> np.ndarray:
         if self.newest_only:
             return softmax(engine.newest_logits())
-        probs = softmax(engine.window_logits())
-        return probs.max(axis=1) if self.fusion == "max" else probs.mean(axis=1)
+        logits = engine.window_logits()
+        if self.fusion == "max":
+            return softmax(logits).max(axis=1)
+        weights, total = _exp(logits)  # mean of the rows' softmax, as one batched matvec
+        return (1.0 / total[:, None, :] @ weights)[:, 0] / logits.shape[1]
 
 
 class Cumulative(Rule):
