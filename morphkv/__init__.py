@@ -1,11 +1,14 @@
 """morphkv: constant-size KV caches (MorphKV and its eviction family) for mlx_lm."""
 
+from .attach import attach, detach
 from .builder import KVCacheBuilder, patch_model, unpatch_model
 from .cache import MorphKVCache
 from .config import KVCacheConfig
 from .rules import METHODS
 
 __all__ = [
+    "attach",
+    "detach",
     "KVCacheBuilder",
     "KVCacheConfig",
     "METHODS",

@@ -14,6 +14,8 @@ is therefore the same for any chunking of a stream, and at most ``budget`` token
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
@@ -21,6 +23,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from .config import KVCacheConfig
 from .engine import Engine
+from .hooks import hooks_attached
 
 
 def _to_numpy(x: mx.array) -> np.ndarray:
@@ -40,6 +43,20 @@ def _unpack(a: mx.array, dtype) -> np.ndarray:
     return np.array(a).view(dtype)
 
 
+@dataclass
+class _Chunk:
+    """One update: what the engine must see, and what exact attention needs to know."""
+
+    keys: np.ndarray | None  # (rows, C, head_dim) host copy, until fed
+    dead: np.ndarray | None  # slot per row that the first new token overwrote
+    before: int  # slots in use before the update
+    first: int  # absolute position of the first new token
+    old_positions: np.ndarray | None  # (rows, before) positions before a multi-token update
+    rows: int = 0  # rows of the returned keys
+    fetched: tuple | None = None  # the returned keys and values, until compacted
+    evicted: np.ndarray | None = None  # (rows, C) position evicted at each step, -1 if none
+
+
 class MorphKVCache(mlx_cache._BaseCache):
     """A fixed-budget KV cache for one attention layer (see the module docstring)."""
 
@@ -49,25 +66,53 @@ class MorphKVCache(mlx_cache._BaseCache):
         self.values: mx.array | None = None
         self.engine: Engine | None = None
         self.offset = 0  # tokens seen: the RoPE position of the next token
+        self._chunk: _Chunk | None = None  # the last update, until the engine has seen it
 
     # ---- mlx_lm hot path -----------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store new keys/values (B, n_kv_heads, C, head_dim); return what attention reads."""
         self._check(keys, values)
+        self._flush()
         B, H, C, D = keys.shape
         if C == 0:
             return self._fetch_live() if self.keys is not None else (keys, values)
+        if self.config.scoring == "attention" and not hooks_attached():
+            raise RuntimeError(
+                "scoring='attention' ranks tokens by the model's real queries, which reach the "
+                "cache only through morphkv.attach(model, config): call it before generating"
+            )
         if self.engine is None:
             self.engine = Engine(self.config, B * H, D)
         engine = self.engine
-        dead, before, first = engine.dead, engine.slots, engine.seen
-        rows = self._place(keys, values, dead)
-        engine.feed(_to_numpy(keys).reshape(B * H, C, D))
-        self.offset = engine.seen
-        fetched = self._fetch(rows)
-        if engine.slots < rows:  # slots were reused inside the chunk: compact to the layout
-            self._compact(fetched, dead, before, first)
+        chunk = _Chunk(
+            keys=_to_numpy(keys).reshape(B * H, C, D),
+            dead=engine.dead,
+            before=engine.slots,
+            first=engine.seen,
+            old_positions=engine.stored_positions.copy() if C > 1 else None,
+        )
+        chunk.rows = self._place(keys, values, engine.dead)
+        chunk.fetched = fetched = self._fetch(chunk.rows)
+        self._chunk = chunk
+        self.offset += C
+        if self.config.scoring == "proxy":
+            self._flush()
         return fetched
+
+    def _flush(self, queries: np.ndarray | None = None) -> _Chunk | None:
+        """Run the selection engine over the last update (with the real queries (rows, C,
+        groups, head_dim) in attention scoring) and compact the storage if slots were reused
+        inside the chunk. Returns the chunk record, its ``evicted`` filled in."""
+        chunk = self._chunk
+        if chunk is None or chunk.evicted is not None:
+            return chunk
+        if queries is None and self.config.scoring == "attention":
+            raise RuntimeError("attention scoring: the cache was read before its queries came")
+        chunk.evicted = self.engine.feed(chunk.keys, queries)
+        if self.engine.slots < chunk.rows:
+            self._compact(chunk.fetched, chunk.dead, chunk.before, chunk.first)
+        chunk.keys = chunk.fetched = None
+        return chunk
 
     def _place(self, keys: mx.array, values: mx.array, dead: np.ndarray | None) -> int:
         """Write the new tokens: the first into the dead slot (if any), the rest appended.
@@ -190,6 +235,7 @@ class MorphKVCache(mlx_cache._BaseCache):
 
     @property
     def tokens_kept(self) -> int:
+        self._flush()
         return 0 if self.engine is None else self.engine.kept
 
     def _bytes_per_token(self) -> int:
@@ -214,10 +260,11 @@ class MorphKVCache(mlx_cache._BaseCache):
     @property
     def kept_positions(self) -> np.ndarray:
         """Absolute positions of the kept tokens, (B, n_kv_heads, n_kept), ascending."""
+        self._flush()
         if self.engine is None:
             return np.zeros((0, 0, 0), np.int64)
         B, H = self.keys.shape[:2]
-        positions = self.engine.positions[:, : self.engine.slots].copy()
+        positions = self.engine.stored_positions.copy()
         if self.engine.dead is not None:
             positions[np.arange(B * H), self.engine.dead] = np.iinfo(np.int64).max
         kept = np.sort(positions, axis=1)[:, : self.engine.kept]
@@ -244,26 +291,29 @@ class MorphKVCache(mlx_cache._BaseCache):
     # ---- persistence: mlx_lm save_prompt_cache / load_prompt_cache, copy.deepcopy ---------
     @property
     def state(self) -> list:
-        """[config JSON] when empty, else [config JSON, keys, values, host arrays...]."""
+        """[config JSON] when empty, else [config JSON, keys, values, names, host arrays...]."""
+        self._flush()
         if self.engine is None:
             return [self.config.to_json()]
         keys, values = self._fetch()
         host = self.engine.state()
-        return [self.config.to_json(), keys, values, *(_pack(host[k]) for k in sorted(host))]
+        names = sorted(host)
+        return [self.config.to_json(), keys, values, ",".join(names)] + [
+            _pack(host[k]) for k in names
+        ]
 
     @state.setter
     def state(self, state: list) -> None:
         self.config = KVCacheConfig.from_json(state[0]).validate()
-        self.keys = self.values = self.engine = None
+        self.keys = self.values = self.engine = self._chunk = None
         self.offset = 0
         if len(state) == 1:
             return
-        _, self.keys, self.values, *host = state
+        _, self.keys, self.values, names, *host = state
         B, H, _, D = self.keys.shape
-        names = sorted(Engine.saved_names(self.config))
         saved = {
-            k: _unpack(a, Engine.DTYPES.get(k, np.float64))
-            for k, a in zip(names, host, strict=True)
+            k: _unpack(a, np.int64 if k in Engine.INTEGER_ARRAYS else np.float64)
+            for k, a in zip(names.split(","), host, strict=True)
         }
         mirror = _to_numpy(self.keys).reshape(B * H, -1, D)
         self.engine = Engine.from_state(self.config, B * H, D, saved, mirror)

@@ -6,11 +6,12 @@ of the cache's storage: a new token is written into the slot evicted one step ea
 the storage layout. A chunk of tokens is processed with the same per-token steps as single
 tokens, so any chunking of a stream makes identical decisions.
 
-Attention rules keep a ring of the last ``window`` queries and their logits against every
-stored slot: each step adds one row (the new query against the stored keys) and one column
-(the window's queries against the new key), O(slots * head_dim) work, and the rule re-reads
-the ring. Logits are float64 dot products of the stored keys (exact products, so the order of
-summation does not change a decision in practice), then scaled by ``1/sqrt(head_dim)``.
+Attention rules keep a ring of the last ``window`` queries (``groups`` query heads per KV
+head; the keys themselves in proxy scoring) and their logits against every stored slot: each
+step adds one row (the new queries against the stored keys) and one column (the window's
+queries against the new key), O(slots * head_dim) work, and the rule re-reads the ring.
+Logits are float64 dot products of the stored keys (exact products, so the order of summation
+does not change a decision in practice), then scaled by ``1/sqrt(head_dim)``.
 """
 
 from __future__ import annotations
@@ -44,21 +45,23 @@ class Engine:
         self.seen = 0  # tokens fed; the next token's absolute position
         self.slots = 0  # slots in use, the dead one included
         self.dead: np.ndarray | None = None  # (rows,) slot evicted by the last step
+        self.groups = 0  # query heads per KV head; set by the first feed
+        self.finite = True  # no NaN/inf key or query seen yet: logits need no cleaning
         self._row = np.arange(rows)
         self._head = -1  # ring row of the newest query
-        self.finite = True  # no NaN/inf key or query seen yet: logits need no cleaning
-        self._alloc(0)
+        self.capacity = 0
+        self.positions = np.full((rows, 0), -1, np.int64)
+        self.accumulated = np.zeros((rows, 0))
+        if self.rule.attention:
+            self.keys = np.zeros((rows, 0, head_dim))
 
     # ---- storage -------------------------------------------------------------------------
-    def _alloc(self, capacity: int) -> None:
+    def _start_ring(self, groups: int) -> None:
         R, W, D = self.rows, self.config.window, self.head_dim
-        self.capacity = capacity
-        self.positions = np.full((R, capacity), -1, np.int64)
-        self.accumulated = np.zeros((R, capacity))
+        self.groups = groups
         if self.rule.attention:
-            self.keys = np.zeros((R, capacity, D))
-            self.ring_logits = np.full((R, W, capacity), -np.inf)
-            self.ring_queries = np.zeros((R, W, D))
+            self.ring_queries = np.zeros((R, W, groups, D))
+            self.ring_logits = np.full((R, W, groups, self.capacity), -np.inf)
 
     def _grow(self, needed: int) -> None:
         """Widen the slot arrays (below the budget only: at the budget slots are reused)."""
@@ -75,7 +78,7 @@ class Engine:
         self.accumulated = widen(self.accumulated, 1, 0.0)
         if self.rule.attention:
             self.keys = widen(self.keys, 1, 0.0)
-            self.ring_logits = widen(self.ring_logits, 2, -np.inf)
+            self.ring_logits = widen(self.ring_logits, 3, -np.inf)
         self.capacity = capacity
 
     # ---- what rules read -----------------------------------------------------------------
@@ -84,28 +87,47 @@ class Engine:
         """Live tokens per row (slots minus the dead one)."""
         return self.slots - (self.dead is not None)
 
+    @property
+    def stored_positions(self) -> np.ndarray:
+        """(rows, slots) absolute position held by each slot."""
+        return self.positions[:, : self.slots]
+
     def newest_logits(self) -> np.ndarray:
-        return self.ring_logits[:, self._head, : self.slots]
+        """(rows, groups, slots) logits of the newest token's queries."""
+        return self.ring_logits[:, self._head, :, : self.slots]
 
     def window_logits(self) -> np.ndarray:
+        """(rows, window, groups, slots) logits of the last ``window`` tokens' queries."""
         rows = min(self.seen, self.config.window)
         if rows == self.config.window:
-            return self.ring_logits[:, :, : self.slots]
+            return self.ring_logits[..., : self.slots]
         ring = [(self._head - i) % self.config.window for i in range(rows)]
-        return self.ring_logits[:, ring, : self.slots]
+        return self.ring_logits[:, ring, :, : self.slots]
 
     # ---- feeding -------------------------------------------------------------------------
-    def feed(self, keys: np.ndarray, queries: np.ndarray | None = None) -> None:
-        """Feed a chunk: keys (rows, C, D) in stream order; queries default to the keys."""
-        queries = keys if queries is None else queries
+    def feed(self, keys: np.ndarray, queries: np.ndarray | None = None) -> np.ndarray:
+        """Feed a chunk: keys (rows, C, D) in stream order, queries (rows, C, groups, D)
+        (default: the keys, one group). Returns (rows, C): the position each token's step
+        evicted, -1 where none."""
         keys = np.asarray(keys, np.float64)
-        queries = np.asarray(queries, np.float64)
+        queries = keys[:, :, None] if queries is None else np.asarray(queries, np.float64)
+        if self.groups == 0:
+            self._start_ring(queries.shape[2])
+        elif queries.shape[2] != self.groups:
+            raise ValueError(
+                f"queries have {queries.shape[2]} heads per KV head, not {self.groups}"
+            )
         if self.finite and self.rule.attention:
             self.finite = bool(np.isfinite(keys).all() and np.isfinite(queries).all())
+        C = keys.shape[1]
+        evicted = np.full((self.rows, C), -1, np.int64)
         with np.errstate(invalid="ignore", over="ignore"):  # non-finite keys: see _clean
             start = self._append_block(keys, queries) if self.dead is None else 0
-            for i in range(start, keys.shape[1]):
+            for i in range(start, C):
                 self.step(keys[:, i], queries[:, i])
+                if self.dead is not None:
+                    evicted[:, i] = self.positions[self._row, self.dead]
+        return evicted
 
     def _append_block(self, keys: np.ndarray, queries: np.ndarray) -> int:
         """Append, in one go, the leading tokens that cause no eviction and need no per-token
@@ -124,17 +146,17 @@ class Engine:
         self.accumulated[:, start:end] = 0.0
         self.slots, self.seen = end, self.seen + n
         if self.rule.attention:
-            W = self.config.window
+            R, W, G, D = self.ring_queries.shape
             self.keys[:, start:end] = keys[:, :n]
             for i in range(max(0, n - W), n):  # the ring holds the last W queries
                 self._head = (self._head + 1) % W
                 self.ring_queries[:, self._head] = queries[:, i]
-            logits = self.ring_queries @ self.keys[:, :end].transpose(0, 2, 1)
-            self.ring_logits[:, :, :end] = self._scaled(logits)
+            dots = self.ring_queries.reshape(R, W * G, D) @ self.keys[:, :end].transpose(0, 2, 1)
+            self.ring_logits[..., :end] = self._scaled(dots.reshape(R, W, G, end))
         return n
 
     def step(self, key: np.ndarray, query: np.ndarray) -> None:
-        """Append one token (key, query: (rows, D)) and evict if over budget."""
+        """Append one token (key (rows, D), queries (rows, groups, D)); evict if over budget."""
         if self.dead is not None:
             slot = self.dead
         else:
@@ -146,13 +168,14 @@ class Engine:
         self.positions[r, slot] = self.seen
         self.accumulated[r, slot] = 0.0
         if self.rule.attention:
+            R, W, G, D = self.ring_queries.shape
             self.keys[r, slot] = key
-            column = self.ring_queries @ key[:, :, None]  # (rows, W, 1): window vs new key
-            self.ring_logits[r, :, slot] = self._scaled(column[:, :, 0])
-            self._head = (self._head + 1) % self.config.window
+            column = self.ring_queries.reshape(R, W * G, D) @ key[:, :, None]  # window vs key
+            self.ring_logits[r, :, :, slot] = self._scaled(column.reshape(R, W, G))
+            self._head = (self._head + 1) % W
             self.ring_queries[:, self._head] = query
-            row = self.keys[:, :n] @ query[:, :, None]
-            self.ring_logits[:, self._head, :n] = self._scaled(row[:, :, 0])
+            row = self.keys[:, :n] @ query.transpose(0, 2, 1)  # (R, n, G): stored vs queries
+            self.ring_logits[:, self._head, :, :n] = self._scaled(row.transpose(0, 2, 1))
         self.seen += 1
         self.rule.observe(self)
         self.dead = self._select() if self.rule.evicts and n > self.config.budget else None
@@ -162,30 +185,25 @@ class Engine:
         return dots * self.scale if self.finite else _clean(dots * self.scale)
 
     def _select(self) -> np.ndarray:
-        """Slot to evict per row: lowest score among unprotected slots, ties to the oldest."""
-        positions = self.positions[:, : self.slots]
+        """Slot to evict per row: lowest score among unprotected slots, ties to the oldest.
+        Scores are >= 0, so the relative tie tolerance needs no sign handling."""
+        positions = self.stored_positions
         newest = self.seen - 1
         protected = (positions < self.config.n_sink) | (positions > newest - self.config.window)
-        scores = self.rule.score(self)
-        scores = np.where(protected, np.inf, scores)
-        low = scores.min(axis=1, keepdims=True)
-        tied = scores <= low + TIE_RTOL * np.abs(low)
+        scores = np.where(protected, np.inf, self.rule.score(self))
+        tied = scores <= scores.min(axis=1, keepdims=True) * (1.0 + TIE_RTOL)
         return np.where(tied, positions, _NO_POSITION).argmin(axis=1)
 
     # ---- persistence ---------------------------------------------------------------------
-    DTYPES = {"positions": np.int64, "scalars": np.int64, "dead": np.int64}
+    HOST_ARRAYS = ("positions", "accumulated", "ring_logits", "ring_queries")
+    INTEGER_ARRAYS = ("positions", "scalars", "dead")
 
-    @staticmethod
-    def saved_names(config: KVCacheConfig) -> list[str]:
-        names = ["positions", "accumulated", "scalars", "dead"]
-        if make_rule(config).attention:
-            names += ["ring_logits", "ring_queries"]
-        return names
-
-    def state(self) -> dict:
+    def state(self) -> dict[str, np.ndarray]:
         """Host arrays to save; the key mirror is rebuilt from the stored keys."""
-        out = {k: getattr(self, k) for k in self.saved_names(self.config) if hasattr(self, k)}
-        out["scalars"] = np.array([self.seen, self.slots, self._head, self.finite], np.int64)
+        out = {k: getattr(self, k) for k in self.HOST_ARRAYS if hasattr(self, k)}
+        out["scalars"] = np.array(
+            [self.seen, self.slots, self._head, self.finite, self.groups], np.int64
+        )
         out["dead"] = self.dead if self.dead is not None else np.full(self.rows, -1, np.int64)
         return out
 
@@ -195,15 +213,16 @@ class Engine:
     ) -> Engine:
         """Rebuild from ``state()`` and the stored keys (rows, slots, head_dim)."""
         engine = cls(config, rows, head_dim)
-        engine.seen, engine.slots, engine._head, finite = (int(x) for x in saved["scalars"])
-        engine.finite = bool(finite)
+        seen, slots, head, finite, groups = (int(x) for x in saved["scalars"])
+        engine.seen, engine.slots, engine._head, engine.finite = seen, slots, head, bool(finite)
+        engine.groups = groups
         dead = saved["dead"].astype(np.int64)
         engine.dead = None if (dead < 0).all() else dead
-        for name in ("positions", "accumulated", "ring_logits", "ring_queries"):
+        for name in cls.HOST_ARRAYS:
             if name in saved:
                 setattr(engine, name, saved[name].copy())
         engine.capacity = engine.positions.shape[1]
         if engine.rule.attention:
             engine.keys = np.zeros((rows, engine.capacity, head_dim))
-            engine.keys[:, : engine.slots] = keys[:, : engine.slots]
+            engine.keys[:, :slots] = keys[:, :slots]
         return engine

@@ -26,6 +26,12 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return weights / total[..., None]
 
 
+def group_attention(logits: np.ndarray) -> np.ndarray:
+    """(..., groups, slots) logits -> (..., slots): softmax per query head, summed over the
+    query heads that share the KV head (the paper's GQA rule)."""
+    return softmax(logits).sum(axis=-2)
+
+
 class Rule:
     """Base rule. ``attention`` says whether the engine must keep attention logits."""
 
@@ -50,7 +56,7 @@ class Recency(Rule):
     """Evict the oldest unprotected token (``sliding_window``, ``streaming_llm``)."""
 
     def score(self, engine) -> np.ndarray:
-        return engine.positions.astype(np.float64)
+        return engine.stored_positions.astype(np.float64)
 
 
 class Random(Rule):
@@ -62,7 +68,7 @@ class Random(Rule):
 
     def score(self, engine) -> np.ndarray:
         rows = np.arange(engine.rows, dtype=np.uint64)[:, None]
-        x = engine.positions.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        x = engine.stored_positions.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
         x ^= (rows << np.uint64(40)) ^ np.uint64(engine.seen) ^ (self.seed << np.uint64(20))
         with np.errstate(over="ignore"):  # splitmix64: wrapping multiplies are the point
             x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -82,12 +88,13 @@ class WindowAttention(Rule):
 
     def score(self, engine) -> np.ndarray:
         if self.newest_only:
-            return softmax(engine.newest_logits())
-        logits = engine.window_logits()
+            return group_attention(engine.newest_logits())
+        logits = engine.window_logits()  # (rows, window, groups, slots)
         if self.fusion == "max":
-            return softmax(logits).max(axis=1)
-        weights, total = _exp(logits)  # mean of the rows' softmax, as one batched matvec
-        return (1.0 / total[:, None, :] @ weights)[:, 0] / logits.shape[1]
+            return group_attention(logits).max(axis=1)
+        R, W, G, J = logits.shape  # mean over the window, as one batched matvec
+        weights, total = _exp(logits)
+        return (1.0 / total.reshape(R, 1, W * G) @ weights.reshape(R, W * G, J))[:, 0] / W
 
 
 class Cumulative(Rule):
@@ -97,7 +104,7 @@ class Cumulative(Rule):
     observes = True
 
     def observe(self, engine) -> None:
-        engine.accumulated[:, : engine.slots] += softmax(engine.newest_logits())
+        engine.accumulated[:, : engine.slots] += group_attention(engine.newest_logits())
 
     def score(self, engine) -> np.ndarray:
         return engine.accumulated[:, : engine.slots]
