@@ -166,7 +166,8 @@ class Engine:
             self.slots += 1
         n, r = self.slots, self._row
         self.positions[r, slot] = self.seen
-        self.accumulated[r, slot] = 0.0
+        if self.rule.observes:
+            self.accumulated[r, slot] = 0.0
         if self.rule.attention:
             R, W, G, D = self.ring_queries.shape
             self.keys[r, slot] = key

@@ -12,9 +12,13 @@ from __future__ import annotations
 import numpy as np
 
 
-def _exp(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """exp(logits - row max) and its row sums (1 where a row has no finite logit)."""
+def _exp(logits: np.ndarray, finite: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """exp(logits - row max) and its row sums (1 where a row has no finite logit).
+    ``finite`` promises finite logits, which skips the guards."""
     peak = logits.max(axis=-1, keepdims=True)
+    if finite:
+        weights = np.exp(logits - peak)
+        return weights, weights.sum(axis=-1)
     weights = np.exp(logits - np.where(np.isfinite(peak), peak, 0.0))
     total = weights.sum(axis=-1)
     return weights, np.where(total > 0, total, 1.0)
@@ -93,7 +97,7 @@ class WindowAttention(Rule):
         if self.fusion == "max":
             return group_attention(logits).max(axis=1)
         R, W, G, J = logits.shape  # mean over the window, as one batched matvec
-        weights, total = _exp(logits)
+        weights, total = _exp(logits, engine.finite)
         return (1.0 / total.reshape(R, 1, W * G) @ weights.reshape(R, W * G, J))[:, 0] / W
 
 
