@@ -30,14 +30,19 @@ from .hooks import _ATTACHED
 HOOK_NAME = "scaled_dot_product_attention"
 
 
-def _model_module(model: Any):
+def attachable(model: Any) -> bool:
+    """Whether ``attach`` supports this model's module."""
     module = sys.modules.get(type(model).__module__)
-    if module is None or not callable(getattr(module, HOOK_NAME, None)):
+    return module is not None and callable(getattr(module, HOOK_NAME, None))
+
+
+def _model_module(model: Any):
+    if not attachable(model):
         raise ValueError(
             f"cannot attach to {type(model).__module__}: the module does not call "
             f"{HOOK_NAME} by name (supported: mlx_lm's llama, mistral, qwen2, qwen3 families)"
         )
-    return module
+    return sys.modules[type(model).__module__]
 
 
 def attach(model: Any, config: KVCacheConfig | None = None) -> Any:

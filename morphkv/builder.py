@@ -38,7 +38,11 @@ class KVCacheBuilder:
     @staticmethod
     def for_model(model: Any, config: KVCacheConfig) -> list[MorphKVCache]:
         """One fresh cache per attention layer of an mlx_lm model, ``head_dim`` inferred from
-        the model when the config leaves it ``None``."""
+        the model when the config leaves it ``None``. For the supported model families the
+        attention hook is attached (``morphkv.attach``), so prefill chunks are exact and
+        ``scoring="auto"`` means the model's real queries."""
+        from .attach import attach, attachable  # attach builds on this module
+
         config = config.validate()
         if config.head_dim is None:
             config = dataclasses.replace(config, head_dim=_model_head_dim(model))
@@ -48,6 +52,12 @@ class KVCacheBuilder:
                     "this model has sliding-window attention layers, which MorphKVCache "
                     "does not support"
                 )
+        if attachable(model):  # exact chunks, and real queries for scoring="auto"
+            attach(model)
+            if config.scoring == "auto":
+                config = dataclasses.replace(config, scoring="attention")
+        elif config.scoring == "attention":
+            attach(model)  # raises, naming the unsupported module
         return [MorphKVCache(config) for _ in _layers(model)]
 
 

@@ -14,6 +14,7 @@ is therefore the same for any chunking of a stream, and at most ``budget`` token
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -61,7 +62,10 @@ class MorphKVCache(mlx_cache._BaseCache):
     """A fixed-budget KV cache for one attention layer (see the module docstring)."""
 
     def __init__(self, config: KVCacheConfig) -> None:
-        self.config = config.validate()
+        config = config.validate()
+        if config.scoring == "auto":  # built without a model: only keys will be seen
+            config = dataclasses.replace(config, scoring="proxy")
+        self.config = config
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.engine: Engine | None = None

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass
 
 FUSIONS = ("mean", "max")
-SCORINGS = ("proxy", "attention")
+SCORINGS = ("auto", "attention", "proxy")
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,10 @@ class KVCacheConfig:
         morphkv_window: recent tokens protected from eviction; for ``morphkv`` also the number
             of recent queries whose attention ranks the older tokens.
         morphkv_fusion: how the window's attention rows are fused: ``"mean"`` or ``"max"``.
-        scoring: ``"proxy"`` (stored keys stand in for queries) or ``"attention"`` (the model's
-            real queries; needs ``morphkv.attach``).
+        scoring: ``"attention"`` ranks by the model's real queries (needs the attention hook,
+            ``morphkv.attach``, which ``KVCacheBuilder.for_model`` installs); ``"proxy"`` lets
+            the stored keys stand in for queries (any cache, no hook); ``"auto"`` (default) is
+            ``"attention"`` for caches built for a supported model and ``"proxy"`` otherwise.
         seed: seed of the ``random`` rule.
     """
 
@@ -33,7 +35,7 @@ class KVCacheConfig:
     morphkv_n_sink: int = 4
     morphkv_window: int = 8
     morphkv_fusion: str = "mean"
-    scoring: str = "proxy"
+    scoring: str = "auto"
     seed: int = 0
 
     @property

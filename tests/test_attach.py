@@ -47,9 +47,9 @@ def test_any_prefill_chunking_equals_token_by_token(model, method, scoring):
 
 def test_without_attach_chunks_see_tokens_evicted_inside_the_chunk():
     """The reason attach exists: without it a chunk's queries see [kept + whole chunk]."""
-    plain = tiny_llama(seed=1)
-    config = KVCacheConfig(method="morphkv", **CONFIG)
-    caches = KVCacheBuilder.for_model(plain, config)
+    plain = morphkv.detach(tiny_llama(seed=1))
+    config = KVCacheConfig(method="morphkv", scoring="proxy", **CONFIG)
+    caches = [KVCacheBuilder.build(config) for _ in plain.layers]
     chunked = np.array(plain(PROMPT, cache=caches))
     exact, _ = run(morphkv.attach(plain), config, 70)
     morphkv.detach(plain)
@@ -79,6 +79,14 @@ def test_attention_scores_match_numpy_reference_from_real_queries(model, method,
             assert cache.kept_positions[b, h].tolist() == want
 
 
+def test_for_model_attaches_and_auto_means_real_queries():
+    model = morphkv.detach(tiny_llama(seed=1))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(**CONFIG))
+    assert caches[0].config.scoring == "attention"
+    assert llama.scaled_dot_product_attention.morphkv_original is not None
+    assert KVCacheBuilder.build(KVCacheConfig(**CONFIG)).config.scoring == "proxy"
+
+
 def test_attention_scoring_differs_from_proxy(model):
     proxy = run(model, KVCacheConfig(method="morphkv", scoring="proxy", **CONFIG), 16)[1]
     real = run(model, KVCacheConfig(method="morphkv", scoring="attention", **CONFIG), 16)[1]
@@ -89,14 +97,15 @@ def test_attention_scoring_differs_from_proxy(model):
 
 
 def test_attention_scoring_requires_attach():
-    plain = tiny_llama(seed=1)
-    caches = KVCacheBuilder.for_model(plain, KVCacheConfig(scoring="attention", **CONFIG))
+    plain = morphkv.detach(tiny_llama(seed=1))
+    config = KVCacheConfig(scoring="attention", **CONFIG)
+    caches = [KVCacheBuilder.build(config) for _ in plain.layers]
     with pytest.raises(RuntimeError, match="morphkv.attach"):
         plain(PROMPT[:, :4], cache=caches)
 
 
 def test_other_caches_fall_through_and_detach_restores():
-    model = tiny_llama(seed=2)
+    model = morphkv.detach(tiny_llama(seed=2))
     original = llama.scaled_dot_product_attention
 
     def logits():
