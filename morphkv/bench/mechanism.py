@@ -136,7 +136,11 @@ def run_point(scenario, length, budget, window, arm, seed) -> dict:
     keys, relevant, probes = make_stream(scenario, length, budget, rng)
     values = rng.standard_normal((N_HEADS, length, HEAD_DIM))
     cfg = KVCacheConfig(
-        morphkv_budget=budget, morphkv_n_sink=N_SINK, morphkv_window=window, seed=seed,
+        morphkv_budget=budget,
+        morphkv_n_sink=N_SINK,
+        morphkv_window=window,
+        seed=seed,
+        scoring="proxy",
         **ARMS[arm],
     )
     cache = KVCacheBuilder.build(cfg)
@@ -153,8 +157,12 @@ def grid(args) -> tuple[list[tuple], list[dict]]:
     for length, budget, window in itertools.product(args.lengths, args.budgets, args.windows):
         if budget <= N_SINK + window:
             skipped.append(
-                {"length": length, "budget": budget, "window": window,
-                 "why": f"budget {budget} <= sinks {N_SINK} + window {window}"}
+                {
+                    "length": length,
+                    "budget": budget,
+                    "window": window,
+                    "why": f"budget {budget} <= sinks {N_SINK} + window {window}",
+                }
             )
             continue
         points.append((length, budget, window))
@@ -162,8 +170,13 @@ def grid(args) -> tuple[list[tuple], list[dict]]:
 
 
 def run_benchmark(
-    scenarios=SCENARIOS, lengths=(256, 512), budgets=(32, 64), windows=(1, 8, 32),
-    arms=tuple(ARMS), seeds=5, quiet=False,
+    scenarios=SCENARIOS,
+    lengths=(256, 512),
+    budgets=(32, 64),
+    windows=(1, 8, 32),
+    arms=tuple(ARMS),
+    seeds=5,
+    quiet=False,
 ) -> dict:
     ns = argparse.Namespace(lengths=list(lengths), budgets=list(budgets), windows=list(windows))
     points, skipped = grid(ns)
@@ -173,11 +186,18 @@ def run_benchmark(
     for scenario in scenarios:
         for length, budget, window in points:
             for arm in arms:
-                per_seed = [run_point(scenario, length, budget, window, arm, s) for s in
-                            range(seeds)]
+                per_seed = [
+                    run_point(scenario, length, budget, window, arm, s) for s in range(seeds)
+                ]
                 bar.update(seeds)
-                row = {"scenario": scenario, "length": length, "budget": budget,
-                       "window": window, "arm": arm, "seeds": seeds}
+                row = {
+                    "scenario": scenario,
+                    "length": length,
+                    "budget": budget,
+                    "window": window,
+                    "arm": arm,
+                    "seeds": seeds,
+                }
                 for key in ("kept", "mass", "err"):
                     vals = np.array([p[key] for p in per_seed])
                     row[key] = float(vals.mean())
@@ -186,10 +206,19 @@ def run_benchmark(
     return {
         "benchmark": NAME,
         "settings": {
-            "scenarios": list(scenarios), "lengths": list(lengths), "budgets": list(budgets),
-            "windows": list(windows), "arms": list(arms), "seeds": seeds,
-            "n_sink": N_SINK, "head_dim": HEAD_DIM, "heads": N_HEADS,
-            "strong": STRONG, "weak": WEAK, "noise": NOISE, "small_noise": SMALL_NOISE,
+            "scenarios": list(scenarios),
+            "lengths": list(lengths),
+            "budgets": list(budgets),
+            "windows": list(windows),
+            "arms": list(arms),
+            "seeds": seeds,
+            "n_sink": N_SINK,
+            "head_dim": HEAD_DIM,
+            "heads": N_HEADS,
+            "strong": STRONG,
+            "weak": WEAK,
+            "noise": NOISE,
+            "small_noise": SMALL_NOISE,
             "recall_tail": RECALL_TAIL,
         },
         "skipped": skipped,
@@ -210,8 +239,9 @@ def table(result: dict, scenario: str | None = None, metric: str = "kept") -> st
         body = []
         for key in keys:
             cells = {r["arm"]: r for r in rows if (r["length"], r["budget"], r["window"]) == key}
-            body.append([sc, *key] + [cells[a][metric] if a in cells else float("nan")
-                                      for a in arms])
+            body.append(
+                [sc, *key] + [cells[a][metric] if a in cells else float("nan") for a in arms]
+            )
         lines.append(markdown_table(["scenario", "length", "budget", "window", *arms], body))
     return "\n\n".join(lines)
 
@@ -221,8 +251,9 @@ def plot(result: dict, path) -> None:
     arms = result["settings"]["arms"]
     scenarios = result["settings"]["scenarios"]
     metrics = [("kept", "relevant region kept"), ("err", "probe output rel. L2 error")]
-    fig, axes = pyplot.subplots(len(scenarios), 2, figsize=(13, 3.2 * len(scenarios)),
-                                squeeze=False)
+    fig, axes = pyplot.subplots(
+        len(scenarios), 2, figsize=(13, 3.2 * len(scenarios)), squeeze=False
+    )
     for i, sc in enumerate(scenarios):
         rows = [r for r in result["rows"] if r["scenario"] == sc]
         keys = sorted({(r["length"], r["budget"], r["window"]) for r in rows})
@@ -234,8 +265,11 @@ def plot(result: dict, path) -> None:
             for a, arm in enumerate(arms):
                 vals = []
                 for key in keys:
-                    match = [r[metric] for r in rows if r["arm"] == arm and
-                             (r["length"], r["budget"], r["window"]) == key]
+                    match = [
+                        r[metric]
+                        for r in rows
+                        if r["arm"] == arm and (r["length"], r["budget"], r["window"]) == key
+                    ]
                     vals.append(match[0] if match else np.nan)
                 ax.bar(x + (a - len(arms) / 2 + 0.5) * width, vals, width, label=arm)
             ax.set_xticks(x, labels, rotation=45, ha="right", fontsize=7)
@@ -262,8 +296,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     if args.quick:
         args.lengths, args.budgets, args.windows, args.seeds = [160], [32], [1, 8], 2
-    result = run_benchmark(args.scenarios, args.lengths, args.budgets, args.windows,
-                           args.arms, args.seeds, args.quiet)
+    result = run_benchmark(
+        args.scenarios, args.lengths, args.budgets, args.windows, args.arms, args.seeds, args.quiet
+    )
     result["settings"]["quick"] = bool(args.quick)
     folder = out_dir(args, NAME)
     write_json(folder / f"{NAME}.json", result)
