@@ -1,0 +1,87 @@
+"""The speed benchmark's --quick runs complete on a tiny random-weight llama (no download)
+and write their JSON and PNG files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from morphkv.bench import speed
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return speed.add_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def _check_length_result(result: dict, out, arms: list[str]) -> None:
+    data = json.loads((out / "speed_quick.json").read_text())
+    assert set(data["records"]) == set(arms)
+    for arm in arms:
+        recs = data["records"][arm]
+        assert [r["position"] for r in recs] == [50 * i for i in range(1, 7)]
+        for r in recs:
+            assert r["tokens_per_s"] > 0 and r["peak_bytes"] >= r["active_bytes"] > 0
+    budget_bytes = {arm: data["records"][arm][-1]["kv_bytes"] for arm in arms}
+    if "full" in arms and "morphkv" in arms:
+        assert budget_bytes["full"] > budget_bytes["morphkv"]
+    if "morphkv" in arms:
+        kept = [r["tokens_kept_layer0"] for r in data["records"]["morphkv"]]
+        assert kept[-1] == 64  # --quick budget
+    names = {t["target"].split(" ")[0] for t in data["targets"]}
+    assert names == {"morphkv"}
+    assert len(data["targets"]) == 4
+    for png in ("speed_tokens_per_s.png", "speed_memory.png"):
+        assert (out / png).stat().st_size > 1000
+
+
+def test_quick_in_process_with_model_object(tmp_path, capsys):
+    model = speed.tiny_model()
+    args = _args("--quick", "--out", str(tmp_path))
+    result = speed.run(args, model=model)
+    _check_length_result(result, tmp_path, list(speed.DEFAULT_ARMS))
+    printed = capsys.readouterr().out
+    assert "PASS" in printed or "MISS" in printed
+    assert "median ms/token" in printed
+
+
+def test_quick_worker_processes(tmp_path):
+    arms = ["full", "rotating", "morphkv"]
+    args = _args(
+        "--quick", "--model", speed.RANDOM_TINY, "--arms", ",".join(arms), "--out", str(tmp_path)
+    )
+    result = speed.run(args)
+    assert result["mode"].startswith("one worker process per arm")
+    _check_length_result(result, tmp_path, arms)
+
+
+def test_quick_sampled_full_arm_stops_early(tmp_path):
+    args = _args(
+        "--quick",
+        "--in-process",
+        "--model",
+        speed.RANDOM_TINY,
+        "--arms",
+        "full,morphkv",
+        "--full-max-tokens",
+        "150",
+        "--sample",
+        "10",
+        "--chunk",
+        "16",
+        "--out",
+        str(tmp_path),
+    )
+    result = speed.run(args)
+    assert result["records"]["full"][-1]["position"] == 150
+    assert result["records"]["morphkv"][-1]["position"] == 300
+    assert all(r["timed_tokens"] == 10 for r in result["records"]["morphkv"])
+
+
+def test_quick_micro(tmp_path):
+    result = speed.run(_args("--micro", "--quick", "--out", str(tmp_path)))
+    data = json.loads((tmp_path / "micro_quick.json").read_text())
+    kinds = {r["kind"] for r in data["rows"]}
+    assert {"rotating", "morphkv"} <= kinds
+    assert all(r["decode_ms"] > 0 and r["chunk_ms"] > 0 for r in data["rows"])
+    assert (tmp_path / "micro.png").stat().st_size > 1000
+    assert result["json"].endswith("micro_quick.json")
