@@ -278,7 +278,8 @@ def _evaluate_group(model, tokens, ref_lp, cfgs, feeder, bar):
     t0 = time.perf_counter()
     fed = 0
     per_arm = None
-    for s, lp, per_arm in feeder.run(model, cfgs, tokens, prefill):
+    for s, lp, arm_caches in feeder.run(model, cfgs, tokens, prefill):
+        per_arm = arm_caches
         m = lp.shape[1]
         fed += m
         hi = min(s + m, T_len - 1)  # the last position has no target

@@ -74,9 +74,11 @@ CONVERSATIONS: list[list[dict]] = [
         {
             "role": "assistant",
             "content": (
-                "For 500 grams of bread flour, start with 350 grams of water. That is a hydration of "
+                "For 500 grams of bread flour, start with 350 grams of water. That is a "
+                "hydration of "
                 "seventy percent, which is easy to handle for a beginner. Add 10 grams of salt and "
-                "about 5 grams of instant yeast. Mix until no dry flour remains, rest the dough for "
+                "about 5 grams of instant yeast. Mix until no dry flour remains, rest the dough "
+                "for "
                 "half an hour, then fold it over itself a few times every thirty minutes for two "
                 "hours. Wetter doughs give a more open crumb but are stickier to shape."
             ),
@@ -90,8 +92,10 @@ CONVERSATIONS: list[list[dict]] = [
             "role": "assistant",
             "content": (
                 "A chain that slips under load usually has one of three causes. First, the chain "
-                "may be worn and stretched, so it no longer sits deep in the teeth of the cassette. "
-                "A chain checker tool tells you this in seconds. Second, the cassette or chainrings "
+                "may be worn and stretched, so it no longer sits deep in the teeth of the "
+                "cassette. "
+                "A chain checker tool tells you this in seconds. Second, the cassette or "
+                "chainrings "
                 "may be worn, often because an old chain was ridden too long. Third, the rear "
                 "derailleur may be out of adjustment, so the chain sits between two cogs. Try "
                 "turning the barrel adjuster a quarter turn at a time while shifting through the "
@@ -120,7 +124,8 @@ CONVERSATIONS: list[list[dict]] = [
             "role": "assistant",
             "content": (
                 "With 350 grams of water and 5 grams of yeast, a dense flat loaf usually means the "
-                "dough was under-proofed or the gluten was weak. If your kitchen is cool, two hours "
+                "dough was under-proofed or the gluten was weak. If your kitchen is cool, two "
+                "hours "
                 "of bulk fermentation may not be enough; wait until the dough has grown by about "
                 "half and looks domed and airy. Also make sure you used bread flour and did the "
                 "folds, because they build the strength that holds the gas. Finally, shape the "
@@ -163,7 +168,8 @@ CONVERSATIONS: list[list[dict]] = [
                 "Some vaccines produce a response that wanes over time, so antibody levels drop "
                 "and memory is less sharp. A booster dose reminds the immune system and usually "
                 "produces a stronger and longer lasting response than the first dose. Boosters are "
-                "also used when a pathogen changes, as with influenza, so the vaccine is updated to "
+                "also used when a pathogen changes, as with influenza, so the vaccine is updated "
+                "to "
                 "match the strains that are circulating."
             ),
         },
@@ -220,7 +226,8 @@ CONVERSATIONS: list[list[dict]] = [
         {
             "role": "assistant",
             "content": (
-                "Yellowing of the lowest leaves is common on tomatoes and often harmless: the plant "
+                "Yellowing of the lowest leaves is common on tomatoes and often harmless: the "
+                "plant "
                 "lets its oldest leaves go as it grows. It can also signal a lack of nitrogen or "
                 "an early fungal disease such as early blight, which shows brown spots with rings. "
                 "Remove the yellow leaves, water at the base rather than over the foliage, mulch "

@@ -1,0 +1,119 @@
+"""Fidelity and generation benchmarks on a tiny random-weight llama (no download)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+
+from morphkv.bench import fidelity as F
+from morphkv.bench import generation as G
+from morphkv.bench import texts as T
+
+
+class ByteTokenizer:
+    """Minimal tokenizer stand-in: UTF-8 bytes as token ids, no chat template."""
+
+    chat_template = None
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", "replace")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=256,
+    )
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def _args(module, *argv):
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_fidelity_quick_writes_json_and_png(tiny, tmp_path):
+    args = _args(F, "--quick", "--quiet", "--out", str(tmp_path))
+    result = F.run(args, tiny, ByteTokenizer())
+    data = json.loads((tmp_path / "fidelity.json").read_text())
+    assert (tmp_path / "fidelity.png").stat().st_size > 0
+    assert len(data["rows"]) == len(result["rows"]) > 0
+    full = [r for r in data["rows"] if r["arm"] == "full"]
+    assert full and all(r["kl"] < 1e-4 and r["top1"] == 1.0 for r in full)
+    for r in data["rows"]:
+        if r["arm"] != "full":
+            assert r["kl"] >= 0 and 0 <= r["top1"] <= 1 and r["positions"] > 0
+            assert r["kv_bytes_kept"] < max(x["kv_bytes_kept"] for x in full)
+
+
+def test_feeding_modes_agree_with_token_by_token(tiny):
+    """Stacked arms and exact chunks must give the token-by-token numbers."""
+    toks = [int(x) for x in np.random.default_rng(0).integers(0, 256, 110)]
+    arms = ["streaming_llm", "h2o", "morphkv:mean:8", "random", "morphkv:max:8:attn"]
+    out = {}
+    for mode in ("step", "stacked", "chunked"):
+        res = F.run_fidelity(tiny, {"t": toks}, arms, [24], feeder=F.Feeder(mode, 32), quiet=True)
+        out[mode] = [(r["arm"], r["kl"], r["top1"], r["positions"]) for r in res["rows"]]
+    for mode in ("stacked", "chunked"):
+        for a, b in zip(out["step"], out[mode], strict=True):
+            assert a[0] == b[0] and a[2:] == b[2:]
+            assert a[1] == pytest.approx(b[1], rel=1e-3, abs=1e-6)
+    kls = {a: kl for a, kl, _, _ in out["step"]}
+    assert kls["full"] < 1e-5 and min(v for k, v in kls.items() if k != "full") > 1e-4
+
+
+def test_arm_parsing():
+    arm = F.Arm.parse("morphkv:max:32:attn")
+    assert (arm.method, arm.fusion, arm.window, arm.scoring) == ("morphkv", "max", 32, "attention")
+    assert arm.name == "morphkv_max_w32_attn"
+    assert F.Arm.parse("h2o").name == "h2o_w8"
+    with pytest.raises(ValueError):
+        F.Arm.parse("morphkv:bogus")
+
+
+def test_generation_quick_writes_json_and_png(tiny, tmp_path):
+    args = _args(G, "--quick", "--quiet", "--out", str(tmp_path))
+    result = G.run(args, tiny, ByteTokenizer())
+    data = json.loads((tmp_path / "generation.json").read_text())
+    assert (tmp_path / "generation.png").stat().st_size > 0
+    assert {r["arm"] for r in data["rows"]} == {"full", "streaming_llm_w8", "morphkv_mean_w8"}
+    for r in result["rows"]:
+        assert r["generated"] == 40
+        assert 0 <= r["rep10"] <= 1 and 0 < r["distinct1"] <= 1 and 0 < r["distinct2"] <= 1
+
+
+def test_degeneration_measures():
+    assert G.repetition_rate(list(range(30)), 10) == 0.0
+    loop = [1, 2, 3] * 10  # 21 ten-grams, only 3 distinct
+    assert G.repetition_rate(loop, 10) == pytest.approx(18 / 21)
+    assert G.distinct([1, 1, 2, 2], 1) == 0.5
+    assert G.distinct([1, 2, 1, 2], 2) == pytest.approx(2 / 3)
+
+
+def test_texts_are_available_without_download():
+    tok = ByteTokenizer()
+    assert len(T.prose_text()) > 20_000
+    docs = T.prose_documents(tok, 2000, 3)
+    assert len(docs) == 3 and all(len(d) == 2000 for d in docs)
+    assert len(T.CONVERSATIONS) >= 3 and len(T.GENERATION_PROMPTS) == 3
+    conv = tok.decode(T.conversation_tokens(tok, 0))
+    assert conv.count("<|im_start|>user") >= 4
