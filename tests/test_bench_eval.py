@@ -53,7 +53,7 @@ def _args(module, *argv):
 
 def test_fidelity_quick_writes_json_and_png(tiny, tmp_path):
     args = _args(F, "--quick", "--quiet", "--out", str(tmp_path))
-    result = F.run(args, tiny, ByteTokenizer())
+    result = F.execute(args, tiny, ByteTokenizer())
     data = json.loads((tmp_path / "fidelity.json").read_text())
     assert (tmp_path / "fidelity.png").stat().st_size > 0
     assert len(data["rows"]) == len(result["rows"]) > 0
@@ -92,7 +92,7 @@ def test_arm_parsing():
 
 def test_generation_quick_writes_json_and_png(tiny, tmp_path):
     args = _args(G, "--quick", "--quiet", "--out", str(tmp_path))
-    result = G.run(args, tiny, ByteTokenizer())
+    result = G.execute(args, tiny, ByteTokenizer())
     data = json.loads((tmp_path / "generation.json").read_text())
     assert (tmp_path / "generation.png").stat().st_size > 0
     assert {r["arm"] for r in data["rows"]} == {"full", "streaming_llm_w8", "morphkv_mean_w8"}

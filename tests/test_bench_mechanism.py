@@ -14,7 +14,7 @@ from morphkv.bench import mechanism as M
 def test_quick_run_writes_json_and_png(tmp_path):
     parser = argparse.ArgumentParser()
     M.add_arguments(parser)
-    result = M.run(parser.parse_args(["--quick", "--quiet", "--out", str(tmp_path)]))
+    result = M.execute(parser.parse_args(["--quick", "--quiet", "--out", str(tmp_path)]))
     data = json.loads((tmp_path / "mechanism.json").read_text())
     assert (tmp_path / "mechanism.png").stat().st_size > 0
     assert data["rows"] and len(data["rows"]) == len(result["rows"])
@@ -63,3 +63,20 @@ def test_stable_control_no_attention_rule_is_catastrophically_worse_than_random(
 def test_stable_control_keeps_the_same_fraction_for_everybody():
     kept = {a: _mean("stable", 256, 64, 8, a, "kept", seeds=2) for a in M.ARMS}
     assert max(kept.values()) - min(kept.values()) < 1e-12
+
+
+def test_commands_follow_the_cli_contract(tmp_path):
+    """run(args) returns an int (the CLI does ``int(rc or 0)``); help is the docstring."""
+    from morphkv.bench import fidelity, generation, report
+
+    for module in (M, fidelity, generation, report):
+        assert callable(module.add_arguments) and callable(module.run)
+        assert (module.__doc__ or "").strip().splitlines()[0]
+    parser = argparse.ArgumentParser()
+    M.add_arguments(parser)
+    assert M.run(parser.parse_args(["--quick", "--quiet", "--out", str(tmp_path)])) == 0
+    parser = argparse.ArgumentParser()
+    report.add_arguments(parser)
+    args = parser.parse_args(["--results", str(tmp_path.parent), "--docs", str(tmp_path / "docs")])
+    assert report.run(args) == 0
+    assert (tmp_path / "docs" / "results.md").read_text().startswith("# Results")

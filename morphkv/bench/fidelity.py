@@ -570,7 +570,14 @@ def load_model(name):
     return load(name)
 
 
-def run(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
+def run(args: argparse.Namespace) -> int:
+    """CLI entry point (``morphkv`` command contract): 0 on success."""
+    execute(args)
+    return 0
+
+
+def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
+    """Run with the command-line settings; ``model``/``tokenizer`` bypass loading (tests)."""
     if args.quick:
         args.budgets = [32]
         args.arms = ["streaming_llm", "h2o", "morphkv:mean:8"]

@@ -250,7 +250,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true")
 
 
-def run(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
+def run(args: argparse.Namespace) -> int:
+    """CLI entry point (``morphkv`` command contract): 0 on success."""
+    execute(args)
+    return 0
+
+
+def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
+    """Run with the command-line settings; ``model``/``tokenizer`` bypass loading (tests)."""
     if args.quick:
         args.max_tokens, args.budgets = 40, [24]
         args.arms = ["full", "streaming_llm", "morphkv:mean:8"]

@@ -293,7 +293,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> int:
+    """CLI entry point (``morphkv`` command contract): 0 on success."""
+    execute(args)
+    return 0
+
+
+def execute(args: argparse.Namespace) -> dict:
     if args.quick:
         args.lengths, args.budgets, args.windows, args.seeds = [160], [32], [1, 8], 2
     result = run_benchmark(

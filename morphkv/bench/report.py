@@ -338,7 +338,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="report path (default <docs>/results.md)")
 
 
-def run(args: argparse.Namespace) -> str:
+def run(args: argparse.Namespace) -> int:
+    """CLI entry point (``morphkv`` command contract): 0 on success."""
+    execute(args)
+    return 0
+
+
+def execute(args: argparse.Namespace) -> str:
     results, docs = Path(args.results), Path(args.docs)
     if args.copy:
         for p in copy_figures(results, docs):
