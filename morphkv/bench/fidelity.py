@@ -526,6 +526,12 @@ def plot(result: dict, path) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (seconds)")
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="wide run: 2 prose documents of 3,000 tokens, all conversations, the model's own "
+        "1,000-token continuation, budgets 64-512 (hours on a 2-core CPU)",
+    )
     parser.add_argument("--out", default=None, help="output folder (default results/fidelity)")
     parser.add_argument(
         "--model",
@@ -584,6 +590,11 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
         args.prose_tokens, args.conversation_tokens = 96, 96
         args.continuation_tokens = 40
         args.texts = [t for t in args.texts if t != "continuation"] or ["prose"]
+    if getattr(args, "full", False) and not args.quick:
+        args.budgets = [64, 128, 256, 512]
+        args.texts = ["prose", "conversation", "continuation"]
+        args.prose_tokens, args.prose_docs = 3000, 2
+        args.conversations, args.conversation_tokens = len(T.CONVERSATIONS), 0
     if model is None:
         model, tokenizer = load_model(args.model)
     mx.random.seed(0)
