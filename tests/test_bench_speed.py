@@ -37,7 +37,7 @@ def _check_length_result(result: dict, out, arms: list[str]) -> None:
 def test_quick_in_process_with_model_object(tmp_path, capsys):
     model = speed.tiny_model()
     args = _args("--quick", "--out", str(tmp_path))
-    result = speed.run(args, model=model)
+    result = speed.execute(args, model=model)
     _check_length_result(result, tmp_path, list(speed.DEFAULT_ARMS))
     printed = capsys.readouterr().out
     assert "PASS" in printed or "MISS" in printed
@@ -49,7 +49,7 @@ def test_quick_worker_processes(tmp_path):
     args = _args(
         "--quick", "--model", speed.RANDOM_TINY, "--arms", ",".join(arms), "--out", str(tmp_path)
     )
-    result = speed.run(args)
+    result = speed.execute(args)
     assert result["mode"].startswith("one worker process per arm")
     _check_length_result(result, tmp_path, arms)
 
@@ -71,17 +71,18 @@ def test_quick_sampled_full_arm_stops_early(tmp_path):
         "--out",
         str(tmp_path),
     )
-    result = speed.run(args)
+    result = speed.execute(args)
     assert result["records"]["full"][-1]["position"] == 150
     assert result["records"]["morphkv"][-1]["position"] == 300
     assert all(r["timed_tokens"] == 10 for r in result["records"]["morphkv"])
 
 
 def test_quick_micro(tmp_path):
-    result = speed.run(_args("--micro", "--quick", "--out", str(tmp_path)))
+    assert speed.run(_args("--micro", "--quick", "--out", str(tmp_path))) == 0
+    result = json.loads((tmp_path / "micro_quick.json").read_text())
     data = json.loads((tmp_path / "micro_quick.json").read_text())
     kinds = {r["kind"] for r in data["rows"]}
     assert {"rotating", "morphkv"} <= kinds
     assert all(r["decode_ms"] > 0 and r["chunk_ms"] > 0 for r in data["rows"])
     assert (tmp_path / "micro.png").stat().st_size > 1000
-    assert result["json"].endswith("micro_quick.json")
+    assert result["rows"] == data["rows"]

@@ -333,6 +333,13 @@ def _progress(pos: int, total: int, latest: dict[str, dict], t0: float) -> None:
     sys.stderr.flush()
 
 
+def _save_partial(args: argparse.Namespace, results: dict) -> None:
+    """Records so far (a long run that is stopped early still leaves its figures)."""
+    out = Path(args.out)
+    suffix = "_quick" if args.quick else ""
+    (out / f"speed{suffix}.partial.json").write_text(json.dumps({"records": results}))
+
+
 def run_length(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     arms = _arms(args)
     results: dict[str, list[dict]] = {a: [] for a in arms}
@@ -353,6 +360,7 @@ def run_length(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
                 if recs:
                     latest[arm] = recs[-1]
                 _progress(runner.pos, args.tokens, latest, t0)
+                _save_partial(args, results)
             del runner
     else:
         mode = "one worker process per arm, interleaved in blocks of --every tokens"
@@ -379,6 +387,7 @@ def run_length(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
                 pos = until
                 b += 1
                 _progress(pos, args.tokens, latest, t0)
+                _save_partial(args, results)
         finally:
             for w in workers.values():
                 w.close()
@@ -713,7 +722,12 @@ def _meta(args: argparse.Namespace) -> dict:
     }
 
 
-def run(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
+def run(args: argparse.Namespace) -> int:
+    """CLI entry point (``morphkv`` command contract): 0 on success."""
+    return int(execute(args).get("exit", 0))
+
+
+def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     """Run the benchmark ``args`` selects; write JSON (+ PNG) under ``args.out``; return the
     result. ``model`` (and ``tokenizer``) may be passed in to skip loading."""
     if getattr(args, "worker", None):
@@ -750,9 +764,7 @@ def run(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = add_arguments(argparse.ArgumentParser(prog="morphkv bench speed", description=__doc__))
-    args = parser.parse_args(argv)
-    result = run(args)
-    return int(result.get("exit", 0))
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
