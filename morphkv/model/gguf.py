@@ -138,7 +138,10 @@ def dequantize_model(model: nn.Module, dtype: mx.Dtype = mx.float32) -> nn.Modul
 
     def _dense(m):
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(dtype)
+            # scales/biases in the target dtype first: dequantizing in float16 would round
+            w = mx.dequantize(
+                m.weight, m.scales.astype(dtype), m.biases.astype(dtype), m.group_size, m.bits
+            )
             if isinstance(m, nn.QuantizedEmbedding):
                 out = nn.Embedding(w.shape[0], w.shape[1])
             else:
