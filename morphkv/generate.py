@@ -127,6 +127,18 @@ def format_stats(resp, stats: CacheStats, peak_gb: float, method: str, budget: i
     return "\n".join(lines)
 
 
+def blas_status() -> str:
+    """Whether MLX runs with the preloaded OpenBLAS (Linux CPU) in this process."""
+    from .blas import find_blas, is_preloaded
+
+    if not sys.platform.startswith("linux"):
+        return "platform default"
+    lib = find_blas()
+    if lib is None:
+        return "MLX default (no OpenBLAS found or preload disabled; see morphkv.blas)"
+    return f"preloaded {lib}" if is_preloaded(lib) else f"not preloaded ({lib} available)"
+
+
 def _read_prompt(args) -> str:
     if args.prompt is None or args.prompt == "-":
         if args.prompt is None and sys.stdin.isatty():
@@ -208,4 +220,5 @@ def run(args) -> int:
         peak = mx.get_peak_memory() / 1e9
         print(format_stats(resp, stats, peak, args.method, args.budget))
         print(f"Load:        {load_s:.2f} s")
+        print(f"BLAS:        {blas_status()}")
     return 0
