@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -18,9 +19,12 @@ def _resolve():
 
 
 def embedded_gguf_path() -> str:
-    """Path of the verified embedded GGUF (fetched once); skips the test when unavailable."""
+    """Path of the verified embedded GGUF (fetched once). When it cannot be fetched the test
+    is skipped, except under MORPHKV_REQUIRE_MODEL=1 (CI), where that is a failure."""
     path, err = _resolve()
     if path is None:
+        if os.environ.get("MORPHKV_REQUIRE_MODEL") == "1":
+            pytest.fail(f"embedded model unavailable: {err}")
         pytest.skip(f"embedded model unavailable: {err}")
     return path
 
