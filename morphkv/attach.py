@@ -82,11 +82,12 @@ def _exact_mask(cache: MorphKVCache, queries: mx.array, mask):
     this chunk: mlx_lm's own for one token, the liveness mask for several."""
     B, n_heads, C, D = queries.shape
     H = cache.keys.shape[1]
-    host_queries = None
-    if cache.config.scoring == "attention" and cache._chunk.evicted is None:
-        grouped = _to_numpy(queries).reshape(B, H, n_heads // H, C, D)
-        host_queries = grouped.transpose(0, 1, 3, 2, 4).reshape(B * H, C, n_heads // H, D)
-    chunk = cache._flush(host_queries)
+    engine_queries = None
+    if cache.config.scoring == "attention" and not cache._chunk.fed:
+        q = queries if cache.engine.xp is mx else _to_numpy(queries)
+        q = q.reshape(B, H, n_heads // H, C, D).transpose(0, 1, 3, 2, 4)
+        engine_queries = q.reshape(B * H, C, n_heads // H, D)
+    chunk = cache._flush(engine_queries)
     if C == 1:
         return mask
     visible = mx.array(_liveness(chunk, C))  # (B*H, C, rows)

@@ -15,6 +15,7 @@ is therefore the same for any chunking of a stream, and at most ``budget`` token
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -55,11 +56,20 @@ class _Chunk:
     old_positions: np.ndarray | None  # (rows, before) positions before a multi-token update
     rows: int = 0  # rows of the returned keys
     fetched: tuple | None = None  # the returned keys and values, until compacted
+    fed: bool = False  # the engine has seen it
     evicted: np.ndarray | None = None  # (rows, C) position evicted at each step, -1 if none
 
 
 class MorphKVCache(mlx_cache._BaseCache):
     """A fixed-budget KV cache for one attention layer (see the module docstring)."""
+
+    # Single-token updates run the selection engine on the device (MLX, float32, no host
+    # sync) on GPUs, and on the host (NumPy, float64) on the CPU, where host arrays are
+    # cheaper than MLX ops. MORPHKV_DEVICE_DECODE=1/0 forces the choice.
+    decode_on_device = (
+        os.environ.get("MORPHKV_DEVICE_DECODE", "1" if mx.default_device() == mx.gpu else "0")
+        == "1"
+    )
 
     def __init__(self, config: KVCacheConfig) -> None:
         config = config.validate()
@@ -87,9 +97,10 @@ class MorphKVCache(mlx_cache._BaseCache):
             )
         if self.engine is None:
             self.engine = Engine(self.config, B * H, D)
-        engine = self.engine
+        on_device = C == 1 and self.decode_on_device
+        engine = self.engine.to(mx if on_device else np)
         chunk = _Chunk(
-            keys=_to_numpy(keys).reshape(B * H, C, D),
+            keys=(keys if on_device else _to_numpy(keys)).reshape(B * H, C, D),
             dead=engine.dead,
             before=engine.slots,
             first=engine.seen,
@@ -108,11 +119,12 @@ class MorphKVCache(mlx_cache._BaseCache):
         groups, head_dim) in attention scoring) and compact the storage if slots were reused
         inside the chunk. Returns the chunk record, its ``evicted`` filled in."""
         chunk = self._chunk
-        if chunk is None or chunk.evicted is not None:
+        if chunk is None or chunk.fed:
             return chunk
         if queries is None and self.config.scoring == "attention":
             raise RuntimeError("attention scoring: the cache was read before its queries came")
         chunk.evicted = self.engine.feed(chunk.keys, queries)
+        chunk.fed = True
         if self.engine.slots < chunk.rows:
             self._compact(chunk.fetched, chunk.dead, chunk.before, chunk.first)
         chunk.keys = chunk.fetched = None
@@ -124,7 +136,8 @@ class MorphKVCache(mlx_cache._BaseCache):
         B, H, C, _ = keys.shape
         start = self.engine.slots
         if dead is not None:
-            slot = mx.array(dead.reshape(B, H, 1, 1).astype(np.int32))
+            slot = dead if isinstance(dead, mx.array) else mx.array(dead)  # no host sync
+            slot = slot.reshape(B, H, 1, 1).astype(mx.int32)
             if C > 1:
                 first_k, first_v = keys[:, :, :1], values[:, :, :1]
                 keys, values = keys[:, :, 1:], values[:, :, 1:]
@@ -167,6 +180,7 @@ class MorphKVCache(mlx_cache._BaseCache):
         """Stored keys/values without the slot awaiting reuse."""
         if self.engine.dead is None:
             return self._fetch()
+        self.engine.to(np)
         B, H = self.keys.shape[:2]
         live = np.ones((B * H, self.engine.slots), bool)
         live[np.arange(B * H), self.engine.dead] = False
@@ -268,7 +282,7 @@ class MorphKVCache(mlx_cache._BaseCache):
         if self.engine is None:
             return np.zeros((0, 0, 0), np.int64)
         B, H = self.keys.shape[:2]
-        positions = self.engine.stored_positions.copy()
+        positions = self.engine.to(np).stored_positions.copy()
         if self.engine.dead is not None:
             positions[np.arange(B * H), self.engine.dead] = np.iinfo(np.int64).max
         kept = np.sort(positions, axis=1)[:, : self.engine.kept]

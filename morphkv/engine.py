@@ -17,24 +17,38 @@ does not change a decision in practice), then scaled by ``1/sqrt(head_dim)``.
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from .config import KVCacheConfig
 from .rules import make_rule
 
 TIE_RTOL = 1e-9  # scores this close (relative) to the minimum count as tied; oldest goes
-_NO_POSITION = np.iinfo(np.int64).max
-_F64_MAX = np.finfo(np.float64).max
 
 
-def _clean(logits: np.ndarray) -> np.ndarray:
+def _clean(xp, logits):
     """NaN logits become -inf (zero attention); +inf becomes the largest finite float."""
-    return np.nan_to_num(logits, nan=-np.inf, posinf=_F64_MAX, neginf=-np.inf)
+    top = float(np.finfo(np.float64 if xp is np else np.float32).max)
+    return xp.nan_to_num(logits, nan=-np.inf, posinf=top, neginf=-np.inf)
+
+
+def _array_module(xp) -> tuple[Any, Any, int]:
+    """(float dtype, int dtype, largest int) used by the engine with array module ``xp``."""
+    if xp is np:
+        return np.float64, np.int64, np.iinfo(np.int64).max
+    return mx.float32, mx.int32, np.iinfo(np.int32).max
 
 
 class Engine:
-    """Per-layer selection state for ``rows`` = batch * KV heads independent sequences."""
+    """Per-layer selection state for ``rows`` = batch * KV heads independent sequences.
+
+    Arrays live in ``xp``: NumPy on the host (float64, the default), or ``mlx.core`` (float32)
+    for single-token decode steps on a GPU, where the host must not wait for the device.
+    ``to(xp)`` moves the state between the two."""
+
+    ARRAYS = ("positions", "accumulated", "keys", "ring_queries", "ring_logits", "dead", "_row")
 
     def __init__(self, config: KVCacheConfig, rows: int, head_dim: int) -> None:
         self.config = config
@@ -42,9 +56,11 @@ class Engine:
         self.rows = rows
         self.head_dim = head_dim
         self.scale = 1.0 / math.sqrt(config.head_dim or head_dim)
+        self.on_device = False  # arrays in mlx.core (True) or NumPy (False)
+        self.float, self.int, self.no_position = _array_module(np)
         self.seen = 0  # tokens fed; the next token's absolute position
         self.slots = 0  # slots in use, the dead one included
-        self.dead: np.ndarray | None = None  # (rows,) slot evicted by the last step
+        self.dead = None  # (rows,) slot evicted by the last step, or None
         self.groups = 0  # query heads per KV head; set by the first feed
         self.finite = True  # no NaN/inf key or query seen yet: logits need no cleaning
         self._row = np.arange(rows)
@@ -55,13 +71,38 @@ class Engine:
         if self.rule.attention:
             self.keys = np.zeros((rows, 0, head_dim))
 
+    @property
+    def xp(self):
+        """The array module of the engine's state: numpy or mlx.core."""
+        return mx if self.on_device else np
+
+    def to(self, xp) -> Engine:
+        """Move every array to array module ``xp`` (numpy or mlx.core); returns self."""
+        if (xp is mx) == self.on_device:
+            return self
+        self.float, self.int, self.no_position = _array_module(xp)
+        for name in self.ARRAYS:
+            a = getattr(self, name, None)
+            if a is None:
+                continue
+            if xp is np:
+                a = np.array(a)
+                a = a.astype(np.int64 if a.dtype.kind in "iu" else np.float64)
+            else:
+                a = mx.array(a, dtype=self.int if a.dtype.kind in "iu" else self.float)
+            setattr(self, name, a)
+        self.on_device = xp is mx
+        if xp is not np:
+            self.finite = False  # the device cannot promise finiteness without a sync
+        return self
+
     # ---- storage -------------------------------------------------------------------------
     def _start_ring(self, groups: int) -> None:
-        R, W, D = self.rows, self.config.window, self.head_dim
+        R, W, D, xp = self.rows, self.config.window, self.head_dim, self.xp
         self.groups = groups
         if self.rule.attention:
-            self.ring_queries = np.zeros((R, W, groups, D))
-            self.ring_logits = np.full((R, W, groups, self.capacity), -np.inf)
+            self.ring_queries = xp.zeros((R, W, groups, D), dtype=self.float)
+            self.ring_logits = xp.full((R, W, groups, self.capacity), -np.inf, dtype=self.float)
 
     def _grow(self, needed: int) -> None:
         """Widen the slot arrays (below the budget only: at the budget slots are reused)."""
@@ -69,10 +110,10 @@ class Engine:
         capacity = max(needed, min(max(2 * self.capacity, 64), limit))
         pad = capacity - self.capacity
 
-        def widen(a: np.ndarray, axis: int, fill: float) -> np.ndarray:
+        def widen(a, axis: int, fill: float):
             width = [(0, 0)] * a.ndim
             width[axis] = (0, pad)
-            return np.pad(a, width, constant_values=fill)
+            return self.xp.pad(a, width, constant_values=fill)
 
         self.positions = widen(self.positions, 1, -1)
         self.accumulated = widen(self.accumulated, 1, 0.0)
@@ -102,32 +143,36 @@ class Engine:
         if rows == self.config.window:
             return self.ring_logits[..., : self.slots]
         ring = [(self._head - i) % self.config.window for i in range(rows)]
-        return self.ring_logits[:, ring, :, : self.slots]
+        return self.ring_logits[:, self.xp.array(ring), :, : self.slots]
 
     # ---- feeding -------------------------------------------------------------------------
-    def feed(self, keys: np.ndarray, queries: np.ndarray | None = None) -> np.ndarray:
+    def feed(self, keys, queries=None) -> np.ndarray | None:
         """Feed a chunk: keys (rows, C, D) in stream order, queries (rows, C, groups, D)
-        (default: the keys, one group). Returns (rows, C): the position each token's step
-        evicted, -1 where none."""
-        keys = np.asarray(keys, np.float64)
-        queries = keys[:, :, None] if queries is None else np.asarray(queries, np.float64)
+        (default: the keys, one group), arrays of ``self.xp``. On the host, returns (rows, C):
+        the position each token's step evicted, -1 where none (None on the device)."""
+        keys = self._as_float(keys)
+        queries = keys[:, :, None] if queries is None else self._as_float(queries)
         if self.groups == 0:
             self._start_ring(queries.shape[2])
         elif queries.shape[2] != self.groups:
             raise ValueError(
                 f"queries have {queries.shape[2]} heads per KV head, not {self.groups}"
             )
-        if self.finite and self.rule.attention:
+        host = self.xp is np
+        if host and self.finite and self.rule.attention:
             self.finite = bool(np.isfinite(keys).all() and np.isfinite(queries).all())
         C = keys.shape[1]
-        evicted = np.full((self.rows, C), -1, np.int64)
+        evicted = np.full((self.rows, C), -1, np.int64) if host else None
         with np.errstate(invalid="ignore", over="ignore"):  # non-finite keys: see _clean
             start = self._append_block(keys, queries) if self.dead is None else 0
             for i in range(start, C):
                 self.step(keys[:, i], queries[:, i])
-                if self.dead is not None:
+                if host and self.dead is not None:
                     evicted[:, i] = self.positions[self._row, self.dead]
         return evicted
+
+    def _as_float(self, a):
+        return np.asarray(a, np.float64) if self.xp is np else a.astype(self.float)
 
     def _append_block(self, keys: np.ndarray, queries: np.ndarray) -> int:
         """Append, in one go, the leading tokens that cause no eviction and need no per-token
@@ -142,7 +187,7 @@ class Engine:
         start, end = self.slots, self.slots + n
         if end > self.capacity:
             self._grow(end)
-        self.positions[:, start:end] = np.arange(self.seen, self.seen + n)
+        self.positions[:, start:end] = self.xp.arange(self.seen, self.seen + n)
         self.accumulated[:, start:end] = 0.0
         self.slots, self.seen = end, self.seen + n
         if self.rule.attention:
@@ -162,7 +207,7 @@ class Engine:
         else:
             if self.slots == self.capacity:
                 self._grow(self.slots + 1)
-            slot = np.full(self.rows, self.slots)
+            slot = self.xp.full((self.rows,), self.slots, dtype=self.int)
             self.slots += 1
         n, r = self.slots, self._row
         self.positions[r, slot] = self.seen
@@ -181,9 +226,9 @@ class Engine:
         self.rule.observe(self)
         self.dead = self._select() if self.rule.evicts and n > self.config.budget else None
 
-    def _scaled(self, dots: np.ndarray) -> np.ndarray:
+    def _scaled(self, dots):
         """Logits from dot products (finite keys give finite float64 dot products)."""
-        return dots * self.scale if self.finite else _clean(dots * self.scale)
+        return dots * self.scale if self.finite else _clean(self.xp, dots * self.scale)
 
     def _select(self) -> np.ndarray:
         """Slot to evict per row: lowest score among unprotected slots, ties to the oldest.
@@ -191,9 +236,10 @@ class Engine:
         positions = self.stored_positions
         newest = self.seen - 1
         protected = (positions < self.config.n_sink) | (positions > newest - self.config.window)
-        scores = np.where(protected, np.inf, self.rule.score(self))
+        xp = self.xp
+        scores = xp.where(protected, np.inf, self.rule.score(self))
         tied = scores <= scores.min(axis=1, keepdims=True) * (1.0 + TIE_RTOL)
-        return np.where(tied, positions, _NO_POSITION).argmin(axis=1)
+        return xp.where(tied, positions, self.no_position).argmin(axis=1)
 
     # ---- persistence ---------------------------------------------------------------------
     HOST_ARRAYS = ("positions", "accumulated", "ring_logits", "ring_queries")
@@ -201,11 +247,16 @@ class Engine:
 
     def state(self) -> dict[str, np.ndarray]:
         """Host arrays to save; the key mirror is rebuilt from the stored keys."""
+        self.to(np)
         out = {k: getattr(self, k) for k in self.HOST_ARRAYS if hasattr(self, k)}
         out["scalars"] = np.array(
             [self.seen, self.slots, self._head, self.finite, self.groups], np.int64
         )
-        out["dead"] = self.dead if self.dead is not None else np.full(self.rows, -1, np.int64)
+        out["dead"] = (
+            self.dead.astype(np.int64)
+            if self.dead is not None
+            else np.full(self.rows, -1, np.int64)
+        )
         return out
 
     @classmethod

@@ -4,36 +4,39 @@ A rule sees the selection engine (``morphkv.engine.Engine``) after the newest to
 appended and returns one score per stored slot, shape (rows, slots), where rows are the
 flattened (batch, KV head) pairs. The engine evicts the lowest-scoring unprotected slot
 (the first ``n_sink`` positions and the last ``window`` positions are protected), ties to the
-oldest. Scores are float64; non-finite logits count as zero attention.
+oldest. Scores are >= 0. Rules use the engine's array module ``engine.xp``: NumPy (float64) on
+the host, or ``mlx.core`` (float32) when decoding on a GPU without host syncs.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
+
+Array = Any  # numpy.ndarray or mlx.core.array
 
 
-def _exp(logits: np.ndarray, finite: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def _exp(xp, logits: Array, finite: bool = False) -> tuple[Array, Array]:
     """exp(logits - row max) and its row sums (1 where a row has no finite logit).
     ``finite`` promises finite logits, which skips the guards."""
     peak = logits.max(axis=-1, keepdims=True)
     if finite:
-        weights = np.exp(logits - peak)
+        weights = xp.exp(logits - peak)
         return weights, weights.sum(axis=-1)
-    weights = np.exp(logits - np.where(np.isfinite(peak), peak, 0.0))
+    weights = xp.exp(logits - xp.where(xp.isfinite(peak), peak, 0.0))
     total = weights.sum(axis=-1)
-    return weights, np.where(total > 0, total, 1.0)
+    return weights, xp.where(total > 0, total, 1.0)
 
 
-def softmax(logits: np.ndarray) -> np.ndarray:
+def softmax(xp, logits: Array) -> Array:
     """Softmax over the last axis; a row with no finite logit gets all zeros."""
-    weights, total = _exp(logits)
+    weights, total = _exp(xp, logits)
     return weights / total[..., None]
 
 
-def group_attention(logits: np.ndarray) -> np.ndarray:
+def group_attention(xp, logits: Array) -> Array:
     """(..., groups, slots) logits -> (..., slots): softmax per query head, summed over the
     query heads that share the KV head (the paper's GQA rule)."""
-    return softmax(logits).sum(axis=-2)
+    return softmax(xp, logits).sum(axis=-2)
 
 
 class Rule:
@@ -46,7 +49,7 @@ class Rule:
     def observe(self, engine) -> None:
         """Called after every appended token (also before the budget is reached)."""
 
-    def score(self, engine) -> np.ndarray:
+    def score(self, engine) -> Array:
         raise NotImplementedError
 
 
@@ -59,30 +62,35 @@ class Full(Rule):
 class Recency(Rule):
     """Evict the oldest unprotected token (``sliding_window``, ``streaming_llm``)."""
 
-    def score(self, engine) -> np.ndarray:
-        return engine.stored_positions.astype(np.float64)
+    def score(self, engine) -> Array:
+        return engine.stored_positions.astype(engine.float)
 
 
 class Random(Rule):
-    """Evict a uniformly random unprotected token; the draw depends only on
-    (seed, row, step, position), so any chunking of a stream makes the same choices."""
+    """Evict a uniformly random unprotected token; the draw hashes (seed, row, step, position)
+    with 32-bit integer mixing (murmur3's finalizer), so any chunking of a stream and either
+    array module make the same choices."""
 
     def __init__(self, seed: int) -> None:
-        self.seed = np.uint64(seed)
+        self.seed = seed % 2**32
 
-    def score(self, engine) -> np.ndarray:
-        rows = np.arange(engine.rows, dtype=np.uint64)[:, None]
-        x = engine.stored_positions.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        x ^= (rows << np.uint64(40)) ^ np.uint64(engine.seen) ^ (self.seed << np.uint64(20))
-        with np.errstate(over="ignore"):  # splitmix64: wrapping multiplies are the point
-            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return ((x ^ (x >> np.uint64(31))) >> np.uint64(11)).astype(np.float64)
+    def score(self, engine) -> Array:
+        xp, u32 = engine.xp, engine.xp.uint32
+
+        def const(value: int) -> Array:
+            return xp.array(value % 2**32, dtype=u32)
+
+        rows = xp.arange(engine.rows).astype(u32)[:, None]
+        x = engine.stored_positions.astype(u32) * const(0x9E3779B1)
+        x = x ^ (rows * const(0x85EBCA77)) ^ const(engine.seen * 0xC2B2AE3D + self.seed)
+        x = (x ^ (x >> const(16))) * const(0x85EBCA6B)
+        x = (x ^ (x >> const(13))) * const(0xC2B2AE35)
+        return (x ^ (x >> const(16))).astype(engine.float)
 
 
 class WindowAttention(Rule):
-    """MorphKV: attention of the last ``queries`` window rows, softmax over every stored row,
-    fused by mean or max. With ``queries=1`` it is TOVA (the newest query alone)."""
+    """MorphKV: attention of the last ``window`` tokens' queries, softmax over every stored
+    row, fused by mean or max over the window. ``newest_only`` gives TOVA."""
 
     attention = True
 
@@ -90,15 +98,16 @@ class WindowAttention(Rule):
         self.fusion = fusion
         self.newest_only = newest_only
 
-    def score(self, engine) -> np.ndarray:
+    def score(self, engine) -> Array:
+        xp = engine.xp
         if self.newest_only:
-            return group_attention(engine.newest_logits())
+            return group_attention(xp, engine.newest_logits())
         logits = engine.window_logits()  # (rows, window, groups, slots)
         if self.fusion == "max":
-            return group_attention(logits).max(axis=1)
+            return group_attention(xp, logits).max(axis=1)
         R, W, G, J = logits.shape  # mean over the window, as one batched matvec
-        weights, total = _exp(logits, engine.finite)
-        return (1.0 / total.reshape(R, 1, W * G) @ weights.reshape(R, W * G, J))[:, 0] / W
+        weights, total = _exp(xp, logits, engine.finite)
+        return ((1.0 / total.reshape(R, 1, W * G)) @ weights.reshape(R, W * G, J))[:, 0] / W
 
 
 class Cumulative(Rule):
@@ -108,9 +117,10 @@ class Cumulative(Rule):
     observes = True
 
     def observe(self, engine) -> None:
-        engine.accumulated[:, : engine.slots] += group_attention(engine.newest_logits())
+        newest = group_attention(engine.xp, engine.newest_logits())
+        engine.accumulated[:, : engine.slots] = engine.accumulated[:, : engine.slots] + newest
 
-    def score(self, engine) -> np.ndarray:
+    def score(self, engine) -> Array:
         return engine.accumulated[:, : engine.slots]
 
 
