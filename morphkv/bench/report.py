@@ -148,9 +148,10 @@ def fidelity_section(result: dict) -> str:
         "",
         f"Model: {s.get('model', '?')}. Texts: {texts}. {s['n_sink']} sinks. Feeding: "
         f"`{s['feed']}` (chunked = exact chunks through the attention hook; stacked/step = "
-        "token by token; all three give the same numbers, a tested property). Metrics over the "
-        "positions whose context exceeds the budget, averaged over texts (weighted by "
-        "positions). `_attn` = the model's real queries; the rest use the key-as-query proxy.",
+        "token by token; the three agree to float rounding in the tests, on a tiny model). "
+        "Metrics over the positions whose context exceeds the budget, averaged over texts "
+        "(weighted by positions). `_attn` = the model's real queries; the rest use the "
+        "key-as-query proxy.",
         "",
     ]
     for metric, label in (
@@ -244,6 +245,13 @@ def generation_section(result: dict) -> str:
         markdown_table(headers, body),
         "",
     ]
+    if s["prompts"] < 3 or s["max_tokens"] < 1000:
+        lines.append(
+            f"- Small sample: {s['prompts']} prompt(s) x {s['max_tokens']} tokens, one greedy "
+            "answer per arm. Treat the differences as anecdotes, not as a ranking: a single "
+            "greedy trajectory can fall into (or out of) a loop for reasons unrelated to the "
+            "cache rule."
+        )
     full = [r for r in body if r[0] == "full"]
     if full:
         f_rep = full[0][3]
