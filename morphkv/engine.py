@@ -34,11 +34,11 @@ def _clean(xp, logits):
     return xp.nan_to_num(logits, nan=-np.inf, posinf=top, neginf=-np.inf)
 
 
-def _array_module(xp) -> tuple[Any, Any, int]:
-    """(float dtype, int dtype, largest int) used by the engine with array module ``xp``."""
+def _array_module(xp) -> tuple[Any, Any, int, float]:
+    """(float dtype, int dtype, largest int, largest safe exponent) for array module ``xp``."""
     if xp is np:
-        return np.float64, np.int64, np.iinfo(np.int64).max
-    return mx.float32, mx.int32, np.iinfo(np.int32).max
+        return np.float64, np.int64, np.iinfo(np.int64).max, 700.0
+    return mx.float32, mx.int32, np.iinfo(np.int32).max, 80.0
 
 
 class Engine:
@@ -48,7 +48,17 @@ class Engine:
     for single-token decode steps on a GPU, where the host must not wait for the device.
     ``to(xp)`` moves the state between the two."""
 
-    ARRAYS = ("positions", "accumulated", "keys", "ring_queries", "ring_logits", "dead", "_row")
+    ARRAYS = (
+        "positions",
+        "accumulated",
+        "keys",
+        "ring_queries",
+        "ring_weights",
+        "ring_shift",
+        "ring_total",
+        "dead",
+        "_row",
+    )
 
     def __init__(self, config: KVCacheConfig, rows: int, head_dim: int) -> None:
         self.config = config
@@ -57,7 +67,7 @@ class Engine:
         self.head_dim = head_dim
         self.scale = 1.0 / math.sqrt(config.head_dim or head_dim)
         self.on_device = False  # arrays in mlx.core (True) or NumPy (False)
-        self.float, self.int, self.no_position = _array_module(np)
+        self.float, self.int, self.no_position, self.max_exponent = _array_module(np)
         self.seen = 0  # tokens fed; the next token's absolute position
         self.slots = 0  # slots in use, the dead one included
         self.dead = None  # (rows,) slot evicted by the last step, or None
@@ -80,7 +90,7 @@ class Engine:
         """Move every array to array module ``xp`` (numpy or mlx.core); returns self."""
         if (xp is mx) == self.on_device:
             return self
-        self.float, self.int, self.no_position = _array_module(xp)
+        self.float, self.int, self.no_position, self.max_exponent = _array_module(xp)
         for name in self.ARRAYS:
             a = getattr(self, name, None)
             if a is None:
@@ -102,7 +112,11 @@ class Engine:
         self.groups = groups
         if self.rule.attention:
             self.ring_queries = xp.zeros((R, W, groups, D), dtype=self.float)
-            self.ring_logits = xp.full((R, W, groups, self.capacity), -np.inf, dtype=self.float)
+            # softmax numerators exp(logit - shift) per ring query and slot, kept up to date
+            # column by column, with their shifts (row max when the row was made) and sums
+            self.ring_weights = xp.zeros((R, W, groups, self.capacity), dtype=self.float)
+            self.ring_shift = xp.zeros((R, W, groups), dtype=self.float)
+            self.ring_total = xp.zeros((R, W, groups), dtype=self.float)
 
     def _grow(self, needed: int) -> None:
         """Widen the slot arrays (below the budget only: at the budget slots are reused)."""
@@ -119,7 +133,7 @@ class Engine:
         self.accumulated = widen(self.accumulated, 1, 0.0)
         if self.rule.attention:
             self.keys = widen(self.keys, 1, 0.0)
-            self.ring_logits = widen(self.ring_logits, 3, -np.inf)
+            self.ring_weights = widen(self.ring_weights, 3, 0.0)
         self.capacity = capacity
 
     # ---- what rules read -----------------------------------------------------------------
@@ -133,17 +147,24 @@ class Engine:
         """(rows, slots) absolute position held by each slot."""
         return self.positions[:, : self.slots]
 
-    def newest_logits(self) -> np.ndarray:
-        """(rows, groups, slots) logits of the newest token's queries."""
-        return self.ring_logits[:, self._head, :, : self.slots]
+    def newest_probs(self):
+        """(rows, groups, slots) attention of the newest token's queries over the slots."""
+        total = self._nonzero(self.ring_total[:, self._head, :, None])
+        return self.ring_weights[:, self._head, :, : self.slots] / total
 
-    def window_logits(self) -> np.ndarray:
-        """(rows, window, groups, slots) logits of the last ``window`` tokens' queries."""
+    def window_weights(self):
+        """Softmax numerators (rows, window, groups, slots) of the last ``window`` tokens'
+        queries and their sums (rows, window, groups): probabilities are their ratio."""
         rows = min(self.seen, self.config.window)
+        total = self._nonzero(self.ring_total)
         if rows == self.config.window:
-            return self.ring_logits[..., : self.slots]
-        ring = [(self._head - i) % self.config.window for i in range(rows)]
-        return self.ring_logits[:, self.xp.array(ring), :, : self.slots]
+            return self.ring_weights[..., : self.slots], total
+        ring = self.xp.array([(self._head - i) % self.config.window for i in range(rows)])
+        return self.ring_weights[:, ring, :, : self.slots], total[:, ring]
+
+    def _nonzero(self, total):
+        """Sums of numerators; a row without a finite logit (all zero) divides by 1."""
+        return total if self.finite else self.xp.where(total > 0, total, 1.0)
 
     # ---- feeding -------------------------------------------------------------------------
     def feed(self, keys, queries=None) -> np.ndarray | None:
@@ -197,7 +218,11 @@ class Engine:
                 self._head = (self._head + 1) % W
                 self.ring_queries[:, self._head] = queries[:, i]
             dots = self.ring_queries.reshape(R, W * G, D) @ self.keys[:, :end].transpose(0, 2, 1)
-            self.ring_logits[..., :end] = self._scaled(dots.reshape(R, W, G, end))
+            logits = self._scaled(dots.reshape(R, W, G, end))
+            self.ring_shift = self._peak(logits)
+            weights = self.xp.exp(logits - self.ring_shift[..., None])
+            self.ring_weights[..., :end] = weights
+            self.ring_total = weights.sum(axis=-1)
         return n
 
     def step(self, key: np.ndarray, query: np.ndarray) -> None:
@@ -216,15 +241,27 @@ class Engine:
         if self.rule.attention:
             R, W, G, D = self.ring_queries.shape
             self.keys[r, slot] = key
-            column = self.ring_queries.reshape(R, W * G, D) @ key[:, :, None]  # window vs key
-            self.ring_logits[r, :, :, slot] = self._scaled(column.reshape(R, W, G))
-            self._head = (self._head + 1) % W
-            self.ring_queries[:, self._head] = query
-            row = self.keys[:, :n] @ query.transpose(0, 2, 1)  # (R, n, G): stored vs queries
-            self.ring_logits[:, self._head, :, :n] = self._scaled(row.transpose(0, 2, 1))
+            # the window's queries against the new key: a new column of numerators
+            column = self.ring_queries.reshape(R, W * G, D) @ key[:, :, None]
+            column = self._scaled(column.reshape(R, W, G)) - self.ring_shift
+            column = self.xp.exp(self.xp.minimum(column, self.max_exponent))
+            self.ring_total = self.ring_total - self.ring_weights[r, :, :, slot] + column
+            self.ring_weights[r, :, :, slot] = column
+            # the new queries against every stored key: a new row, replacing the oldest
+            self._head = h = (self._head + 1) % W
+            self.ring_queries[:, h] = query
+            row = self._scaled(self.keys[:, :n] @ query.transpose(0, 2, 1)).transpose(0, 2, 1)
+            self.ring_shift[:, h] = shift = self._peak(row)
+            self.ring_weights[:, h, :, :n] = weights = self.xp.exp(row - shift[..., None])
+            self.ring_total[:, h] = weights.sum(axis=-1)
         self.seen += 1
         self.rule.observe(self)
         self.dead = self._select() if self.rule.evicts and n > self.config.budget else None
+
+    def _peak(self, logits):
+        """Row max of the logits (0 for a row without a finite logit)."""
+        peak = logits.max(axis=-1)
+        return peak if self.finite else self.xp.where(self.xp.isfinite(peak), peak, 0.0)
 
     def _scaled(self, dots):
         """Logits from dot products (finite keys give finite float64 dot products)."""
@@ -242,7 +279,14 @@ class Engine:
         return xp.where(tied, positions, self.no_position).argmin(axis=1)
 
     # ---- persistence ---------------------------------------------------------------------
-    HOST_ARRAYS = ("positions", "accumulated", "ring_logits", "ring_queries")
+    HOST_ARRAYS = (
+        "positions",
+        "accumulated",
+        "ring_queries",
+        "ring_weights",
+        "ring_shift",
+        "ring_total",
+    )
     INTEGER_ARRAYS = ("positions", "scalars", "dead")
 
     def state(self) -> dict[str, np.ndarray]:

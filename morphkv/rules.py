@@ -15,30 +15,6 @@ from typing import Any
 Array = Any  # numpy.ndarray or mlx.core.array
 
 
-def _exp(xp, logits: Array, finite: bool = False) -> tuple[Array, Array]:
-    """exp(logits - row max) and its row sums (1 where a row has no finite logit).
-    ``finite`` promises finite logits, which skips the guards."""
-    peak = logits.max(axis=-1, keepdims=True)
-    if finite:
-        weights = xp.exp(logits - peak)
-        return weights, weights.sum(axis=-1)
-    weights = xp.exp(logits - xp.where(xp.isfinite(peak), peak, 0.0))
-    total = weights.sum(axis=-1)
-    return weights, xp.where(total > 0, total, 1.0)
-
-
-def softmax(xp, logits: Array) -> Array:
-    """Softmax over the last axis; a row with no finite logit gets all zeros."""
-    weights, total = _exp(xp, logits)
-    return weights / total[..., None]
-
-
-def group_attention(xp, logits: Array) -> Array:
-    """(..., groups, slots) logits -> (..., slots): softmax per query head, summed over the
-    query heads that share the KV head (the paper's GQA rule)."""
-    return softmax(xp, logits).sum(axis=-2)
-
-
 class Rule:
     """Base rule. ``attention`` says whether the engine must keep attention logits."""
 
@@ -99,14 +75,12 @@ class WindowAttention(Rule):
         self.newest_only = newest_only
 
     def score(self, engine) -> Array:
-        xp = engine.xp
         if self.newest_only:
-            return group_attention(xp, engine.newest_logits())
-        logits = engine.window_logits()  # (rows, window, groups, slots)
+            return engine.newest_probs().sum(axis=1)  # GQA: summed over the group
+        weights, total = engine.window_weights()  # (rows, window, groups, slots), (r, w, g)
         if self.fusion == "max":
-            return group_attention(xp, logits).max(axis=1)
-        R, W, G, J = logits.shape  # mean over the window, as one batched matvec
-        weights, total = _exp(xp, logits, engine.finite)
+            return (weights / total[..., None]).sum(axis=2).max(axis=1)
+        R, W, G, J = weights.shape  # mean over the window of the group sums: one matvec
         return ((1.0 / total.reshape(R, 1, W * G)) @ weights.reshape(R, W * G, J))[:, 0] / W
 
 
@@ -117,7 +91,7 @@ class Cumulative(Rule):
     observes = True
 
     def observe(self, engine) -> None:
-        newest = group_attention(engine.xp, engine.newest_logits())
+        newest = engine.newest_probs().sum(axis=1)
         engine.accumulated[:, : engine.slots] = engine.accumulated[:, : engine.slots] + newest
 
     def score(self, engine) -> Array:
