@@ -304,6 +304,26 @@ def generation_section(result: dict) -> str:
             "greedy trajectory can fall into (or out of) a loop for reasons unrelated to the "
             "cache rule."
         )
+    prompts = sorted({r["prompt"] for r in result["rows"]})
+    if len(prompts) > 1:
+        per = []
+        for arm, b in [(r[0], None if r[1] == "-" else r[1]) for r in body]:
+            cells = {
+                r["prompt"]: r["rep10"]
+                for r in result["rows"]
+                if r["arm"] == arm and r["budget"] == b
+            }
+            per.append(
+                [arm, b if b is not None else "-"] + [cells.get(p, float("nan")) for p in prompts]
+            )
+        lines += [
+            "",
+            "10-gram repetition per prompt (the spread between prompts is as large as the "
+            "spread between arms):",
+            "",
+            markdown_table(["arm", "budget", *[f"prompt {p}" for p in prompts]], per),
+            "",
+        ]
     full = [r for r in body if r[0] == "full"]
     if full:
         f_rep = full[0][3]
