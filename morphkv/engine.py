@@ -16,7 +16,9 @@ does not change a decision in practice), then scaled by ``1/sqrt(head_dim)``.
 
 from __future__ import annotations
 
+import ctypes
 import math
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -24,6 +26,35 @@ import numpy as np
 
 from .config import KVCacheConfig
 from .rules import make_rule
+
+
+class _OneBlasThread:
+    """Context in which NumPy's bundled OpenBLAS uses one thread. The engine's host matmuls
+    are small; with that thread pool running beside MLX's they stalled decoding for up to
+    seconds per token on a 2-core machine (measured). Restores the caller's setting."""
+
+    def __init__(self) -> None:
+        self.get = self.set = None
+        for lib in (Path(np.__file__).parent.parent / "numpy.libs").glob("libscipy_openblas*"):
+            try:
+                handle = ctypes.CDLL(str(lib))
+                self.get = handle.scipy_openblas_get_num_threads64_
+                self.set = handle.scipy_openblas_set_num_threads64_
+            except (OSError, AttributeError):
+                continue
+            break
+
+    def __enter__(self) -> None:
+        if self.set is not None:
+            self.previous = self.get()
+            self.set(1)
+
+    def __exit__(self, *exc) -> None:
+        if self.set is not None:
+            self.set(self.previous)
+
+
+_one_blas_thread = _OneBlasThread()
 
 TIE_RTOL = 1e-9  # scores this close (relative) to the minimum count as tied; oldest goes
 
@@ -184,7 +215,7 @@ class Engine:
             self.finite = bool(np.isfinite(keys).all() and np.isfinite(queries).all())
         C = keys.shape[1]
         evicted = np.full((self.rows, C), -1, np.int64) if host else None
-        with np.errstate(invalid="ignore", over="ignore"):  # non-finite keys: see _clean
+        with _one_blas_thread, np.errstate(invalid="ignore", over="ignore"):  # see _clean
             start = self._append_block(keys, queries) if self.dead is None else 0
             for i in range(start, C):
                 self.step(keys[:, i], queries[:, i])
@@ -197,13 +228,14 @@ class Engine:
 
     def _append_block(self, keys: np.ndarray, queries: np.ndarray) -> int:
         """Append, in one go, the leading tokens that cause no eviction and need no per-token
-        observation; return how many were taken."""
+        observation; return how many were taken. Rebuilding the ring costs a matmul over every
+        slot, so a few tokens (a decode step) take the incremental per-token path instead."""
         C = keys.shape[1]
         if self.rule.observes:
             return 0  # the rule watches every token (h2o)
         room = C if not self.rule.evicts else max(0, self.config.budget - self.slots)
         n = min(C, room)
-        if n == 0:
+        if n == 0 or (self.rule.attention and n <= self.config.window):
             return 0
         start, end = self.slots, self.slots + n
         if end > self.capacity:
