@@ -1,6 +1,7 @@
 """``morphkv`` command line: ``morphkv <command> [options]``.
 
-Adding a command is one line in ``COMMANDS``: a name and a module exposing
+Adding a command is one line in ``COMMANDS``: a name ("bench speed" nests under "bench") and
+a module exposing
 ``add_arguments(parser)`` and ``run(args) -> int | None``; the first line of the module's
 docstring is its help text.
 """
@@ -14,12 +15,19 @@ from pathlib import Path
 
 COMMANDS: list[tuple[str, str]] = [
     ("generate", "morphkv.generate"),
+    ("bench mechanism", "morphkv.bench.mechanism"),
+    ("bench speed", "morphkv.bench.speed"),
+    ("eval fidelity", "morphkv.bench.fidelity"),
+    ("eval generation", "morphkv.bench.generation"),
+    ("report", "morphkv.bench.report"),
 ]
 
 
 def _help_of(module) -> str:
-    doc = (module.__doc__ or "").strip()
-    return doc.splitlines()[0] if doc else ""
+    """The first sentence of the module docstring."""
+    paragraph = (module.__doc__ or "").strip().split("\n\n")[0]
+    sentence = " ".join(paragraph.split()).split(". ")[0]
+    return sentence.rstrip(".")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,10 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"morphkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    groups: dict[str, argparse._SubParsersAction] = {}
     for name, module_name in COMMANDS:
         module = importlib.import_module(module_name)
         help_text = _help_of(module)
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        *group, leaf = name.split()
+        target = sub
+        if group:  # "bench speed": a subcommand of the "bench" group
+            if group[0] not in groups:
+                p = sub.add_parser(group[0], help=f"{group[0]} commands")
+                groups[group[0]] = p.add_subparsers(dest=f"{group[0]}_command", metavar="NAME")
+                groups[group[0]].required = True
+            target = groups[group[0]]
+        p = target.add_parser(leaf, help=help_text, description=help_text)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser

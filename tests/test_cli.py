@@ -279,3 +279,19 @@ def test_console_script_help():
     )
     assert proc.returncode == 0, proc.stderr
     assert "generate" in proc.stdout
+
+
+def test_bench_and_eval_commands_are_registered(tmp_path):
+    from morphkv.cli import build_parser, main
+
+    parser = build_parser()
+    for argv in (
+        ["bench", "speed", "--quick"],
+        ["eval", "fidelity", "--quick"],
+        ["eval", "generation", "--quick"],
+        ["bench", "mechanism", "--quick"],
+    ):
+        assert callable(parser.parse_args(argv)._run)
+    out = tmp_path / "mech"
+    assert main(["bench", "mechanism", "--quick", "--out", str(out)]) == 0
+    assert (out / "mechanism.json").exists() and (out / "mechanism.png").exists()

@@ -1,4 +1,4 @@
-"""Speed and memory at length (issue 6): decode tokens/s, MLX memory and stored KV bytes as the
+"""Speed and memory at length: decode tokens/s, MLX memory and stored KV bytes as the
 context grows, for mlx_lm's own caches and the MorphKV eviction family at one budget.
 
 Decode is measured teacher-forced: a short prompt is prefilled, then real text (Python's
