@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from .builder import patch_model
-from .cache import MorphKVCache, _Chunk, _to_numpy
+from .cache import MorphKVCache, _Chunk
 from .config import KVCacheConfig
 from .hooks import _ATTACHED
 
@@ -78,19 +78,16 @@ def _make_hook(original):
 
 
 def _exact_mask(cache: MorphKVCache, queries: mx.array, mask):
-    """Feed the cache's engine (with queries when scoring by attention); return the mask for
-    this chunk: mlx_lm's own for one token, the liveness mask for several."""
-    B, n_heads, C, D = queries.shape
+    """Hand the cache this layer's queries (attention scoring); return the mask for the
+    chunk: mlx_lm's own for one token (the engine runs later, see ``MorphKVCache._flush``),
+    the liveness mask for several (which needs the engine's decisions now)."""
+    B, n_heads, C, _ = queries.shape
     H = cache.keys.shape[1]
-    engine_queries = None
     if cache.config.scoring == "attention" and not cache._chunk.fed:
-        q = queries if cache.engine.xp is mx else _to_numpy(queries)
-        q = q.reshape(B, H, n_heads // H, C, D).transpose(0, 1, 3, 2, 4)
-        engine_queries = q.reshape(B * H, C, n_heads // H, D)
-    chunk = cache._flush(engine_queries)
+        cache._chunk.queries = queries
     if C == 1:
         return mask
-    visible = mx.array(_liveness(chunk, C))  # (B*H, C, rows)
+    visible = mx.array(_liveness(cache._flush(), C))  # (B*H, C, rows)
     rows = visible.shape[-1]
     visible = mx.broadcast_to(visible.reshape(B, H, 1, C, rows), (B, H, n_heads // H, C, rows))
     return visible.reshape(B, n_heads, C, rows)

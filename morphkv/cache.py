@@ -49,13 +49,14 @@ def _unpack(a: mx.array, dtype) -> np.ndarray:
 class _Chunk:
     """One update: what the engine must see, and what exact attention needs to know."""
 
-    keys: np.ndarray | None  # (rows, C, head_dim) host copy, until fed
+    keys: mx.array | None  # (B, n_kv_heads, C, head_dim), until fed
     dead: np.ndarray | None  # slot per row that the first new token overwrote
     before: int  # slots in use before the update
     first: int  # absolute position of the first new token
     old_positions: np.ndarray | None  # (rows, before) positions before a multi-token update
     rows: int = 0  # rows of the returned keys
     fetched: tuple | None = None  # the returned keys and values, until compacted
+    queries: mx.array | None = None  # (B, n_heads, C, head_dim), attention scoring only
     fed: bool = False  # the engine has seen it
     evicted: np.ndarray | None = None  # (rows, C) position evicted at each step, -1 if none
 
@@ -100,7 +101,7 @@ class MorphKVCache(mlx_cache._BaseCache):
         on_device = C == 1 and self.decode_on_device
         engine = self.engine.to(mx if on_device else np)
         chunk = _Chunk(
-            keys=(keys if on_device else _to_numpy(keys)).reshape(B * H, C, D),
+            keys=keys,
             dead=engine.dead,
             before=engine.slots,
             first=engine.seen,
@@ -108,26 +109,37 @@ class MorphKVCache(mlx_cache._BaseCache):
         )
         chunk.rows = self._place(keys, values, engine.dead)
         chunk.fetched = fetched = self._fetch(chunk.rows)
-        self._chunk = chunk
+        self._chunk = chunk  # the engine sees it later: see _flush
         self.offset += C
-        if self.config.scoring == "proxy":
-            self._flush()
         return fetched
 
-    def _flush(self, queries: np.ndarray | None = None) -> _Chunk | None:
-        """Run the selection engine over the last update (with the real queries (rows, C,
-        groups, head_dim) in attention scoring) and compact the storage if slots were reused
-        inside the chunk. Returns the chunk record, its ``evicted`` filled in."""
+    def _flush(self) -> _Chunk | None:
+        """Run the selection engine over the last update and compact the storage if slots
+        were reused inside it. Returns the chunk record, its ``evicted`` filled in.
+
+        This runs when the result is first needed: by the attention hook for a multi-token
+        chunk (its mask needs the evictions), else at the next update or read. By then a
+        decode step's keys (and queries) have been computed, so reading them on the host does
+        not cut the model's graph into one evaluation per layer."""
         chunk = self._chunk
         if chunk is None or chunk.fed:
             return chunk
-        if queries is None and self.config.scoring == "attention":
+        if chunk.queries is None and self.config.scoring == "attention":
             raise RuntimeError("attention scoring: the cache was read before its queries came")
-        chunk.evicted = self.engine.feed(chunk.keys, queries)
+        B, H, C, D = chunk.keys.shape
+        keys, queries = chunk.keys.reshape(B * H, C, D), chunk.queries
+        if queries is not None:  # (B, H*G, C, D) -> (B*H, C, G, D): G query heads per KV head
+            G = queries.shape[1] // H
+            queries = queries.reshape(B, H, G, C, D).transpose(0, 1, 3, 2, 4)
+            queries = queries.reshape(B * H, C, G, D)
+        if self.engine.xp is np:
+            keys = _to_numpy(keys)
+            queries = None if queries is None else _to_numpy(queries)
+        chunk.evicted = self.engine.feed(keys, queries)
         chunk.fed = True
         if self.engine.slots < chunk.rows:
             self._compact(chunk.fetched, chunk.dead, chunk.before, chunk.first)
-        chunk.keys = chunk.fetched = None
+        chunk.keys = chunk.queries = chunk.fetched = None
         return chunk
 
     def _place(self, keys: mx.array, values: mx.array, dead: np.ndarray | None) -> int:

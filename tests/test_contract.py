@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler
 
 from morphkv import METHODS, KVCacheBuilder, KVCacheConfig, patch_model, unpatch_model
+from morphkv.bench._util import tiny_llama
 
 SMALL = dict(morphkv_budget=12, morphkv_n_sink=2, morphkv_window=3)
 
@@ -22,23 +22,6 @@ def random_kv(T=40, B=1, H=2, D=8, dtype=mx.float32, seed=0):
     k = mx.array(rng.standard_normal((B, H, T, D)).astype(np.float32)).astype(dtype)
     v = mx.array(rng.standard_normal((B, H, T, D)).astype(np.float32)).astype(dtype)
     return k, v
-
-
-def tiny_llama(seed=0):
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=256,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
 
 
 # ---- config --------------------------------------------------------------------------------
@@ -115,8 +98,9 @@ def test_make_mask_matches_returned_layout():
 
 # ---- bad input loses nothing ---------------------------------------------------------------
 def snapshot(cache):
+    kept = cache.kept_positions.copy()  # reading it first runs any pending engine step
     k, v = cache._fetch()
-    return (np.array(k), np.array(v), cache.kept_positions.copy(), cache.offset)
+    return (np.array(k), np.array(v), kept, cache.offset)
 
 
 @pytest.mark.parametrize(
