@@ -127,14 +127,15 @@ class MorphKVCache(mlx_cache._BaseCache):
         if chunk.queries is None and self.config.scoring == "attention":
             raise RuntimeError("attention scoring: the cache was read before its queries came")
         B, H, C, D = chunk.keys.shape
-        keys, queries = chunk.keys.reshape(B * H, C, D), chunk.queries
+        keys, queries = chunk.keys, chunk.queries
+        if self.engine.xp is np:  # reshape on the host: no extra MLX op to evaluate
+            keys = _to_numpy(keys)
+            queries = None if queries is None else _to_numpy(queries)
+        keys = keys.reshape(B * H, C, D)
         if queries is not None:  # (B, H*G, C, D) -> (B*H, C, G, D): G query heads per KV head
             G = queries.shape[1] // H
             queries = queries.reshape(B, H, G, C, D).transpose(0, 1, 3, 2, 4)
             queries = queries.reshape(B * H, C, G, D)
-        if self.engine.xp is np:
-            keys = _to_numpy(keys)
-            queries = None if queries is None else _to_numpy(queries)
         chunk.evicted = self.engine.feed(keys, queries)
         chunk.fed = True
         if self.engine.slots < chunk.rows:

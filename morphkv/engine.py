@@ -282,7 +282,7 @@ class Engine:
             # the new queries against every stored key: a new row, replacing the oldest
             self._head = h = (self._head + 1) % W
             self.ring_queries[:, h] = query
-            row = self._scaled(self.keys[:, :n] @ query.transpose(0, 2, 1)).transpose(0, 2, 1)
+            row = self._scaled(query @ self.keys[:, :n].transpose(0, 2, 1))  # (R, G, n)
             self.ring_shift[:, h] = shift = self._peak(row)
             self.ring_weights[:, h, :, :n] = weights = self.xp.exp(row - shift[..., None])
             self.ring_total[:, h] = weights.sum(axis=-1)
