@@ -306,6 +306,16 @@ class MorphKVCache(mlx_cache._BaseCache):
         """Bytes of the K/V storage (budget + 1 rows once full: one slot awaits reuse)."""
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of the selection engine's own state (positions, scores, the float64 copy of
+        the stored keys and the window's queries and softmax terms for attention rules)."""
+        if self.engine is None:
+            return 0
+        return sum(
+            getattr(a, "nbytes", 0) for a in (getattr(self.engine, n, None) for n in Engine.ARRAYS)
+        )
+
     def size(self) -> int:
         return self.tokens_kept
 
