@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        rc = args._run(args)
+        rc = vars(args).pop("_run")(args)  # the Namespace stays plain data (JSON-able)
     except ModelUnavailableError as e:
         print(f"morphkv: error: {e}", file=sys.stderr)
         return 2

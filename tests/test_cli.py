@@ -295,3 +295,7 @@ def test_bench_and_eval_commands_are_registered(tmp_path):
     out = tmp_path / "mech"
     assert main(["bench", "mechanism", "--quick", "--out", str(out)]) == 0
     assert (out / "mechanism.json").exists() and (out / "mechanism.png").exists()
+    out = tmp_path / "speed"  # its JSON records the parsed arguments: they must stay plain data
+    argv = ["bench", "speed", "--quick", "--model", "random-tiny", "--in-process", "--out"]
+    assert main([*argv, str(out)]) == 0
+    assert list(out.glob("*.json")) and list(out.glob("*.png"))
