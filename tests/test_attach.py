@@ -9,11 +9,11 @@ import pytest
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models import llama
 from reference import reference_kept
-from test_contract import tiny_llama
 
 import morphkv
 from morphkv import METHODS, KVCacheBuilder, KVCacheConfig
 from morphkv.attach import _exact_mask
+from morphkv.bench._util import tiny_llama
 
 CONFIG = dict(morphkv_budget=20, morphkv_n_sink=2, morphkv_window=4)
 PROMPT = mx.array([[(7 * i + 3) % 251 + 1 for i in range(70)]])

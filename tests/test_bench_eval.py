@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import llama
 
 from morphkv.bench import fidelity as F
 from morphkv.bench import generation as G
 from morphkv.bench import texts as T
+from morphkv.bench._util import tiny_llama
 
 
 class ByteTokenizer:
@@ -29,20 +28,7 @@ class ByteTokenizer:
 
 @pytest.fixture(scope="module")
 def tiny():
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=256,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
+    return tiny_llama()
 
 
 def _args(module, *argv):

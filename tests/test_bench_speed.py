@@ -7,6 +7,7 @@ import argparse
 import json
 
 from morphkv.bench import speed
+from morphkv.bench._util import tiny_llama
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -35,7 +36,7 @@ def _check_length_result(result: dict, out, arms: list[str]) -> None:
 
 
 def test_quick_in_process_with_model_object(tmp_path, capsys):
-    model = speed.tiny_model()
+    model = tiny_llama()
     args = _args("--quick", "--out", str(tmp_path))
     result = speed.execute(args, model=model)
     _check_length_result(result, tmp_path, list(speed.DEFAULT_ARMS))

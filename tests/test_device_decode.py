@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
-from test_contract import tiny_llama
 
 from morphkv import KVCacheBuilder, KVCacheConfig, MorphKVCache
+from morphkv.bench._util import tiny_llama
 
 CONFIG = dict(morphkv_budget=24, morphkv_n_sink=2, morphkv_window=4)
 

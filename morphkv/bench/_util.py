@@ -174,3 +174,25 @@ def csv_ints(text: str) -> list[int]:
 
 def csv_strs(text: str) -> list[str]:
     return [x.strip() for x in str(text).split(",") if x.strip()]
+
+
+def tiny_llama(seed: int = 0):
+    """A tiny random-weight mlx_lm llama (no download), for tests and smoke runs."""
+    import mlx.core as mx
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    mx.random.seed(seed)
+    model = Model(
+        ModelArgs(
+            model_type="llama",
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            vocab_size=256,
+        )
+    )
+    mx.eval(model.parameters())
+    return model

@@ -101,32 +101,14 @@ def _arms(args: argparse.Namespace) -> list[str]:
 
 
 # ---- model, text, caches --------------------------------------------------------------------
-def tiny_model(seed: int = 0):
-    """A tiny random-weight mlx_lm llama (no download), for tests and smoke runs."""
-    import mlx.core as mx
-    from mlx_lm.models.llama import Model, ModelArgs
-
-    mx.random.seed(seed)
-    model = Model(
-        ModelArgs(
-            model_type="llama",
-            hidden_size=64,
-            num_hidden_layers=2,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            rms_norm_eps=1e-5,
-            vocab_size=256,
-        )
-    )
-    mx.eval(model.parameters())
-    return model
 
 
 def load_model(name: str | None):
     """(model, tokenizer or None)."""
     if name == RANDOM_TINY:
-        return tiny_model(), None
+        from ._util import tiny_llama
+
+        return tiny_llama(), None
     from morphkv.model import load
 
     return load(name)
