@@ -7,9 +7,10 @@ the storage layout. A chunk of tokens is processed with the same per-token steps
 tokens, so any chunking of a stream makes identical decisions.
 
 Attention rules keep a ring of the last ``window`` queries (``groups`` query heads per KV
-head; the keys themselves in proxy scoring) and their logits against every stored slot: each
-step adds one row (the new queries against the stored keys) and one column (the window's
-queries against the new key), O(slots * head_dim) work, and the rule re-reads the ring.
+head; the keys themselves in proxy scoring) with their softmax numerators against every
+stored slot and the numerators' sums: each step adds one row (the new queries against the
+stored keys) and one column (the window's queries against the new key, replacing the evicted
+token's), O(slots * head_dim) work, and the rule reads probabilities off the ring.
 Logits are float64 dot products of the stored keys (exact products, so the order of summation
 does not change a decision in practice), then scaled by ``1/sqrt(head_dim)``.
 """
