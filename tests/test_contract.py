@@ -7,12 +7,10 @@ import copy
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.sample_utils import make_sampler
 
 from morphkv import METHODS, KVCacheBuilder, KVCacheConfig, patch_model, unpatch_model
-from morphkv.bench._util import tiny_llama
+from morphkv.bench._util import greedy_tokens, tiny_llama
 
 SMALL = dict(morphkv_budget=12, morphkv_n_sink=2, morphkv_window=3)
 
@@ -210,16 +208,8 @@ def test_mlx_lm_generation_end_to_end_with_chunked_prefill(method):
     config = KVCacheConfig(method=method, morphkv_budget=24, morphkv_n_sink=2, morphkv_window=4)
     caches = KVCacheBuilder.for_model(model, config)
     assert len(caches) == 2 and caches[0].config.head_dim == 16
-    prompt = mx.array(list(range(1, 60)))
-    steps = generate_step(
-        prompt,
-        model,
-        prompt_cache=caches,
-        prefill_step_size=16,
-        sampler=make_sampler(0.0),
-        max_tokens=20,
-    )
-    tokens = [int(token) for token, _ in steps]
+    prompt = list(range(1, 60))
+    tokens = greedy_tokens(model, caches, prompt, max_tokens=20, prefill_step_size=16)
     assert len(tokens) == 20
     assert caches[0].tokens_seen >= len(prompt)
     if method != "full":

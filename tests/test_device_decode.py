@@ -9,11 +9,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_sampler
 
 from morphkv import KVCacheBuilder, KVCacheConfig, MorphKVCache
-from morphkv.bench._util import tiny_llama
+from morphkv.bench._util import greedy_tokens, tiny_llama
 
 CONFIG = dict(morphkv_budget=24, morphkv_n_sink=2, morphkv_window=4)
 
@@ -21,16 +19,7 @@ CONFIG = dict(morphkv_budget=24, morphkv_n_sink=2, morphkv_window=4)
 def generate(model, config, prompt, on_device, monkeypatch):
     monkeypatch.setattr(MorphKVCache, "decode_on_device", on_device)
     caches = KVCacheBuilder.for_model(model, config)
-    steps = generate_step(
-        prompt,
-        model,
-        prompt_cache=caches,
-        prefill_step_size=16,
-        sampler=make_sampler(0.0),
-        max_tokens=30,
-    )
-    tokens = [int(t) for t, _ in steps]
-    return tokens, caches
+    return greedy_tokens(model, caches, prompt, max_tokens=30, prefill_step_size=16), caches
 
 
 @pytest.mark.parametrize("scoring", ["proxy", "attention"])
@@ -38,7 +27,7 @@ def generate(model, config, prompt, on_device, monkeypatch):
 def test_device_decode_matches_host_decode(method, scoring, monkeypatch):
     model = tiny_llama(seed=3)
     config = KVCacheConfig(method=method, scoring=scoring, **CONFIG)
-    prompt = mx.array([(5 * i + 1) % 250 + 1 for i in range(40)])
+    prompt = [(5 * i + 1) % 250 + 1 for i in range(40)]
     host_tokens, host = generate(model, config, prompt, False, monkeypatch)
     device_tokens, device = generate(model, config, prompt, True, monkeypatch)
     assert all(c.engine.on_device for c in device)  # decode left the state on the device

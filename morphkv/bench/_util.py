@@ -196,3 +196,20 @@ def tiny_llama(seed: int = 0):
     )
     mx.eval(model.parameters())
     return model
+
+
+def greedy_tokens(model, caches, prompt, max_tokens: int, prefill_step_size: int = 2048):
+    """Greedy token ids from mlx_lm's own ``generate_step`` with the given caches."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    steps = generate_step(
+        mx.array(prompt),
+        model,
+        prompt_cache=caches,
+        prefill_step_size=prefill_step_size,
+        sampler=make_sampler(0.0),
+        max_tokens=max_tokens,
+    )
+    return [int(token) for token, _ in steps]
