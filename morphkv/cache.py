@@ -66,10 +66,10 @@ class MorphKVCache(mlx_cache._BaseCache):
 
     # Single-token updates run the selection engine on the device (MLX, float32, no host
     # sync) on GPUs, and on the host (NumPy, float64) on the CPU, where host arrays are
-    # cheaper than MLX ops. MORPHKV_DEVICE_DECODE=1/0 forces the choice.
-    decode_on_device = (
-        os.environ.get("MORPHKV_DEVICE_DECODE", "1" if mx.default_device() == mx.gpu else "0")
-        == "1"
+    # cheaper than MLX ops. None: decide from the default device at each update;
+    # MORPHKV_DEVICE_DECODE=1/0 (or setting this attribute) forces the choice.
+    decode_on_device: bool | None = {"1": True, "0": False}.get(
+        os.environ.get("MORPHKV_DEVICE_DECODE", "")
     )
 
     def __init__(self, config: KVCacheConfig) -> None:
@@ -98,7 +98,8 @@ class MorphKVCache(mlx_cache._BaseCache):
             )
         if self.engine is None:
             self.engine = Engine(self.config, B * H, D)
-        on_device = C == 1 and self.decode_on_device
+        device = self.decode_on_device
+        on_device = C == 1 and (mx.default_device() == mx.gpu if device is None else device)
         engine = self.engine.to(mx if on_device else np)
         chunk = _Chunk(
             keys=keys,
@@ -304,12 +305,14 @@ class MorphKVCache(mlx_cache._BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes of the K/V storage (budget + 1 rows once full: one slot awaits reuse)."""
+        self._flush()  # a pending chunk is compacted first
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     @property
-    def host_nbytes(self) -> int:
-        """Bytes of the selection engine's own state (positions, scores, the float64 copy of
-        the stored keys and the window's queries and softmax terms for attention rules)."""
+    def engine_nbytes(self) -> int:
+        """Bytes of the selection engine's own state, on the host (float64) or, after device
+        decode steps, on the device (float32): positions, scores, the copy of the stored keys
+        and the window's queries and softmax terms for attention rules."""
         if self.engine is None:
             return 0
         return sum(
