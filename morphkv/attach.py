@@ -19,11 +19,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import mlx.core as mx
-import numpy as np
-
 from .builder import patch_model
-from .cache import MorphKVCache, _Chunk
 from .config import KVCacheConfig
 from .hooks import _ATTACHED
 
@@ -69,52 +65,10 @@ def detach(model: Any) -> Any:
 
 def _make_hook(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, MorphKVCache) and cache._chunk is not None:
-            mask = _exact_mask(cache, queries, mask)
+        prepare = getattr(cache, "prepare_attention", None)
+        if prepare is not None:  # a morphkv cache: it takes the queries, may change the mask
+            mask = prepare(queries, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.morphkv_original = original
     return scaled_dot_product_attention
-
-
-def _exact_mask(cache: MorphKVCache, queries: mx.array, mask):
-    """Hand the cache this layer's queries (attention scoring); return the mask for the
-    chunk: mlx_lm's own for one token (the engine runs later, see ``MorphKVCache._flush``),
-    the liveness mask for several (which needs the engine's decisions now)."""
-    B, n_heads, C, _ = queries.shape
-    H = cache.keys.shape[1]
-    if cache.config.scoring == "attention" and not cache._chunk.fed:
-        cache._chunk.queries = queries
-    if C == 1:
-        return mask
-    visible = mx.array(_liveness(cache._flush(), C))  # (B*H, C, rows)
-    rows = visible.shape[-1]
-    visible = mx.broadcast_to(visible.reshape(B, H, 1, C, rows), (B, H, n_heads // H, C, rows))
-    return visible.reshape(B, n_heads, C, rows)
-
-
-def _liveness(chunk: _Chunk, C: int) -> np.ndarray:
-    """(rows, C, fetched rows) bool: may query i of the chunk see fetched row j?"""
-    R, before = chunk.old_positions.shape
-    first = chunk.first
-    old = chunk.old_positions.copy()
-    had_dead = chunk.dead is not None
-    if had_dead:
-        old[np.arange(R), chunk.dead] = first  # the first new token took the dead slot
-    appended = np.arange(first + had_dead, first + C)
-    positions = np.concatenate([old, np.broadcast_to(appended, (R, appended.size))], axis=1)
-    # step at which each fetched row's token was evicted (C: not evicted in this chunk)
-    order = np.argsort(positions, axis=1)
-    sorted_positions = np.take_along_axis(positions, order, axis=1)
-    evicted_at = np.full(positions.shape, C, np.int64)
-    step_rows, steps = np.nonzero(chunk.evicted >= 0)
-    stride = first + C + 1  # offsetting each row by this keeps the flattened rows sorted
-    offsets = np.arange(R)[:, None] * stride
-    found = np.searchsorted(
-        (sorted_positions + offsets).ravel(), chunk.evicted[step_rows, steps] + step_rows * stride
-    )
-    evicted_at[step_rows, order[step_rows, found - step_rows * positions.shape[1]]] = steps
-    query_positions = first + np.arange(C)[None, :, None]
-    return (positions[:, None, :] <= query_positions) & (
-        evicted_at[:, None, :] >= np.arange(C)[None, :, None]
-    )

@@ -26,6 +26,7 @@ from mlx_lm.models.base import create_causal_mask
 from .config import KVCacheConfig
 from .engine import Engine
 from .hooks import hooks_attached
+from .liveness import liveness
 
 
 def _to_numpy(x: mx.array) -> np.ndarray:
@@ -113,6 +114,28 @@ class MorphKVCache(mlx_cache._BaseCache):
         self._chunk = chunk  # the engine sees it later: see _flush
         self.offset += C
         return fetched
+
+    def prepare_attention(self, queries: mx.array, scale: float, mask):
+        """Called by the attention hook (``morphkv.attach``) with this layer's queries
+        (B, n_heads, C, head_dim) and the scale the model uses. Keeps the queries for
+        attention scoring and returns the mask for the update: mlx_lm's own for one token (the
+        engine runs later, see ``_flush``), for several the liveness mask, which needs the
+        engine's decisions now: query i sees exactly what token-by-token feeding would store."""
+        chunk = self._chunk
+        if chunk is None:
+            return mask
+        if self.engine is not None:
+            self.engine.scale = float(scale)
+        if self.config.scoring == "attention" and not chunk.fed:
+            chunk.queries = queries
+        B, n_heads, C, _ = queries.shape
+        if C == 1:
+            return mask
+        H = self.keys.shape[1]
+        visible = mx.array(liveness(self._flush(), C))  # (B*H, C, rows)
+        rows = visible.shape[-1]
+        visible = mx.broadcast_to(visible.reshape(B, H, 1, C, rows), (B, H, n_heads // H, C, rows))
+        return visible.reshape(B, n_heads, C, rows)
 
     def _flush(self) -> _Chunk | None:
         """Run the selection engine over the last update and compact the storage if slots

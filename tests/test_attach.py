@@ -12,7 +12,6 @@ from reference import reference_kept
 
 import morphkv
 from morphkv import METHODS, KVCacheBuilder, KVCacheConfig
-from morphkv.attach import _exact_mask
 from morphkv.bench._util import tiny_llama
 
 CONFIG = dict(morphkv_budget=20, morphkv_n_sink=2, morphkv_window=4)
@@ -70,7 +69,7 @@ def test_attention_scores_match_numpy_reference_from_real_queries(model, method,
         k = mx.array(keys[:, :, t : t + 1])
         cache.update_and_fetch(k, k)
         q = mx.array(queries[:, :, :, t : t + 1].reshape(B, H * G, 1, D))
-        _exact_mask(cache, q, None)
+        cache.prepare_attention(q, D**-0.5, None)
     for b in range(B):
         for h in range(H):
             want = reference_kept(
