@@ -42,6 +42,7 @@ class _Chunk:
     """One update: what the engine must see, and what exact attention needs to know."""
 
     keys: mx.array | None  # (B, n_kv_heads, C, head_dim), until fed
+    values: mx.array | None  # the same for values (read by the engine with morphkv_value)
     dead: np.ndarray | None  # slot per row that the first new token overwrote
     before: int  # slots in use before the update
     first: int  # absolute position of the first new token
@@ -95,6 +96,7 @@ class MorphKVCache(mlx_cache._BaseCache):
         engine = self.engine.to(mx if on_device else np)
         chunk = _Chunk(
             keys=keys,
+            values=values if self.config.morphkv_value else None,
             dead=engine.dead,
             before=engine.slots,
             first=engine.seen,
@@ -142,20 +144,23 @@ class MorphKVCache(mlx_cache._BaseCache):
         if chunk.queries is None and self.config.scoring == "attention":
             raise RuntimeError("attention scoring: the cache was read before its queries came")
         B, H, C, D = chunk.keys.shape
-        keys, queries, stored = chunk.keys, chunk.queries, chunk.fetched[0]
+        keys, queries, stored, values = chunk.keys, chunk.queries, chunk.fetched[0], chunk.values
         if self.engine.xp is np:  # reshape on the host: no extra MLX op to evaluate
             keys, stored = _to_numpy(keys), _to_numpy(stored)
+            values = None if values is None else _to_numpy(values)
             queries = None if queries is None else _to_numpy(queries)
+        if values is not None:
+            values = values.reshape(B * H, C, -1)
         keys, stored = keys.reshape(B * H, C, D), stored.reshape(B * H, -1, D)
         if queries is not None:  # (B, H*G, C, D) -> (B*H, C, G, D): G query heads per KV head
             G = queries.shape[1] // H
             queries = queries.reshape(B, H, G, C, D).transpose(0, 1, 3, 2, 4)
             queries = queries.reshape(B * H, C, G, D)
-        chunk.evicted = self.engine.feed(keys, queries, stored)
+        chunk.evicted = self.engine.feed(keys, queries, stored, values)
         chunk.fed = True
         if self.engine.slots < chunk.rows:
             self._compact(chunk.fetched, chunk.dead, chunk.before, chunk.first)
-        chunk.keys = chunk.queries = chunk.fetched = None
+        chunk.keys = chunk.values = chunk.queries = chunk.fetched = None
         return chunk
 
     def _place(self, keys: mx.array, values: mx.array, dead: np.ndarray | None) -> int:

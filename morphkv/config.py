@@ -25,6 +25,9 @@ class KVCacheConfig:
         morphkv_recent: most recent tokens protected from eviction (>= window); ``None``
             means ``morphkv_window`` (the paper's rule). A larger value keeps a recency floor
             while the window's queries rank the older tokens.
+        morphkv_value: attention rules (morphkv, tova, h2o) multiply a token's attention score
+            by the norm of its value vector (what it would add to the output), as kvpress's
+            ExpectedAttention does.
         scoring: ``"attention"`` ranks by the model's real queries (needs the attention hook,
             ``morphkv.attach``, which ``KVCacheBuilder.for_model`` installs); ``"proxy"`` lets
             the stored keys stand in for queries (any cache, no hook); ``"auto"`` (default) is
@@ -39,6 +42,7 @@ class KVCacheConfig:
     morphkv_window: int = 8
     morphkv_fusion: str = "mean"
     morphkv_recent: int | None = None
+    morphkv_value: bool = False
     scoring: str = "auto"
     seed: int = 0
 
@@ -76,6 +80,12 @@ class KVCacheConfig:
             raise ValueError(f"morphkv_window must be >= 1, got {self.morphkv_window}")
         if self.morphkv_n_sink < 0:
             raise ValueError(f"morphkv_n_sink must be >= 0, got {self.morphkv_n_sink}")
+        if not isinstance(self.morphkv_value, bool):
+            raise ValueError(f"morphkv_value must be True or False, got {self.morphkv_value!r}")
+        if self.morphkv_value and self.method not in ("morphkv", "tova", "h2o"):
+            raise ValueError(
+                f"morphkv_value weights attention scores: method={self.method!r} has none"
+            )
         if self.morphkv_recent is not None:
             if not isinstance(self.morphkv_recent, int) or isinstance(self.morphkv_recent, bool):
                 raise ValueError(

@@ -31,6 +31,14 @@ from .rules import make_rule
 
 TIE_RTOL = 1e-9  # scores this close (relative) to the minimum count as tied; oldest goes
 BLOCK = 64  # queries per logits matmul inside a chunk
+HOST_DTYPES = {  # float arrays come back from the device (float32) in these dtypes
+    "accumulated": np.float64,
+    "value_norms": np.float32,
+    "ring": np.float16,
+    "ring_weights": np.float64,
+    "ring_shift": np.float64,
+    "ring_total": np.float64,
+}
 
 
 def _array_module(xp) -> tuple:
@@ -43,7 +51,7 @@ def _array_module(xp) -> tuple:
 class Engine:
     """Per-layer selection state for ``rows`` = batch * KV heads independent sequences."""
 
-    ARRAYS = ("positions", "accumulated", "dead", "row_index")
+    ARRAYS = ("positions", "accumulated", "value_norms", "dead", "row_index")
 
     def __init__(self, config: KVCacheConfig, rows: int, head_dim: int, real_queries: bool) -> None:
         self.config = config
@@ -62,6 +70,7 @@ class Engine:
         self.row_index = np.arange(rows)
         self.positions = np.zeros((rows, 0), np.int32)
         self.accumulated = np.zeros((rows, 0)) if self.rule.observes else None
+        self.value_norms = np.zeros((rows, 0), np.float32) if config.morphkv_value else None
         self.attention = None
         if self.rule.attention:
             self.attention = (CausalRows if real_queries else ProxyRows)(self)
@@ -87,12 +96,9 @@ class Engine:
                     continue
                 if xp is np:
                     a = np.array(a)
-                    if a.dtype == np.float32:
-                        a = a.astype(np.float64)
-                elif a.dtype == np.float64:
-                    a = mx.array(a.astype(np.float32))
+                    a = a.astype(HOST_DTYPES.get(name, a.dtype), copy=False)
                 else:
-                    a = mx.array(a)
+                    a = mx.array(a.astype(np.float32) if a.dtype == np.float64 else a)
                 setattr(owner, name, a)
         self.on_device = xp is mx
         if xp is not np:
@@ -134,6 +140,8 @@ class Engine:
         self.positions = xp.pad(self.positions, [(0, 0), (0, pad)])
         if self.accumulated is not None:
             self.accumulated = xp.pad(self.accumulated, [(0, 0), (0, pad)])
+        if self.value_norms is not None:
+            self.value_norms = xp.pad(self.value_norms, [(0, 0), (0, pad)])
         if self.attention is not None:
             self.attention.widen(pad)
         self.capacity = capacity
@@ -150,16 +158,24 @@ class Engine:
         dots = queries.reshape(R, Q * G, D) @ keys.transpose(0, 2, 1)
         return (dots * self.scale).reshape(R, Q, G, keys.shape[1])
 
-    def feed(self, keys, queries, stored):
+    def feed(self, keys, queries, stored, values=None):
         """Feed a chunk: keys (rows, C, D) in stream order, queries (rows, C, G, D) (None:
         the keys stand in, one group), ``stored`` (rows, N, D): the cache's storage after this
         update's keys were placed (for one token it is the slot layout; for a chunk its first
-        ``slots`` rows are the slots before the chunk). Arrays of ``self.xp``. On the host,
+        ``slots`` rows are the slots before the chunk), ``values`` (rows, C, Dv) (read only
+        with ``morphkv_value``). Arrays of ``self.xp``. On the host,
         returns (rows, C): the position each token's step evicted, -1 where none."""
         queries = keys[:, :, None] if queries is None else queries
         xp, C = self.xp, keys.shape[1]
         if xp is np and self.finite and self.rule.attention:
             self.finite = bool(np.isfinite(keys).all() and np.isfinite(queries).all())
+        host = xp is np
+        norms = None
+        if self.value_norms is not None:
+            v = values.astype(np.float32) if host else values.astype(mx.float32)
+            norms = xp.sqrt((v * v).sum(axis=-1))  # (rows, C)
+            if host:
+                norms = np.nan_to_num(norms, nan=0.0, posinf=float(np.finfo(np.float32).max))
         host = xp is np
         evicted = np.full((self.rows, C), -1, np.int64) if host else None
         with one_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
@@ -168,14 +184,14 @@ class Engine:
                 logits = None
                 if self.attention is not None:
                     logits = self._logits(queries, stored[:, : self.slots])[:, 0]
-                self._step(logits, slot)
+                self._step(logits, slot, None if norms is None else norms[:, 0])
                 if host and self.dead is not None:
                     evicted[:, 0] = self.positions[self.row_index, self.dead]
                 return evicted
-            self._feed_chunk(keys, queries, stored, evicted)
+            self._feed_chunk(keys, queries, stored, evicted, norms)
         return evicted
 
-    def _feed_chunk(self, keys, queries, stored, evicted) -> None:
+    def _feed_chunk(self, keys, queries, stored, evicted, norms) -> None:
         """Token-by-token steps; logits from one matmul per block of ``BLOCK`` queries against
         [the slots' keys at the block's start + the block's keys], gathered into slot order."""
         R, C, D = keys.shape
@@ -199,7 +215,7 @@ class Engine:
                     slot_column[r, slot] = n0 + i - start
                     index = slot_column[:, None, : self.slots]
                     step_logits = np.take_along_axis(logits[:, i - start], index, axis=2)
-                self._step(step_logits, slot)
+                self._step(step_logits, slot, None if norms is None else norms[:, i])
                 if self.dead is not None:
                     evicted[:, i] = self.positions[r, self.dead]
 
@@ -212,10 +228,12 @@ class Engine:
         self.slots += 1
         return self.xp.full((self.rows,), self.slots - 1, dtype=self.int)
 
-    def _step(self, logits, slot) -> None:
+    def _step(self, logits, slot, norm=None) -> None:
         """The token placed in ``slot`` arrives: rows, scores, eviction."""
         r = self.row_index
         self.positions[r, slot] = self.seen
+        if norm is not None:
+            self.value_norms[r, slot] = norm
         if self.attention is not None:
             self.head = (self.head + 1) % self.config.window
             self.attention.add(logits, slot, self.head)
@@ -233,6 +251,9 @@ class Engine:
         newest = self.seen - 1
         protected = (positions < self.config.n_sink) | (positions > newest - self.config.recent)
         xp = self.xp
-        scores = xp.where(protected, np.inf, self.rule.score(self).astype(self.float))
+        scores = self.rule.score(self).astype(self.float)
+        if self.value_norms is not None:
+            scores = scores * self.value_norms[:, : self.slots]
+        scores = xp.where(protected, np.inf, scores)
         tied = scores <= scores.min(axis=1, keepdims=True) * (1.0 + TIE_RTOL)
         return xp.where(tied, positions, self.no_position).argmin(axis=1).astype(self.int)

@@ -106,10 +106,10 @@ def restore(config: KVCacheConfig, rows: int, head_dim: int, stored_rows: int, s
     ordered = np.sort(kept, axis=1)
     _need(not (ordered[:, 1:] == ordered[:, :-1]).any(), "a position stored twice")
     _need(seen == 0 or bool((kept == seen - 1).any(axis=1).all()), "newest token missing")
-    for name, like in (("accumulated", (rows, capacity)),):
+    for name, dtype in (("accumulated", np.float64), ("value_norms", np.float32)):
         if name in saved:
             a = saved[name]
-            _need(a.shape == like and a.dtype == np.float64, f"{name} shape")
+            _need(a.shape == (rows, capacity) and a.dtype == dtype, f"{name} shape")
             _need(bool((a[:, :slots] >= 0).all()), f"{name} negative")
     _check_rows(engine, saved, rows, W, capacity, slots)
     engine.seen, engine.slots, engine.head, engine.finite = seen, slots, head, bool(finite)

@@ -31,14 +31,21 @@ def reference_kept(
     queries: np.ndarray | None = None,
     recent: int | None = None,
     scale: float | None = None,
+    values: np.ndarray | None = None,
 ) -> list[int]:
     """Positions kept after feeding ``keys`` (T, D) one token at a time.
 
     ``queries`` (T, G, D) are real queries (G per KV head): then token t's attention row is
     fixed when t arrives (softmax over the tokens stored then, summed over the G heads, rounded
     to float16) and the rules read those rows. By default the keys stand in for the queries
-    (G = 1) and every row is recomputed over the tokens stored now.
+    (G = 1) and every row is recomputed over the tokens stored now. ``recent`` protects the
+    last ``recent`` tokens instead of the last ``window``; with ``values`` (T, Dv) the
+    attention scores are multiplied by the values' float32 norms.
     """
+    norms = None
+    if values is not None:
+        v = np.asarray(values, np.float32)
+        norms = np.sqrt((v * v).sum(axis=-1)).astype(np.float64)
     keys = np.asarray(keys, np.float64)
     T, D = keys.shape
     real = queries is not None
@@ -76,6 +83,8 @@ def reference_kept(
             scores = probs.max(axis=0) if fusion == "max" else probs.sum(axis=0) / len(probs)
         else:
             raise ValueError(method)
+        if norms is not None:
+            scores = scores * norms[stored]
         candidates = [
             (s, p) for s, p in zip(scores, stored, strict=True) if p >= n_sink and p <= t - recent
         ]
