@@ -169,8 +169,10 @@ class MorphKVCache(mlx_cache._BaseCache):
         B, H, C, _ = keys.shape
         start = self.engine.slots
         if dead is not None:
-            slot = dead if isinstance(dead, mx.array) else mx.array(dead)  # no host sync
-            slot = slot.reshape(B, H, 1, 1).astype(mx.int32)
+            if isinstance(dead, mx.array):  # device decode: no host sync
+                slot = dead.reshape(B, H, 1, 1).astype(mx.int32)
+            else:
+                slot = mx.array(dead.reshape(B, H, 1, 1).astype(np.int32, copy=False))
             if C > 1:
                 first_k, first_v = keys[:, :, :1], values[:, :, :1]
                 keys, values = keys[:, :, 1:], values[:, :, 1:]

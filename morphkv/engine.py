@@ -19,6 +19,7 @@ on a GPU, where the host must not wait for the device; ``to(xp)`` moves the stat
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import mlx.core as mx
@@ -39,6 +40,11 @@ HOST_DTYPES = {  # float arrays come back from the device (float32) in these dty
     "ring_shift": np.float64,
     "ring_total": np.float64,
 }
+
+
+def _errors_ignored(finite: bool):
+    """NumPy's floating-point warnings off where non-finite logits may occur."""
+    return contextlib.nullcontext() if finite else np.errstate(invalid="ignore", over="ignore")
 
 
 def _array_module(xp) -> tuple:
@@ -147,23 +153,21 @@ class Engine:
         self.capacity = capacity
 
     def _logits(self, queries, keys):
-        """Scaled float64 (host) or float32 (device) logits (rows, Q, G, N)."""
-        xp = self.xp
+        """Scaled logits (rows, Q, G, N): float64 on the host (products of float32/float16
+        values are exact in float64), float32 on the device. The scale multiplies the
+        queries, the smaller operand."""
         R, Q, G, D = queries.shape
-        if xp is np:
-            queries = queries.astype(np.float64)
-            keys = keys.astype(np.float64)
-        else:
-            queries, keys = queries.astype(mx.float32), keys.astype(mx.float32)
-        dots = queries.reshape(R, Q * G, D) @ keys.transpose(0, 2, 1)
-        return (dots * self.scale).reshape(R, Q, G, keys.shape[1])
+        dtype = np.float64 if self.xp is np else mx.float32
+        queries = queries.astype(dtype).reshape(R, Q * G, D) * self.scale
+        dots = queries @ keys.astype(dtype).transpose(0, 2, 1)
+        return dots.reshape(R, Q, G, keys.shape[1])
 
     def feed(self, keys, queries, stored, values=None):
         """Feed a chunk: keys (rows, C, D) in stream order, queries (rows, C, G, D) (None:
         the keys stand in, one group), ``stored`` (rows, N, D): the cache's storage after this
         update's keys were placed (for one token it is the slot layout; for a chunk its first
         ``slots`` rows are the slots before the chunk), ``values`` (rows, C, Dv) (read only
-        with ``morphkv_value``). Arrays of ``self.xp``. On the host,
+        with ``morphkv_value``). Arrays of ``self.xp``. For a chunk (C > 1, on the host)
         returns (rows, C): the position each token's step evicted, -1 where none."""
         queries = keys[:, :, None] if queries is None else queries
         xp, C = self.xp, keys.shape[1]
@@ -176,18 +180,16 @@ class Engine:
             norms = xp.sqrt((v * v).sum(axis=-1))  # (rows, C)
             if host:
                 norms = np.nan_to_num(norms, nan=0.0, posinf=float(np.finfo(np.float32).max))
-        host = xp is np
-        evicted = np.full((self.rows, C), -1, np.int64) if host else None
-        with one_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
-            if C == 1:
-                slot = self._place()
-                logits = None
-                if self.attention is not None:
-                    logits = self._logits(queries, stored[:, : self.slots])[:, 0]
+        if C == 1:  # a decode step: small arrays, no BLAS threads, nothing to report
+            slot = self._place()
+            logits = None
+            if self.attention is not None:
+                logits = self._logits(queries, stored[:, : self.slots])[:, 0]
+            with _errors_ignored(self.finite):
                 self._step(logits, slot, None if norms is None else norms[:, 0])
-                if host and self.dead is not None:
-                    evicted[:, 0] = self.positions[self.row_index, self.dead]
-                return evicted
+            return None
+        evicted = np.full((self.rows, C), -1, np.int64)
+        with one_blas_thread(), _errors_ignored(self.finite):
             self._feed_chunk(keys, queries, stored, evicted, norms)
         return evicted
 
@@ -201,20 +203,24 @@ class Engine:
         for start in range(0, C, BLOCK):
             end = min(C, start + BLOCK)
             n0 = self.slots
-            logits = None
+            flat = None
             if self.attention is not None:
                 columns = np.concatenate([slot_keys[:, :n0], keys[:, start:end]], axis=1)
-                logits = self._logits(queries[:, start:end], columns)
-                slot_column = np.broadcast_to(np.arange(n0), (R, n0))
-                slot_column = np.pad(slot_column, [(0, 0), (0, end - start + 1)])
+                logits = self._logits(queries[:, start:end], columns)  # (R, b, G, N)
+                _, b, G, N = logits.shape
+                flat = logits.reshape(-1)
+                # flat index of (row r, step 0, head g, column of slot s); a step adds G * N
+                index = (r[:, None] * (b * G) + np.arange(G)[None, :])[..., None] * N
+                slot_column = np.zeros((R, self.capacity + end - start), np.int64)
+                slot_column[:, :n0] = np.arange(n0)
             for i in range(start, end):
                 slot = self._place()
                 slot_keys[r, slot] = keys[:, i]
                 step_logits = None
-                if logits is not None:
+                if flat is not None:
                     slot_column[r, slot] = n0 + i - start
-                    index = slot_column[:, None, : self.slots]
-                    step_logits = np.take_along_axis(logits[:, i - start], index, axis=2)
+                    at = index + slot_column[:, None, : self.slots] + (i - start) * G * N
+                    step_logits = flat.take(at)
                 self._step(step_logits, slot, None if norms is None else norms[:, i])
                 if self.dead is not None:
                     evicted[:, i] = self.positions[r, self.dead]
@@ -251,7 +257,7 @@ class Engine:
         newest = self.seen - 1
         protected = (positions < self.config.n_sink) | (positions > newest - self.config.recent)
         xp = self.xp
-        scores = self.rule.score(self).astype(self.float)
+        scores = self.rule.score(self)
         if self.value_norms is not None:
             scores = scores * self.value_norms[:, : self.slots]
         scores = xp.where(protected, np.inf, scores)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 Array = Any  # numpy.ndarray or mlx.core.array
 
 
@@ -76,11 +78,13 @@ class WindowAttention(Rule):
 
     def score(self, engine) -> Array:
         if self.newest_only:
-            return engine.newest_probs()
+            return engine.newest_probs().astype(engine.float)
         probs = engine.window_probs()  # (rows, window, slots), GQA: summed over the group
         if self.fusion == "max":
-            return probs.max(axis=1)
-        return probs.astype(engine.float).sum(axis=1) / probs.shape[1]
+            return probs.max(axis=1).astype(engine.float)
+        if engine.xp is not np:
+            return probs.astype(engine.float).sum(axis=1) / probs.shape[1]
+        return probs.sum(axis=1, dtype=engine.float) / probs.shape[1]
 
 
 class Cumulative(Rule):
