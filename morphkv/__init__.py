@@ -4,6 +4,7 @@ from .attach import attach, detach
 from .builder import KVCacheBuilder, patch_model, unpatch_model
 from .cache import MorphKVCache
 from .config import KVCacheConfig
+from .presets import PRESETS, recommended
 from .rules import METHODS
 
 __all__ = [
@@ -12,6 +13,8 @@ __all__ = [
     "KVCacheBuilder",
     "KVCacheConfig",
     "METHODS",
+    "PRESETS",
+    "recommended",
     "MorphKVCache",
     "patch_model",
     "unpatch_model",

@@ -101,3 +101,15 @@ def test_recent_protects_the_newest_tokens():
 def test_bad_knobs_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         KVCacheConfig(**kwargs).validate()
+
+
+def test_recommended_preset_is_valid_and_overridable():
+    from morphkv import PRESETS, recommended
+
+    config = recommended(128)
+    assert config.method == "morphkv" and config.budget == 128
+    assert config.recent == 64 and config.morphkv_value
+    assert recommended(256, morphkv_window=8).window == 8
+    assert PRESETS["paper"](128).recent == PRESETS["paper"](128).window == 8
+    with pytest.raises(ValueError, match="morphkv_budget must exceed"):
+        recommended(16)
