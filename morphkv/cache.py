@@ -266,6 +266,11 @@ class MorphKVCache(mlx_cache._BaseCache):
             )
         if not mx.issubdtype(keys.dtype, mx.floating):
             raise ValueError(f"keys must be floating point, got {keys.dtype}")
+        if 0 in (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]):
+            raise ValueError(
+                "batch, n_kv_heads and head_dim must be >= 1; got keys "
+                f"{tuple(keys.shape)} and values {tuple(values.shape)}"
+            )
         head_dim = self.config.head_dim
         if head_dim is not None and keys.shape[3] != head_dim:
             raise ValueError(f"keys have head_dim {keys.shape[3]} but config.head_dim={head_dim}")
