@@ -34,7 +34,7 @@ TIE_RTOL = 1e-9  # scores this close (relative) to the minimum count as tied; ol
 BLOCK = 64  # queries per logits matmul inside a chunk
 HOST_DTYPES = {  # float arrays come back from the device (float32) in these dtypes
     "accumulated": np.float64,
-    "value_norms": np.float32,
+    "value_norms": np.float16,
     "ring": np.float16,
     "ring_weights": np.float64,
     "ring_shift": np.float64,
@@ -76,7 +76,7 @@ class Engine:
         self.row_index = np.arange(rows)
         self.positions = np.zeros((rows, 0), np.int32)
         self.accumulated = np.zeros((rows, 0)) if self.rule.observes else None
-        self.value_norms = np.zeros((rows, 0), np.float32) if config.morphkv_value else None
+        self.value_norms = np.zeros((rows, 0), np.float16) if config.morphkv_value else None
         self.attention = None
         if self.rule.attention:
             self.attention = (CausalRows if real_queries else ProxyRows)(self)
@@ -177,9 +177,8 @@ class Engine:
         norms = None
         if self.value_norms is not None:
             v = values.astype(np.float32) if host else values.astype(mx.float32)
-            norms = xp.sqrt((v * v).sum(axis=-1))  # (rows, C)
-            if host:
-                norms = np.nan_to_num(norms, nan=0.0, posinf=float(np.finfo(np.float32).max))
+            norms = xp.sqrt((v * v).sum(axis=-1))  # (rows, C), stored as float16
+            norms = xp.minimum(xp.nan_to_num(norms, nan=0.0), 65504.0).astype(xp.float16)
         if C == 1:  # a decode step: small arrays, no BLAS threads, nothing to report
             slot = self._place()
             logits = None

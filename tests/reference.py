@@ -40,12 +40,13 @@ def reference_kept(
     to float16) and the rules read those rows. By default the keys stand in for the queries
     (G = 1) and every row is recomputed over the tokens stored now. ``recent`` protects the
     last ``recent`` tokens instead of the last ``window``; with ``values`` (T, Dv) the
-    attention scores are multiplied by the values' float32 norms.
+    attention scores are multiplied by the values' norms (float32, stored as float16).
     """
     norms = None
     if values is not None:
         v = np.asarray(values, np.float32)
-        norms = np.sqrt((v * v).sum(axis=-1)).astype(np.float64)
+        norms = np.minimum(np.nan_to_num(np.sqrt((v * v).sum(axis=-1))), 65504.0)
+        norms = norms.astype(np.float16).astype(np.float64)  # stored as float16
     keys = np.asarray(keys, np.float64)
     T, D = keys.shape
     real = queries is not None
