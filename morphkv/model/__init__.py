@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .gguf_header import GGUFError
 from .resolve import DEFAULT_MODEL_NAME, ModelUnavailableError, resolve_default_gguf
+
+# What a command line should catch around ``load``: one line, exit 2, no traceback.
+MODEL_ERRORS = (GGUFError, ModelUnavailableError, FileNotFoundError)
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "GGUFError",
+    "MODEL_ERRORS",
     "ModelUnavailableError",
     "load",
     "load_gguf_model",
