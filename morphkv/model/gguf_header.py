@@ -126,7 +126,10 @@ class _Reader:
         n = self.unpack("<Q", f"{what} length")
         if limit is not None and n > limit:
             raise GGUFError(f"GGUF {what} length {n} exceeds the limit {limit}")
-        self.need(n, what)
+        if n > self.remaining():
+            raise GGUFError(
+                f"GGUF {what} length {n} exceeds the {self.remaining()} bytes left in the file"
+            )
         raw = self.buf[self.pos : self.pos + n]
         self.pos += n
         try:
