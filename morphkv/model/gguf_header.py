@@ -265,6 +265,13 @@ def _parse(buf, size: int, path: str) -> GGUFHeader:
     return h
 
 
+def parse_header(data: bytes, name: str = "<bytes>") -> GGUFHeader:
+    """``read_header`` for a GGUF file already in memory."""
+    if len(data) < 24:
+        raise GGUFError(f"{name} is too small to be a GGUF file ({len(data)} bytes)")
+    return _parse(data, len(data), name)
+
+
 def read_header(path: str | Path) -> GGUFHeader:
     """Parse and bounds-check the header of the GGUF file at ``path`` (no tensor data read)."""
     path = str(path)

@@ -77,10 +77,20 @@ def build_hf_tokenizer(meta: dict[str, Any]):
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     merges_raw: list[str] = list(meta.get("tokenizer.ggml.merges", []))
     merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+    known = set(tokens)
+    for i, m in enumerate(merges):
+        if len(m) != 2 or not {m[0], m[1], m[0] + m[1]} <= known:
+            raise GGUFTokenizerError(
+                f"GGUF metadata tokenizer.ggml.merges[{i}]={merges_raw[i]!r} is not "
+                "'<left> <right>' with both parts and the merged token in the vocabulary"
+            )
     types = _get(meta, "tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = {t: i for i, t in enumerate(tokens)}
 
-    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise GGUFTokenizerError(f"GGUF tokenizer cannot be built: {str(e)[:200]}") from e
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = _pre_tokenizer(_get(meta, "tokenizer.ggml.pre"))
     tok.decoder = decoders.ByteLevel()
