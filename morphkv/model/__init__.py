@@ -27,7 +27,10 @@ def load_gguf_model(path: str | Path, *, rope_traditional: bool = True):
     from .tokenizer import build_tokenizer
 
     model, meta = load_gguf(path, rope_traditional=rope_traditional)
-    return model, build_tokenizer(meta)
+    try:
+        return model, build_tokenizer(meta)
+    except GGUFError as e:
+        raise GGUFError(f"{path}: {e}") from None
 
 
 def load(model: str | None = None, *, rope_traditional: bool = True):

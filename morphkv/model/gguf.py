@@ -31,8 +31,13 @@ GGUF_GROUP_SIZE = 32
 
 def check_gguf(path: str | Path) -> tuple[GGUFHeader, LlamaSpec]:
     """Parse and validate the header of ``path`` (nothing allocated beyond the header)."""
-    header = read_header(path)
-    return header, check_llama(header)
+    try:
+        header = read_header(path)
+        return header, check_llama(header)
+    except GGUFError as e:
+        if str(path) in str(e):
+            raise
+        raise GGUFError(f"{path}: {e}") from None
 
 
 def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
