@@ -43,6 +43,8 @@ _VALUE_TYPES = {
     11: ("int64", "<q"),
     12: ("float64", "<d"),
 }
+# value types mx.load (mlx 0.32) cannot read: a float64 value crashes it (SIGSEGV)
+_REFUSED_TYPES = {"float64": "not supported (mx.load crashes on float64 metadata)"}
 INT_TYPES = frozenset(("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"))
 FLOAT_TYPES = frozenset(("float32", "float64"))
 
@@ -157,6 +159,8 @@ def _value(r: _Reader, type_id: int, key: str, *, in_array: bool = False) -> Any
     if type_id not in _VALUE_TYPES:
         raise GGUFError(f"GGUF metadata {key!r} has unknown value type {type_id}")
     name, fmt = _VALUE_TYPES[type_id]
+    if name in _REFUSED_TYPES:
+        raise GGUFError(f"GGUF metadata {key!r} has value type {name}: {_REFUSED_TYPES[name]}")
     if fmt is not None:
         return r.unpack(fmt, f"metadata {key!r} value")
     if name == "string":
@@ -167,6 +171,10 @@ def _value(r: _Reader, type_id: int, key: str, *, in_array: bool = False) -> Any
     if elem not in _VALUE_TYPES:
         raise GGUFError(f"GGUF metadata {key!r} has unknown array element type {elem}")
     elem_name, elem_fmt = _VALUE_TYPES[elem]
+    if elem_name in _REFUSED_TYPES:
+        raise GGUFError(
+            f"GGUF metadata {key!r} is an array of {elem_name}: {_REFUSED_TYPES[elem_name]}"
+        )
     if elem_name == "array":
         raise GGUFError(f"GGUF metadata {key!r} is a nested array (not supported)")
     item = struct.calcsize(elem_fmt) if elem_fmt else 8
