@@ -227,3 +227,24 @@ def test_real_model_header_passes():
 
     _, spec = check_gguf(embedded_gguf_path())
     assert (spec.layers, spec.heads, spec.kv_heads, spec.vocab) == (30, 9, 3, 49152)
+
+
+def test_alignment_other_than_32_reads_the_same_tensors(tmp_path):
+    from morphkv.model.gguf import read_gguf
+    from morphkv.model.gguf_writer import write_gguf
+
+    paths = []
+    for align in (32, 64, 8):
+        extra = [Meta("general.alignment", "uint32", align)] if align != 32 else []
+        data, _ = write_gguf(tiny_llama_meta() + extra, tiny_llama_tensors(), align=align)
+        paths.append(tmp_path / f"a{align}.gguf")
+        paths[-1].write_bytes(data)
+    ref, _ = read_gguf(paths[0])
+    for p in paths[1:]:
+        got, _ = read_gguf(p)
+        assert set(got) == set(ref)
+        assert all((got[k] == ref[k]).all().item() for k in ref), p
+    bad, _ = write_gguf(tiny_llama_meta() + [Meta("general.alignment", "uint32", 48)], [])
+    (tmp_path / "bad.gguf").write_bytes(bad)
+    with pytest.raises(GGUFError, match="general.alignment=48"):
+        check_gguf(tmp_path / "bad.gguf")

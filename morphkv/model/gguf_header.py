@@ -124,7 +124,7 @@ class _Reader:
         self.pos += n
         return v
 
-    def string(self, what: str, limit: int | None = None, keep: bool = True) -> str | None:
+    def string(self, what: str, limit: int | None = None) -> str:
         n = self.unpack("<Q", f"{what} length")
         if limit is not None and n > limit:
             raise GGUFError(f"GGUF {what} length {n} exceeds the limit {limit}")
@@ -138,7 +138,7 @@ class _Reader:
             s = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise GGUFError(f"GGUF {what} is not valid UTF-8 ({e.reason})") from None
-        return s if keep else None
+        return s
 
     def remaining(self) -> int:
         return self.size - self.pos
@@ -155,7 +155,7 @@ def _count(r: _Reader, what: str, limit: int, min_item_bytes: int) -> int:
     return n
 
 
-def _value(r: _Reader, type_id: int, key: str, *, in_array: bool = False) -> Any:
+def _value(r: _Reader, type_id: int, key: str) -> Any:
     if type_id not in _VALUE_TYPES:
         raise GGUFError(f"GGUF metadata {key!r} has unknown value type {type_id}")
     name, fmt = _VALUE_TYPES[type_id]
@@ -164,9 +164,7 @@ def _value(r: _Reader, type_id: int, key: str, *, in_array: bool = False) -> Any
     if fmt is not None:
         return r.unpack(fmt, f"metadata {key!r} value")
     if name == "string":
-        return r.string(f"metadata {key!r} string", keep=not in_array)
-    if in_array:
-        raise GGUFError(f"GGUF metadata {key!r} is a nested array (not supported)")
+        return r.string(f"metadata {key!r} string")
     elem = r.unpack("<I", f"metadata {key!r} array type")
     if elem not in _VALUE_TYPES:
         raise GGUFError(f"GGUF metadata {key!r} has unknown array element type {elem}")
@@ -183,9 +181,32 @@ def _value(r: _Reader, type_id: int, key: str, *, in_array: bool = False) -> Any
         r.need(n * item, f"metadata {key!r} array")
         r.pos += n * item
     else:
-        for _ in range(n):
-            _value(r, elem, key, in_array=True)
+        _skip_strings(r, n, key)
     return GGUFArray(elem_name, n)
+
+
+def _skip_strings(r: _Reader, n: int, key: str) -> None:
+    """Walk ``n`` length-prefixed strings (bounds and UTF-8 checked, nothing kept)."""
+    buf, size, pos, unpack = r.buf, r.size, r.pos, struct.unpack_from
+    for i in range(n):
+        if pos + 8 > size:
+            r.pos = pos
+            r.need(8, f"metadata {key!r} string {i} length")
+        (ln,) = unpack("<Q", buf, pos)
+        pos += 8
+        if ln > size - pos:
+            raise GGUFError(
+                f"GGUF metadata {key!r} string {i} length {ln} exceeds the {size - pos} "
+                "bytes left in the file"
+            )
+        try:
+            buf[pos : pos + ln].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GGUFError(
+                f"GGUF metadata {key!r} string {i} is not valid UTF-8 ({e.reason})"
+            ) from None
+        pos += ln
+    r.pos = pos
 
 
 def _tensor_info(r: _Reader, index: int) -> tuple[str, tuple[int, ...], int, int]:

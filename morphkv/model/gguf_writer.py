@@ -70,9 +70,10 @@ def _pack_value(buf: bytearray, vtype: str, value: Any, elem: str | None) -> Non
 
 
 def write_gguf(
-    meta: list[Meta], tensors: list[Tensor], *, version: int = 3, seed: int = 0
+    meta: list[Meta], tensors: list[Tensor], *, version: int = 3, seed: int = 0, align: int = 32
 ) -> tuple[bytes, Layout]:
-    """The bytes of a GGUF file, and the layout of its header."""
+    """The bytes of a GGUF file, and the layout of its header (``align``: the data alignment,
+    also to be stated as ``general.alignment`` in ``meta`` when not 32)."""
     rng = np.random.default_rng(seed)
     lay = Layout()
     buf = bytearray(b"GGUF")
@@ -109,11 +110,11 @@ def write_gguf(
         put(f"tensor:{t.name}:type", "<I", _TENSOR_ID[t.ttype])
         put(f"tensor:{t.name}:offset", "<Q", offset)
         datas.append(data)
-        offset += -(-len(data) // 32) * 32
+        offset += -(-len(data) // align) * align
     lay.header_end = len(buf)
-    buf.extend(b"\0" * (-len(buf) % 32))
+    buf.extend(b"\0" * (-len(buf) % align))
     for data in datas:
-        buf.extend(data + b"\0" * (-len(data) % 32))
+        buf.extend(data + b"\0" * (-len(data) % align))
     return bytes(buf), lay
 
 
