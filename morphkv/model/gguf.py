@@ -6,6 +6,11 @@ bits per tensor), F16/F32 tensors as plain arrays. This module maps the llama.cp
 to mlx_lm's names, quantizes exactly the layers that are stored quantized (with the bits read
 from each tensor), and builds the hyperparameters from the GGUF metadata.
 
+Nothing reaches ``mx.load`` before ``check_gguf`` has read the header in pure Python and
+checked it (``gguf_header``: counts, lengths, dims, offsets, types; ``gguf_check``: the
+metadata and every tensor's shape describe a Llama model): ``mx.load`` trusts the header, and
+a crafted one crashes it or exhausts memory. Every failure is a ``GGUFError`` (a ValueError).
+
 llama.cpp stores the Q and K projections permuted for its interleaved ("traditional") RoPE
 layout, so the model must be built with ``rope_traditional=True``; the argument exists so a
 test can load it the wrong way on purpose.
@@ -51,7 +56,8 @@ def _mx_load(header: GGUFHeader) -> tuple[dict[str, mx.array], dict[str, Any]]:
     try:
         weights, meta = mx.load(header.path, return_metadata=True)
     except Exception as e:  # mx.load raises plain ValueError/RuntimeError
-        raise GGUFError(f"cannot read GGUF {header.path}: {e}") from e
+        first = (str(e).splitlines() or [type(e).__name__])[0][:300]
+        raise GGUFError(f"cannot read GGUF {header.path}: {first}") from e
     want = set()
     for name, t in header.tensors.items():
         if t.type_name.startswith("Q"):
