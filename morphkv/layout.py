@@ -47,8 +47,7 @@ def _is_global(cache: Any) -> bool:
 def count_global(caches: list) -> int:
     """Plain ``KVCache`` entries (full attention), ``CacheList`` entries looked into."""
     return sum(
-        count_global(list(c.caches)) if isinstance(c, CacheList) else _is_global(c)
-        for c in caches
+        count_global(list(c.caches)) if isinstance(c, CacheList) else _is_global(c) for c in caches
     )
 
 
