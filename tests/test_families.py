@@ -50,6 +50,7 @@ FAMILIES: dict[str, dict] = {
         sliding_window_pattern=3,
         query_pre_attn_scalar=3.0,
     ),
+    "smollm3": {},  # its model class reuses llama's attention: the llama module is hooked
     "starcoder2": {},
     "olmo2": {},
     "cohere": {},
@@ -134,6 +135,8 @@ def test_family_generates_with_its_own_layout(family):
     for mine, theirs in zip(caches, native, strict=True):  # only full attention is replaced
         assert _kinds(mine) == _kinds(theirs).replace("'KVCache'", "'MorphKVCache'")
     assert is_installed(model) == (family not in NOT_HOOKED)
+    scoring = "proxy" if family in NOT_HOOKED else "attention"  # what "auto" became
+    assert {c.config.scoring for c in morph_caches(caches)} == {scoring}
     assert bool(warned) == (family in NOT_HOOKED)
     tokens = greedy_tokens(model, caches, PROMPT, max_tokens=4, prefill_step_size=8)
     assert len(tokens) == 4
