@@ -180,7 +180,12 @@ def test_chunked_prefill_equals_token_by_token(family, scoring):
 
 def test_unhooked_family_warns_once_and_refuses_attention_scoring():
     model = tiny("gemma2")
-    assert build(model)[1] and not build(model)[1]  # once per model
+    caches, warned = build(model)
+    assert warned and "proxy" in warned[0] and "not exact" in warned[0]
+    want = feed(model, build(model)[0], 1)  # no second warning for this model
+    assert not build(model)[1]
+    got = feed(model, caches, 30)  # what the warning says: a chunk sees evicted tokens
+    assert np.abs(got[:, -1] - want[:, -1]).max() > 1e-3
     assert build(tiny("gemma2"))[1]  # another model: warned again
     with pytest.raises(ValueError, match="mlx_lm.models.gemma2"):
         KVCacheBuilder.for_model(model, replace(CONFIG, scoring="attention"))

@@ -23,7 +23,7 @@ TEXT = (
 MAX_TOKENS = 20
 PREFILL_STEP = 256  # the prompt in one chunk (evicting inside it): fewer collectives
 RANKS = 3
-TIMEOUT_S = 600  # seconds for all 3 ranks: ~30 s on an idle machine, 6 min seen on a loaded one
+TIMEOUT_S = 600  # all 3 ranks; took 6 min here at load average 18 on 2 cores
 ROOT = Path(__file__).resolve().parents[1]
 
 
