@@ -194,6 +194,9 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     model, tokenizer = load(args.model)
+    from .shard import shard_if_launched  # under mlx.launch: tensor-parallel, rank 0 prints
+
+    shard_if_launched(model)
     load_s = time.perf_counter() - t0
     prompt = build_prompt(tokenizer, text, args.chat, args.system_prompt)
     if not prompt:
