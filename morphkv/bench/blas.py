@@ -19,6 +19,7 @@ import time
 from . import plots
 from ._util import (
     RANDOM_TINY,
+    add_flags,
     environment,
     load_model,
     markdown_table,
@@ -89,10 +90,12 @@ def run_child(env: dict, args: argparse.Namespace) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", type=int, default=32, help="tokens to generate (default 32)")
-    parser.add_argument("--model", default=None, help="model (default: the embedded SmolLM2)")
-    parser.add_argument("--out", default=None, help="output folder (default results/blas)")
-    parser.add_argument("--quick", action="store_true", help="tiny run for tests/CI")
+    add_flags(parser, [
+        ("--tokens", 32, "tokens to generate"),
+        ("--model", None, "model (default: the embedded SmolLM2)"),
+        ("--out", None, "output folder (default results/blas)"),
+        ("--quick", False, "tiny run on a random-weight model for tests/CI"),
+    ])  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 

@@ -21,8 +21,7 @@ import mlx.core as mx
 from . import plots
 from ._util import (
     Progress,
-    csv_ints,
-    csv_strs,
+    add_flags,
     environment,
     load_model,
     markdown_table,
@@ -178,57 +177,30 @@ def tables(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (seconds)")
-    parser.add_argument(
-        "--full",
-        action="store_true",
-        help="wide run: 2 prose documents of 3,000 tokens, all conversations, the model's own "
-        "1,000-token continuation, budgets 64-512 (hours on a 2-core CPU)",
-    )
-    parser.add_argument("--out", default=None, help="output folder (default results/fidelity)")
-    parser.add_argument(
-        "--model", default=None, help="mlx_lm model path/repo or .gguf (default: embedded SmolLM2)"
-    )
-    parser.add_argument(
-        "--budgets", type=csv_ints, default=[64, 128, 256], help="default 64,128,256"
-    )
-    parser.add_argument(
-        "--arms",
-        type=csv_strs,
-        default=list(DEFAULT_ARMS),
-        help="comma separated arm specs: method[:fusion][:window][:attn] or "
-        "method:field=value:... with any KVCacheConfig field (e.g. morphkv:window=32:attn)",
-    )
-    parser.add_argument(
-        "--texts",
-        type=csv_strs,
-        default=["prose", "conversation"],
-        help="prose, conversation, continuation",
-    )
-    parser.add_argument("--prose-tokens", type=int, default=1100, help="default 1100")
-    parser.add_argument("--prose-docs", type=int, default=1, help="default 1")
-    parser.add_argument("--conversations", type=int, default=1, help="default 1")
-    parser.add_argument("--conversation-tokens", type=int, default=0, help="0 (default): whole")
-    parser.add_argument("--continuation-tokens", type=int, default=1000, help="default 1000")
-    parser.add_argument("--n-sink", type=int, default=N_SINK, help=f"default {N_SINK}")
-    parser.add_argument(
-        "--equal-bytes",
-        default=None,
-        metavar="ARM",
-        help="compare at equal total bytes: at each budget, every arm gets the budget at which "
-        "its caches hold what ARM's hold (measured), e.g. --equal-bytes streaming_llm",
-    )
-    parser.add_argument(
-        "--feed",
-        choices=["auto", "stacked", "step", "chunked"],
-        default="auto",
-        help="auto (default): exact chunks with morphkv.attach, else stacked token-by-token",
-    )
-    parser.add_argument("--chunk", type=int, default=256, help="chunk size (default 256)")
-    parser.add_argument(
-        "--no-full-arm", action="store_true", help="skip the token-by-token full-cache check arm"
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_flags(parser, [
+        ("--quick", False, "tiny smoke run (seconds)"),
+        ("--full", False, "wide run: 2 prose documents of 3,000 tokens, all conversations, the "
+         "model's own 1,000-token continuation, budgets 64-512 (hours on a 2-core CPU)"),
+        ("--out", None, "output folder (default results/fidelity)"),
+        ("--model", None, "mlx_lm model path/repo or .gguf (default: the embedded SmolLM2)"),
+        ("--budgets", [64, 128, 256], "budgets in tokens per KV head"),
+        ("--arms", list(DEFAULT_ARMS), "arm specs: method[:fusion][:window][:attn] or "
+         "method:field=value:... for any KVCacheConfig field, e.g. morphkv:window=32:attn"),
+        ("--texts", ["prose", "conversation"], "text kinds: prose, conversation, continuation"),
+        ("--prose-tokens", 1100, "tokens per prose document"),
+        ("--prose-docs", 1, "prose documents"),
+        ("--conversations", 1, "conversations"),
+        ("--conversation-tokens", 0, "tokens per conversation, 0: whole"),
+        ("--continuation-tokens", 1000, "tokens of the model's own continuation"),
+        ("--n-sink", N_SINK, "protected first tokens"),
+        ("--equal-bytes", None, "compare at equal total bytes: at each budget every arm gets the "
+         "budget at which its caches hold what this arm's hold (measured), e.g. streaming_llm"),
+        ("--feed", "auto", "auto: exact chunks with morphkv.attach, else stacked token-by-token",
+         ["auto", "stacked", "step", "chunked"]),
+        ("--chunk", 256, "chunk size of the chunked feed"),
+        ("--no-full-arm", False, "skip the full-cache check arm"),
+        ("--quiet", False, "no progress lines"),
+    ])  # fmt: skip
 
 
 def apply_presets(args: argparse.Namespace) -> None:

@@ -18,8 +18,8 @@ import mlx.core as mx
 from . import plots
 from ._util import (
     Progress,
+    add_flags,
     csv_ints,
-    csv_strs,
     environment,
     load_model,
     markdown_table,
@@ -153,21 +153,17 @@ def summary(result: dict) -> tuple[list[str], list[list]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (seconds)")
-    parser.add_argument("--out", default=None, help="output folder (default results/generation)")
-    parser.add_argument(
-        "--model", default=None, help="mlx_lm model or .gguf (default: embedded SmolLM2)"
-    )
-    parser.add_argument("--budgets", type=csv_ints, default=[128, 256], help="default 128,256")
-    parser.add_argument(
-        "--arms", type=csv_strs, default=list(DEFAULT_ARMS), help="arm specs (as in fidelity)"
-    )
-    parser.add_argument("--max-tokens", type=int, default=1000, help="default 1000")
-    parser.add_argument(
-        "--prompts", type=csv_ints, default=None, help="indices into the prompt set (default all)"
-    )
-    parser.add_argument("--n-sink", type=int, default=N_SINK, help=f"default {N_SINK}")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_flags(parser, [
+        ("--quick", False, "tiny smoke run (seconds)"),
+        ("--out", None, "output folder (default results/generation)"),
+        ("--model", None, "mlx_lm model or .gguf (default: the embedded SmolLM2)"),
+        ("--budgets", [128, 256], "budgets in tokens per KV head"),
+        ("--arms", list(DEFAULT_ARMS), "arm specs as in eval fidelity; full: mlx_lm's KVCache"),
+        ("--max-tokens", 1000, "tokens to generate per answer"),
+        ("--prompts", None, "indices into the prompt set, comma separated (default all)"),
+        ("--n-sink", N_SINK, "protected first tokens"),
+        ("--quiet", False, "no progress lines"),
+    ])  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -179,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
 def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     """Run with the command-line settings; ``model``/``tokenizer`` bypass loading (tests)."""
     require_matplotlib()
+    if isinstance(args.prompts, str):
+        args.prompts = csv_ints(args.prompts)
     if args.quick:
         args.max_tokens, args.budgets = 40, [24]
         args.arms = ["full", "streaming_llm", "morphkv:mean:8"]

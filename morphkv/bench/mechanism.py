@@ -46,8 +46,7 @@ from .. import KVCacheBuilder
 from . import plots
 from ._util import (
     Progress,
-    csv_ints,
-    csv_strs,
+    add_flags,
     environment,
     markdown_table,
     out_dir,
@@ -235,19 +234,17 @@ def plot(result: dict, path) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="tiny smoke grid (seconds)")
-    parser.add_argument("--out", default=None, help="output folder (default results/mechanism)")
-    parser.add_argument(
-        "--scenarios", type=csv_strs, default=list(SCENARIOS), help=", ".join(SCENARIOS)
-    )
-    parser.add_argument("--lengths", type=csv_ints, default=[256, 512], help="default 256,512")
-    parser.add_argument("--budgets", type=csv_ints, default=[32, 64], help="default 32,64")
-    parser.add_argument("--windows", type=csv_ints, default=[1, 8, 32], help="default 1,8,32")
-    parser.add_argument(
-        "--arms", type=csv_strs, default=list(ARMS), help=f"{', '.join(ARMS)} or arm specs"
-    )
-    parser.add_argument("--seeds", type=int, default=5, help="default 5")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_flags(parser, [
+        ("--quick", False, "tiny smoke grid (seconds)"),
+        ("--out", None, "output folder (default results/mechanism)"),
+        ("--scenarios", list(SCENARIOS), "scenarios"),
+        ("--lengths", [256, 512], "stream lengths"),
+        ("--budgets", [32, 64], "budgets"),
+        ("--windows", [1, 8, 32], "protected recent windows"),
+        ("--arms", list(ARMS), "arm names or arm specs"),
+        ("--seeds", 5, "seeds per grid point"),
+        ("--quiet", False, "no progress lines"),
+    ])  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

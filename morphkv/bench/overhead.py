@@ -20,7 +20,7 @@ from . import plots
 from ._util import (
     RANDOM_TINY,
     Progress,
-    csv_strs,
+    add_flags,
     environment,
     load_model,
     out_dir,
@@ -53,21 +53,19 @@ def run_arm(arm, model, prompt: mx.array, args) -> dict[str, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model (default: the embedded SmolLM2)")
-    parser.add_argument("--budget", type=int, default=512, help="default 512")
-    parser.add_argument("--prompt-tokens", type=int, default=2048, help="default 2048")
-    parser.add_argument("--prefill-step", type=int, default=2048, help="default 2048")
-    parser.add_argument("--decode", type=int, default=48, help="decode steps (default 48)")
-    parser.add_argument("--repeats", type=int, default=2, help="default 2")
-    parser.add_argument(
-        "--arms",
-        type=csv_strs,
-        default=["kvcache", "rotating", "morphkv", "proxy"],
-        help="kvcache, rotating, morphkv (real queries), proxy, or arm specs",
-    )
-    parser.add_argument("--out", default=None, help="output folder (default results/overhead)")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    parser.add_argument("--quick", action="store_true", help="tiny run for tests/CI")
+    add_flags(parser, [
+        ("--model", None, "model (default: the embedded SmolLM2)"),
+        ("--budget", 512, "tokens kept per KV head"),
+        ("--prompt-tokens", 2048, "prompt length"),
+        ("--prefill-step", 2048, "prefill chunk"),
+        ("--decode", 48, "decode steps"),
+        ("--repeats", 2, "interleaved repeats"),
+        ("--arms", ["kvcache", "rotating", "morphkv", "proxy"], "kvcache, rotating, morphkv "
+         "(real queries), proxy (keys as queries), or arm specs"),
+        ("--out", None, "output folder (default results/overhead)"),
+        ("--no-plot", False, "skip the PNG"),
+        ("--quick", False, "tiny run on a random-weight model for tests/CI"),
+    ])  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from ._util import markdown_table, pivot
+from ._util import add_flags, markdown_table, pivot
 
 MAX_COPY_BYTES = 2_000_000
 SOURCES = {  # name -> file names, newest spelling first
@@ -310,12 +310,13 @@ def speed_section(result: dict) -> str:
 
 
 def layer_section(result: dict) -> str:
-    headers = ["method", "decode_us", "rotating_us", "decode_ratio", "chunk2048_ms"]
-    table = markdown_table(headers, [[r[h] for h in headers] for r in result["rows"]])
-    intro = (
-        f"One cache layer alone, budget {result['budget']}: median single-token update (once "
-        "full) side by side with mlx_lm's RotatingKVCache, and one 2,048-token update."
-    )
+    cols = ["method", "budget", "window", "decode_us", "rotating_us", "decode_ratio", "chunk_ms"]
+    rows = [{"budget": result["budget"], "window": 8, "chunk_ms": r.get("chunk2048_ms"), **r}
+            for r in result["rows"]]  # fmt: skip
+    table = markdown_table(cols, [[r[c] for c in cols] for r in rows])
+    intro = ("One cache layer alone (B=1, 4 KV heads, head_dim 64, float16): median single-token "
+             "update once full, side by side with mlx_lm's RotatingKVCache of the same size, "
+             f"and one {result.get('chunk', 2048)}-token update into an empty cache.")  # fmt: skip
     return _section("Per-layer update cost (`morphkv bench layer`)", intro, [table, ""], [])
 
 
@@ -421,12 +422,12 @@ def copy_figures(results: Path, docs: Path) -> list[Path]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--results", default="results", help="benchmark output folder (default results)"
-    )
-    parser.add_argument("--docs", default="docs", help="docs folder (default docs)")
-    parser.add_argument("--copy", action="store_true", help="copy JSON+PNG into docs/figures")
-    parser.add_argument("--out", default=None, help="report path (default <docs>/results.md)")
+    add_flags(parser, [
+        ("--results", "results", "benchmark output folder"),
+        ("--docs", "docs", "docs folder"),
+        ("--copy", False, "copy each benchmark's JSON and PNG into <docs>/figures first"),
+        ("--out", None, "report path (default <docs>/results.md)"),
+    ])  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from . import plots
-from ._util import RANDOM_TINY, markdown_table, pivot, require_matplotlib
+from ._util import RANDOM_TINY, add_flags, markdown_table, pivot, require_matplotlib
 from .arms import parse_arms
 from .length import FULL, run_length, worker_main
 
@@ -30,51 +30,29 @@ DEFAULT_ARMS = ("full", "rotating", "morphkv", "h2o", "tova", "streaming_llm")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    add = parser.add_argument
-    add("--model", default=None, help="model (default: the embedded SmolLM2-135M)")
-    add("--tokens", type=int, default=20000, help="context length to reach (default 20000)")
-    add("--every", type=int, default=500, help="record every N tokens (default 500)")
-    add("--budget", type=int, default=512, help="tokens kept per KV head (default 512)")
-    add("--window", type=int, default=8, help="MorphKV window / protected tail (default 8)")
-    add("--n-sink", type=int, default=4, help="protected first tokens (default 4)")
-    add(
-        "--arms",
-        default=",".join(DEFAULT_ARMS),
-        help="comma list of arm specs: full (mlx_lm KVCache), rotating, or any eviction method "
-        "with options, e.g. morphkv:window=32 (default %(default)s)",
-    )
-    add(
-        "--scoring",
-        default="auto",
-        choices=("auto", "proxy", "attention"),
-        help="KVCacheConfig.scoring of the morphkv-family arms (default auto)",
-    )
-    add("--prompt-tokens", type=int, default=32, help="prefilled prompt length (default 32)")
-    add(
-        "--full-max-tokens",
-        type=int,
-        default=8000,
-        help="stop the full-cache arm at this context length (default 8000)",
-    )
-    add(
-        "--sample",
-        type=int,
-        default=0,
-        help="time only the last N single-token steps of each block and feed the rest as "
-        "untimed chunks of --chunk tokens (0, default: decode every token)",
-    )
-    add("--chunk", type=int, default=256, help="chunk size for --sample (default 256)")
-    add("--in-process", action="store_true", help="run arms in this process")
-    add("--quick", action="store_true", help="tiny run for tests/CI")
-    add(
-        "--micro",
-        action="store_true",
-        help="the per-layer grid (same as `morphkv bench layer --grid`)",
-    )
-    add("--repeats", type=int, default=0, help="micro: timed repeats (0: auto)")
-    add("--out", default="results/speed", help="output directory (default results/speed)")
-    add("--no-plot", action="store_true", help="skip the PNG plots")
-    add("--worker", default=None, help=argparse.SUPPRESS)
+    add_flags(parser, [
+        ("--model", None, "model (default: the embedded SmolLM2-135M)"),
+        ("--tokens", 20000, "context length to reach"),
+        ("--every", 500, "record every N tokens"),
+        ("--budget", 512, "tokens kept per KV head"),
+        ("--window", 8, "MorphKV window / protected tail"),
+        ("--n-sink", 4, "protected first tokens"),
+        ("--arms", ",".join(DEFAULT_ARMS), "comma list of arm specs: full (mlx_lm KVCache), "
+         "rotating, or an eviction method with options, e.g. morphkv:window=32"),
+        ("--scoring", "auto", "scoring of the morphkv-family arms", ["auto", "proxy", "attention"]),
+        ("--prompt-tokens", 32, "prefilled prompt length"),
+        ("--full-max-tokens", 8000, "stop the full-cache arm at this context length"),
+        ("--sample", 0, "time only the last N single-token steps of each block, feed the rest "
+         "as untimed chunks of --chunk tokens (0: decode every token)"),
+        ("--chunk", 256, "chunk size for --sample"),
+        ("--in-process", False, "run the arms in this process, one after another"),
+        ("--quick", False, "tiny run for tests/CI"),
+        ("--micro", False, "the per-layer grid instead (same as `morphkv bench layer --grid`)"),
+        ("--repeats", 0, "micro: timed repeats (0: auto)"),
+        ("--out", "results/speed", "output directory"),
+        ("--no-plot", False, "skip the PNG plots"),
+    ])  # fmt: skip
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -233,10 +211,14 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     result. ``model`` (and ``tokenizer``) may be passed in to skip loading."""
     if getattr(args, "worker", None):
         return {"exit": worker_main(args)}
-    if args.micro:
-        from .layer import run_grid_command
+    if args.micro:  # the per-layer grid: morphkv bench layer --grid
+        from . import layer
 
-        return run_grid_command(args)
+        grid = argparse.ArgumentParser()
+        layer.add_arguments(grid)
+        grid = grid.parse_args(["--grid", "--out", args.out] + ["--quick"] * args.quick)
+        grid.repeats, grid.no_plot = args.repeats or (20 if args.quick else 200), args.no_plot
+        return layer.execute(grid)
     require_matplotlib(args)
     _apply_quick(args)
     arms = [a.strip() for a in str(args.arms).split(",") if a.strip()]
