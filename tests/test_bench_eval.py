@@ -112,11 +112,12 @@ def test_equal_bytes_budget_is_measured(tiny):
 def test_fidelity_equal_bytes_rows(tiny):
     toks = [int(x) for x in np.random.default_rng(1).integers(0, 256, 120)]
     res = F.run_fidelity(tiny, {"t": toks}, ["streaming_llm", "morphkv:attn"], [96],
-                         quiet=True, equal_bytes="streaming_llm")  # fmt: skip
+                         quiet=True, equal_bytes="streaming_llm")
     rows = {r["arm"]: r for r in res["rows"] if r["arm"] != "full"}
     assert rows["streaming_llm_w8"]["arm_budget"] == 96
     assert rows["morphkv_mean_w8_attn"]["arm_budget"] < 96
-    assert rows["morphkv_mean_w8_attn"]["bytes_measured"] <= rows["streaming_llm_w8"]["bytes_target"]
+    morph, stream = rows["morphkv_mean_w8_attn"], rows["streaming_llm_w8"]
+    assert morph["bytes_measured"] <= stream["bytes_target"]
     assert res["settings"]["equal_bytes"] == "streaming_llm_w8"
 
 

@@ -64,7 +64,7 @@ def worker(max_tokens: int, model_name: str | None) -> dict:
     t = time.perf_counter()
     steps = generate_step(ids[0, :32], model, max_tokens=max_tokens, sampler=make_sampler(0.0))
     first = None
-    for n, _ in enumerate(steps, start=1):
+    for n, _ in enumerate(steps, start=1):  # noqa: B007 - n is the count after the loop
         first = first or time.perf_counter()
     end = time.perf_counter()
     return {
@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--model", None, "model (default: the embedded SmolLM2)"),
         ("--out", None, "output folder (default results/blas)"),
         ("--quick", False, "tiny run on a random-weight model for tests/CI"),
-    ])  # fmt: skip
+    ])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 

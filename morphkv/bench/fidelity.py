@@ -110,7 +110,7 @@ def run_fidelity(
             arm.config(max(own, n_sink + arm.window + 1), n_sink=n_sink) for arm, _, own in items
         ]
         results = evaluate_arms(model, toks, ref, cfgs, feeder, bar)
-        for (arm, b, own), res in zip(items, results, strict=True):
+        for (arm, b, _), res in zip(items, results, strict=True):
             row = {"text": name, "tokens": len(toks), "arm": arm.name, "method": arm.method}
             row.update(window=arm.window, fusion=arm.fusion, scoring=arm.scoring)
             row["budget"] = b if arm.method != "full" else None
@@ -200,7 +200,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--chunk", 256, "chunk size of the chunked feed"),
         ("--no-full-arm", False, "skip the full-cache check arm"),
         ("--quiet", False, "no progress lines"),
-    ])  # fmt: skip
+    ])
 
 
 def apply_presets(args: argparse.Namespace) -> None:

@@ -163,7 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--prompts", None, "indices into the prompt set, comma separated (default all)"),
         ("--n-sink", N_SINK, "protected first tokens"),
         ("--quiet", False, "no progress lines"),
-    ])  # fmt: skip
+    ])
 
 
 def run(args: argparse.Namespace) -> int:

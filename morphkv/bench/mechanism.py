@@ -244,7 +244,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--arms", list(ARMS), "arm names or arm specs"),
         ("--seeds", 5, "seeds per grid point"),
         ("--quiet", False, "no progress lines"),
-    ])  # fmt: skip
+    ])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--out", None, "output folder (default results/overhead)"),
         ("--no-plot", False, "skip the PNG"),
         ("--quick", False, "tiny run on a random-weight model for tests/CI"),
-    ])  # fmt: skip
+    ])
 
 
 def run(args: argparse.Namespace) -> int:

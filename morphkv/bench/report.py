@@ -28,6 +28,7 @@ SOURCES = {  # name -> file names, newest spelling first
     "blas": ("blas.json", "blas_speed.json"),
 }
 BASELINE = "streaming_llm_w8"
+MIB_KEYS = {"kv_bytes_kept": "kept", "kv_bytes_held": "held"}
 DESIGN_TABLE = {  # design notes: independent implementation, prose 1,100 tokens, 4 sinks
     128: {
         "streaming_llm_w8": 0.233,
@@ -59,11 +60,9 @@ def load_results(results: Path | str = "results", docs: Path | str = "docs") -> 
     """{name: result dict} for every benchmark JSON found (results/ first, then docs/figures)."""
     found = {}
     for name, files in SOURCES.items():
-        paths = [Path(results) / name / f for f in files] + [
-            Path(docs) / "figures" / f for f in files
-        ]
-        path = next((p for p in paths if p.is_file()), None)
-        if path is not None:
+        paths = [Path(results) / name / f for f in files]
+        paths += [Path(docs) / "figures" / f for f in files]
+        for path in [p for p in paths if p.is_file()][:1]:
             found[name] = {**json.loads(path.read_text()), "_path": str(path)}
     return found
 
@@ -74,16 +73,13 @@ def _fmt(v) -> str:
 
 def _section(title: str, intro: str, body: list[str], notes: list[str], figure=None) -> str:
     lines = [f"## {title}", "", intro, "", *body]
-    if notes:
-        lines += ["Notes (computed from the numbers):", "", *notes, ""]
-    if figure:
-        lines += [f"![{figure}](figures/{figure}.png)", ""]
+    lines += ["Notes (computed from the numbers):", "", *notes, ""] if notes else []
+    lines += [f"![{figure}](figures/{figure}.png)", ""] if figure else []
     return "\n".join(lines)
 
 
-# ---- mechanism -----------------------------------------------------------------------------
 def mechanism_section(result: dict) -> str:
-    s = result["settings"]
+    s, grid = result["settings"], ("scenario", "length", "budget", "window")
     arms, L, B = s["arms"], max(s["lengths"]), max(s["budgets"])
     W = 8 if 8 in s["windows"] else s["windows"][0]
     at = [r for r in result["rows"] if (r["length"], r["budget"], r["window"]) == (L, B, W)]
@@ -93,33 +89,20 @@ def mechanism_section(result: dict) -> str:
     for sc in s["scenarios"]:
         cells = {r["arm"]: r for r in at if r["scenario"] == sc}
         best = min(cells.values(), key=lambda r: r["err"])
-        notes.append(
-            f"- {sc}: kept "
-            + ", ".join(f"{a} {_fmt(c['kept'])}" for a, c in cells.items())
-            + f"; lowest probe error {best['arm']} ({_fmt(best['err'])})."
-        )
-    for r in result["rows"]:
-        other = next(
-            (
-                x
-                for x in result["rows"]
-                if x["arm"] == "streaming_llm"
-                and all(x[k] == r[k] for k in ("scenario", "length", "budget", "window"))
-            ),
-            None,
-        )
-        if r["arm"] == "morphkv_mean" and other and r["err"] > other["err"]:
-            notes.append(
-                f"- {r['scenario']} L{r['length']} b{r['budget']} w{r['window']}: morphkv_mean "
-                f"probe error {_fmt(r['err'])} is worse than streaming_llm {_fmt(other['err'])}."
-            )
-    if result.get("skipped"):
-        pts = sorted({(x["budget"], x["window"]) for x in result["skipped"]})
-        notes.append(
-            "- Skipped (budget must exceed sinks + window): "
-            + ", ".join(f"budget {b} window {w}" for b, w in pts)
-            + "."
-        )
+        kept = ", ".join(f"{a} {_fmt(c['kept'])}" for a, c in cells.items())
+        low = f"{best['arm']} ({_fmt(best['err'])})"
+        notes.append(f"- {sc}: kept {kept}; lowest probe error {low}.")
+    stream = {tuple(r[k] for k in grid): r for r in result["rows"] if r["arm"] == "streaming_llm"}
+    for r in (r for r in result["rows"] if r["arm"] == "morphkv_mean"):
+        other = stream.get(tuple(r[k] for k in grid))
+        if other and r["err"] > other["err"]:
+            notes.append(f"- {r['scenario']} L{r['length']} b{r['budget']} w{r['window']}: "
+                         f"morphkv_mean probe error {_fmt(r['err'])} is worse than "
+                         f"streaming_llm {_fmt(other['err'])}.")
+    pts = sorted({(x["budget"], x["window"]) for x in result.get("skipped", [])})
+    if pts:
+        where = ", ".join(f"budget {b} window {w}" for b, w in pts)
+        notes.append(f"- Skipped (budget must exceed sinks + window): {where}.")
     intro = (
         f"Key streams per head (head_dim {s['head_dim']}, {s['heads']} heads, {s['n_sink']} "
         f"sinks, {s['seeds']} seeds; lengths {s['lengths']} x budgets {s['budgets']} x windows "
@@ -131,7 +114,6 @@ def mechanism_section(result: dict) -> str:
     return _section(title, intro, [table, ""], notes, "mechanism")
 
 
-# ---- fidelity ------------------------------------------------------------------------------
 def _fidelity_table(result: dict, metric: str):
     from .fidelity import summary
 
@@ -139,74 +121,51 @@ def _fidelity_table(result: dict, metric: str):
 
 
 def fidelity_headline(result: dict) -> str:
-    """Per budget, the arms with the lowest KL; how many cells each family beats the baseline."""
-    headers, body = _fidelity_table(result, "kl")
-    lines = ["## Summary", ""]
+    """Per budget, the arms with the lowest KL; per arm, at how many budgets it beats recency."""
+    body, lines = _fidelity_table(result, "kl")[1], ["## Summary", ""]
     for i, b in enumerate(result["settings"]["budgets"], start=1):
         ranked = sorted((r[i], r[0]) for r in body if r[i] == r[i])
-        if ranked:
-            rest = ", ".join(f"{a} ({_fmt(v)})" for v, a in ranked[1:4])
-            lines.append(
-                f"- Budget {b}: lowest KL {ranked[0][1]} ({_fmt(ranked[0][0])}), then {rest}."
-            )
+        rest = ", ".join(f"{a} ({_fmt(v)})" for v, a in ranked[1:4])
+        lines += [f"- Budget {b}: lowest KL {ranked[0][1]} ({_fmt(ranked[0][0])}), then {rest}."]
     table = {r[0]: r[1:] for r in body}
-    if BASELINE in table:
-        for arm, vals in table.items():
-            wins = sum(v < w for v, w in zip(vals, table[BASELINE], strict=True))
-            if arm != BASELINE:
-                lines.append(f"- {arm}: lower KL than {BASELINE} at {wins} of {len(vals)} budgets.")
+    for arm, vals in table.items() if BASELINE in table else []:
+        wins = sum(v < w for v, w in zip(vals, table[BASELINE], strict=True))
+        lines += [f"- {arm}: lower KL than {BASELINE} at {wins} of {len(vals)} budgets."] * (
+            arm != BASELINE
+        )
     return "\n".join(lines + [""])
 
 
 def fidelity_section(result: dict) -> str:
-    s, rows = result["settings"], result["rows"]
-    texts = ", ".join(f"{k} ({v} tokens)" for k, v in s["texts"].items())
-    body = []
-    for metric, label in (
-        ("kl", "Mean KL(full || method), nats/token (lower is better)"),
-        ("top1", "Top-1 agreement with the full cache"),
-        ("ppl_ratio", "Perplexity ratio, method / full"),
-    ):
+    s, rows, body = result["settings"], result["rows"], []
+    for metric, label in (("kl", "Mean KL(full || method), nats/token (lower is better)"),
+                          ("top1", "Top-1 agreement with the full cache"),
+                          ("ppl_ratio", "Perplexity ratio, method / full")):
         body += [f"### {label}", "", markdown_table(*_fidelity_table(result, metric)), ""]
     scored = [r for r in rows if r["budget"] is not None]
-    per_text = pivot(scored, ["text", "arm"], "budget", "kl", s["budgets"])
-    body += ["### KL per text", "", markdown_table(*per_text), ""]
-    first = [r for r in rows if r["text"] == rows[0]["text"]] if rows else []
-    mib = [
-        {**r, "what": w, "MiB": r[k] / 2**20}
-        for r in first
-        for w, k in (("kept", "kv_bytes_kept"), ("held", "kv_bytes_held"))
-        if k in r
-    ]
-    body += [
-        f"KV MiB at the end of {rows[0]['text'] if rows else '-'} (all layers, measured; "
-        "kept: the kept keys and values; held: everything the caches hold):",
-        "",
-        markdown_table(*pivot(mib, ["arm", "what"], "budget", "MiB")),
-        "",
-    ]
-    notes = []
-    full = [r for r in rows if r["arm"] == "full"]
+    body += ["### KL per text", "", markdown_table(*pivot(scored, ["text", "arm"], "budget", "kl"))]
+    first = [{**r, "budget": r["budget"] or "-"} for r in rows if r["text"] == rows[0]["text"]]
+    mib = [{**r, "KV": w, "MiB": r[k] / 2**20}
+           for r in first for k, w in MIB_KEYS.items() if k in r]
+    body += ["", f"KV MiB at the end of {rows[0]['text']} (all layers; kept: the keys and values "
+             "kept; held: everything the caches hold, storage and selection state):", "",
+             markdown_table(*pivot(mib, ["arm", "KV"], "budget", "MiB")), ""]
+    notes = [f"- {n}" for n in result.get("notes", [])]
+    full = [f"{r['kl']:.2e}" for r in rows if r["arm"] == "full"]
     if full:
-        notes.append(
-            "- The `full` arm (MorphKVCache, method full, fed like the others) has KL "
-            + ", ".join(f"{r['kl']:.2e}" for r in full)
-            + " against mlx_lm's KVCache."
-        )
+        notes.append(f"- The `full` arm (MorphKVCache, method full, fed like the others) has KL "
+                     f"{', '.join(full)} against mlx_lm's KVCache.")
     kl = {(r["text"], r["arm"], r["budget"]): r["kl"] for r in scored}
     for (text, arm, b), v in kl.items():
         base = kl.get((text, BASELINE, b))
         if arm.startswith("morphkv") and arm.endswith("_attn") and base is not None and v > base:
-            notes.append(
-                f"- {text}, budget {b}: {BASELINE} ({_fmt(base)}) beats {arm} ({_fmt(v)})."
-            )
+            note = f"{BASELINE} ({_fmt(base)}) beats {arm} ({_fmt(v)})"
+            notes.append(f"- {text}, budget {b}: {note}.")
     notes += _design_check(result)
-    notes += [f"- {n}" for n in result.get("notes", [])]
     if s.get("equal_bytes"):
-        notes.append(
-            f"- Equal bytes: each arm ran at the budget where its caches hold what "
-            f"{s['equal_bytes']} holds at the column's budget (`arm_budget` in the JSON)."
-        )
+        notes.append(f"- Equal bytes: each arm ran at the budget where its caches hold what "
+                     f"{s['equal_bytes']} holds at the column's budget (`arm_budget`)")
+    texts = ", ".join(f"{k} ({v} tokens)" for k, v in s["texts"].items())
     intro = (
         f"Model: {s.get('model', '?')}. Texts: {texts}. {s['n_sink']} sinks. Feeding: "
         f"`{s['feed']}`. Metrics over the positions whose context exceeds the budget, averaged "
@@ -221,148 +180,89 @@ def _design_check(result: dict) -> list[str]:
     """Arms more than 10% away from the design notes' independent figures (prose0 only)."""
     tokens = result["settings"]["texts"].get("prose0")
     ours = {(r["arm"], r["budget"]): r["kl"] for r in result["rows"] if r["text"] == "prose0"}
-    off = [
-        f"{a} at {b} ({_fmt(ours[a, b])} vs {_fmt(ref)})"
-        for b, table in DESIGN_TABLE.items()
-        for a, ref in table.items()
-        if (a, b) in ours and abs(ours[a, b] - ref) > 0.1 * ref
-    ]
-    checked = sum((a, b) in ours for b, t in DESIGN_TABLE.items() for a in t)
-    if not checked:
-        return []
+    cells = [(a, b, ref) for b, t in DESIGN_TABLE.items() for a, ref in t.items() if (a, b) in ours]
+    off = [f"{a} at {b} ({_fmt(ours[a, b])} vs {_fmt(ref)})" for a, b, ref in cells
+           if abs(ours[a, b] - ref) > 0.1 * ref]
     caveat = "" if tokens == 1100 else f" (this prose text has {tokens} tokens, theirs 1,100)"
-    return [
-        f"- Design notes' independent figures{caveat}: {checked} cells compared, more than "
-        f"10% away: {', '.join(off) if off else 'none'}."
-    ]
+    return [f"- Design notes' independent figures{caveat}: {len(cells)} cells compared, more "
+            f"than 10% away: {', '.join(off) or 'none'}."] if cells else []
 
 
-# ---- generation ----------------------------------------------------------------------------
 def generation_section(result: dict) -> str:
     from .generation import summary
 
     s = result["settings"]
     headers, body = summary(result)
-    rows = [
-        {**r, "budget": r["budget"] or "-", "p": f"prompt {r['prompt']}"} for r in result["rows"]
-    ]
-    per = pivot(rows, ["arm", "budget"], "p", "rep10")
-    tables = [
-        markdown_table(headers, body),
-        "",
-        "10-gram repetition per prompt:",
-        "",
-        markdown_table(*per),
-        "",
-    ]
+    rows = [{**r, "budget": r["budget"] or "-", "p": f"prompt {r['prompt']}"}
+            for r in result["rows"]]
+    tables = [markdown_table(headers, body), "", "10-gram repetition per prompt:", "",
+              markdown_table(*pivot(rows, ["arm", "budget"], "p", "rep10")), ""]
     notes = []
     if s["prompts"] < 3 or s["max_tokens"] < 1000:
-        notes.append(
-            f"- Small sample ({s['prompts']} prompt(s) x {s['max_tokens']} tokens, one "
-            "greedy answer each): differences are anecdotes, not a ranking."
-        )
-    full = [r for r in body if r[0] == "full"]
-    if full:
-        rep = headers.index("10-gram rep.")
-        worse = [
-            f"{r[0]} b{r[1]} ({_fmt(r[rep])})"
-            for r in body
-            if r[0] != "full" and r[rep] > full[0][rep]
-        ]
-        notes.append(
-            f"- Full cache 10-gram repetition {_fmt(full[0][rep])}; arms repeating more: "
-            + (", ".join(worse) or "none")
-            + "."
-        )
+        notes.append(f"- Small sample ({s['prompts']} prompt(s) x {s['max_tokens']} tokens, one "
+                     "greedy answer each): differences are anecdotes, not a ranking.")
+    rep = headers.index("10-gram rep.")
+    for f in (r for r in body if r[0] == "full"):
+        worse = [f"{r[0]} b{r[1]} ({_fmt(r[rep])})" for r in body
+                 if r[0] != "full" and r[rep] > f[rep]]
+        notes.append(f"- Full cache 10-gram repetition {_fmt(f[rep])}; arms repeating more: "
+                     f"{', '.join(worse) or 'none'}.")
     intro = (
         f"Model: {s.get('model', '?')}. Greedy, up to {s['max_tokens']} tokens, {s['prompts']} "
         f"prompt(s), {s['n_sink']} sinks; means over prompts. 10-gram repetition: fraction of "
         "the answer's 10-grams already seen in it (lower is better)."
     )
-    return _section(
-        "Free generation (`morphkv eval generation`)", intro, tables, notes, "generation"
-    )
+    title = "Free generation (`morphkv eval generation`)"
+    return _section(title, intro, tables, notes, "generation")
 
 
-# ---- speed, layer, overhead, blas ----------------------------------------------------------
 def speed_section(result: dict) -> str:
-    recs = [{**r, "arm": a} for a, rs in result["records"].items() for r in rs]
-    ms = pivot(recs, ["position"], "arm", "ms_per_token_median")
-    peak = pivot([{**r, "MiB": r["peak_bytes"] / 2**20} for r in recs], ["position"], "arm", "MiB")
-    body = [
-        "median decode ms/token:",
-        "",
-        markdown_table(*ms),
-        "",
-        "MLX peak memory, MiB:",
-        "",
-        markdown_table(*peak),
-        "",
-    ]
-    notes = [
-        f"- {'PASS' if t['pass'] else 'MISS'} {t['target']}: {t['value']:.3f} ({t['detail']})"
-        for t in result.get("targets", [])
-    ]
+    recs = [{**r, "arm": a, "MiB": r["peak_bytes"] / 2**20} for a, rs in result["records"].items()
+            for r in rs]
+    body = ["median decode ms/token:", "",
+            markdown_table(*pivot(recs, ["position"], "arm", "ms_per_token_median")), "",
+            "MLX peak memory, MiB:", "", markdown_table(*pivot(recs, ["position"], "arm", "MiB")),
+            ""]
+    notes = [f"- {'PASS' if t['pass'] else 'MISS'} {t['target']}: {t['value']:.3f} ({t['detail']})"
+             for t in result.get("targets", [])]
     intro = "Decode time and memory as the context grows, teacher-forced on real text."
-    return _section(
-        "Speed and memory at length (`morphkv bench speed`)", intro, body, notes, "speed_memory"
-    )
+    title = "Speed and memory at length (`morphkv bench speed`)"
+    return _section(title, intro, body, notes, "speed_memory")
 
 
 def layer_section(result: dict) -> str:
     cols = ["method", "budget", "window", "decode_us", "rotating_us", "decode_ratio", "chunk_ms"]
     rows = [{"budget": result["budget"], "window": 8, "chunk_ms": r.get("chunk2048_ms"), **r}
-            for r in result["rows"]]  # fmt: skip
-    table = markdown_table(cols, [[r[c] for c in cols] for r in rows])
+            for r in result["rows"]]
     intro = ("One cache layer alone (B=1, 4 KV heads, head_dim 64, float16): median single-token "
              "update once full, side by side with mlx_lm's RotatingKVCache of the same size, "
-             f"and one {result.get('chunk', 2048)}-token update into an empty cache.")  # fmt: skip
+             f"and one {result.get('chunk', 2048)}-token update into an empty cache.")
+    table = markdown_table(cols, [[r[c] for c in cols] for r in rows])
     return _section("Per-layer update cost (`morphkv bench layer`)", intro, [table, ""], [])
 
 
 def overhead_section(result: dict) -> str:
-    med = result["median"]
-    rows = [
-        [
-            arm,
-            m["prefill_s"],
-            m["prefill_s"] / med["kvcache"]["prefill_s"] if "kvcache" in med else NAN,
-            m["decode_ms"],
-            m["decode_ms"] / med["rotating"]["decode_ms"] if "rotating" in med else NAN,
-        ]
-        for arm, m in med.items()
-    ]
+    med, a = result["median"], result["args"]
+    ref = {k: med[arm][k] if arm in med else NAN
+           for k, arm in (("prefill_s", "kvcache"), ("decode_ms", "rotating"))}
+    rows = [[arm, m["prefill_s"], m["prefill_s"] / ref["prefill_s"], m["decode_ms"],
+             m["decode_ms"] / ref["decode_ms"]] for arm, m in med.items()]
     headers = ["cache", "prefill s", "vs kvcache", "decode ms/token", "vs rotating"]
-    a = result["args"]
-    intro = (
-        f"SmolLM2-135M, a {a['prompt_tokens']}-token prompt in chunks of "
-        f"{a['prefill_step']}, then {a['decode']} greedy steps; budget {a['budget']}; "
-        f"{a['repeats']} interleaved repeats, medians."
-    )
-    return _section(
-        "What the cache costs in the model (`morphkv bench overhead`)",
-        intro,
-        [markdown_table(headers, rows), ""],
-        [],
-    )
+    intro = (f"SmolLM2-135M, a {a['prompt_tokens']}-token prompt in chunks of "
+             f"{a['prefill_step']}, then {a['decode']} greedy steps; budget {a['budget']}; "
+             f"{a['repeats']} interleaved repeats, medians.")
+    title = "What the cache costs in the model (`morphkv bench overhead`)"
+    return _section(title, intro, [markdown_table(headers, rows), ""], [])
 
 
 def blas_section(result: dict) -> str:
     off, on, up = result["without_preload"], result["with_preload"], result["speedup"]
-    keys = (
-        ("matmul_1024_f32_s", "matmul_1024_f32"),
-        ("forward_256_tokens_s", "forward_256_tokens"),
-        ("prompt_tps", "prompt_tps"),
-        ("generation_tps", "generation_tps"),
-    )
-    rows = [[k, off[k], on[k], up[u]] for k, u in keys]
+    keys = {"matmul_1024_f32_s": "matmul_1024_f32", "forward_256_tokens_s": "forward_256_tokens",
+            "prompt_tps": "prompt_tps", "generation_tps": "generation_tps"}
+    rows = [[k, off[k], on[k], up[u]] for k, u in keys.items()]
     table = markdown_table(["measure", "reference BLAS", "OpenBLAS", "speed-up"], rows)
-    return _section(
-        "OpenBLAS preload (`morphkv bench blas`)",
-        f"Library: {result['blas_library']}.",
-        [table, ""],
-        [],
-    )
+    intro = f"Library: {result['blas_library']}."
+    return _section("OpenBLAS preload (`morphkv bench blas`)", intro, [table, ""], [])
 
 
 SECTIONS = {  # name -> section builder (a callable, or "module:function")
@@ -399,12 +299,12 @@ def build_report(found: dict) -> str:
     parts += [_builder(f)(found[name]) for name, f in SECTIONS.items() if name in found]
     parts += ["## Runs", ""] if found else []
     for name, data in found.items():
-        env = data.get("environment", {})
-        parts.append(
-            f"- {name}: {Path(data['_path']).name}, {data.get('elapsed_s', NAN):.0f} s on "
-            f"{env.get('cpus', '?')} CPUs, mlx {env.get('mlx', '?')}, {env.get('date', '?')}; "
-            f"quick={data.get('settings', {}).get('quick')}"
-        )
+        env, run = data.get("environment", {}), Path(data["_path"]).name
+        if env:
+            quick = data.get("settings", {}).get("quick")
+            run += (f", {data.get('elapsed_s', NAN):.0f} s on {env.get('cpus')} CPUs, mlx "
+                    f"{env.get('mlx')}, {env.get('date')}; quick={quick}")
+        parts.append(f"- {name}: {run}")
     return "\n".join(parts) + "\n"
 
 
@@ -427,7 +327,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--docs", "docs", "docs folder"),
         ("--copy", False, "copy each benchmark's JSON and PNG into <docs>/figures first"),
         ("--out", None, "report path (default <docs>/results.md)"),
-    ])  # fmt: skip
+    ])
 
 
 def run(args: argparse.Namespace) -> int:

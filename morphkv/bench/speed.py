@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         ("--repeats", 0, "micro: timed repeats (0: auto)"),
         ("--out", "results/speed", "output directory"),
         ("--no-plot", False, "skip the PNG plots"),
-    ])  # fmt: skip
+    ])
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser
 
