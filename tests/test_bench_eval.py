@@ -12,7 +12,7 @@ from morphkv.bench import fidelity as F
 from morphkv.bench import generation as G
 from morphkv.bench import texts as T
 from morphkv.bench._util import tiny_llama
-from morphkv.bench.arms import Arm
+from morphkv.bench.arms import Arm, grid_specs
 from morphkv.bench.equal_bytes import budget_for_bytes, measure_bytes
 from morphkv.bench.metrics import distinct, repetition_rate
 from morphkv.bench.runner import Feeder
@@ -86,6 +86,9 @@ def test_arm_options_map_onto_any_config_field():
     cfg = arm.config(128)
     assert (cfg.morphkv_window, cfg.morphkv_n_sink, cfg.seed, cfg.scoring) == (32, 2, 7, "proxy")
     assert cfg.morphkv_budget == 128 and arm.name == "morphkv_mean_w32_n_sink2_seed7"
+    grid = grid_specs("morphkv", window=[8, 32], scoring=["attention"])
+    assert grid == ["morphkv:window=8:scoring=attention", "morphkv:window=32:scoring=attention"]
+    assert [Arm.parse(g).name for g in grid] == ["morphkv_mean_w8_attn", "morphkv_mean_w32_attn"]
     with pytest.raises(ValueError, match="no KVCacheConfig field"):
         Arm.parse("morphkv:nonsense=3")
     with pytest.raises(ValueError, match="unknown method"):

@@ -155,3 +155,22 @@ class Arm:
 
 def parse_arms(specs, aliases: dict | None = None, **defaults) -> list[Arm]:
     return [s if isinstance(s, Arm) else Arm.parse(s, aliases, **defaults) for s in specs]
+
+
+def check_specs(specs, aliases: dict | None = None) -> None:
+    """Stop with a one-line error before any work when a spec does not parse."""
+    try:
+        parse_arms(specs, aliases)
+    except ValueError as e:
+        raise SystemExit(f"morphkv: error: --arms: {e}") from None
+
+
+def grid_specs(method: str, **values) -> list[str]:
+    """Arm specs for every combination, e.g. ``grid_specs("morphkv", window=[8, 32],
+    recent=[32, 64])`` -> ``["morphkv:window=8:recent=32", ...]`` (for a sweep)."""
+    import itertools
+
+    keys = list(values)
+    return [method + "".join(f":{k}={v}" for k, v in zip(keys, combo, strict=True))
+            for combo in itertools.product(*values.values())]
+

@@ -1,4 +1,4 @@
-"""MLX CPU speed with and without the OpenBLAS preload (``morphkv.blas``).
+"""MLX CPU speed with and without the OpenBLAS preload (morphkv.blas).
 
 Runs a worker process twice (``LD_PRELOAD`` stripped / set) and times, in each: a 1024x1024
 float32 matmul (median of 5), a 256-token prompt forward of the model and a short greedy

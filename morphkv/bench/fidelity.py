@@ -29,7 +29,7 @@ from ._util import (
     require_matplotlib,
     write_json,
 )
-from .arms import Arm, parse_arms
+from .arms import Arm, check_specs, parse_arms
 from .conversations import CONVERSATIONS
 from .equal_bytes import equal_byte_budgets
 from .runner import Feeder, evaluate_arms, reference_logprobs
@@ -239,8 +239,8 @@ def run(args: argparse.Namespace) -> int:
 def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     """Run with the command-line settings; ``model``/``tokenizer`` bypass loading (tests)."""
     require_matplotlib()
+    check_specs(args.arms + ([args.equal_bytes] if args.equal_bytes else []))
     apply_presets(args)
-    arms_of(args.arms + ([args.equal_bytes] if args.equal_bytes else []))  # bad specs fail now
     if model is None:
         model, tokenizer = load_model(args.model)
     mx.random.seed(0)

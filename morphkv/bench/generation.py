@@ -29,7 +29,7 @@ from ._util import (
     reset_peak_memory,
     write_json,
 )
-from .arms import parse_arms
+from .arms import check_specs, parse_arms
 from .conversations import GENERATION_PROMPTS
 from .fidelity import ARM_DEFAULTS, N_SINK
 from .metrics import distinct, kv_bytes, repetition_rate
@@ -181,7 +181,7 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
         args.max_tokens, args.budgets = 40, [24]
         args.arms = ["full", "streaming_llm", "morphkv:mean:8"]
         args.prompts = args.prompts or [0]
-    parse_arms(args.arms, FULL)  # bad specs fail before the model loads
+    check_specs(args.arms, FULL)
     if model is None:
         model, tokenizer = load_model(args.model)
     mx.random.seed(0)
@@ -196,6 +196,8 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     folder = out_dir(args, NAME)
     write_json(folder / f"{NAME}.json", result)
     plots.bars(summary(result), ["10-gram rep.", "distinct-2"], folder / f"{NAME}.png")
+    print("10-gram rep.: fraction of the answer's 10-grams seen earlier in it (lower: less "
+          "looping); distinct-n: unique n-grams / all n-grams; KV kept: bytes of kept K+V")
     print(markdown_table(*summary(result)))
     print(f"\nwrote {folder}/{NAME}.json and {NAME}.png ({result['elapsed_s']:.0f} s)")
     return result

@@ -54,7 +54,7 @@ from ._util import (
     require_matplotlib,
     write_json,
 )
-from .arms import Arm
+from .arms import Arm, check_specs
 
 NAME = "mechanism"
 HEAD_DIM = 32
@@ -169,8 +169,7 @@ def run_benchmark(
     seeds=5,
     quiet=False,
 ) -> dict:
-    for arm in arms:
-        Arm.parse(ARMS.get(arm, arm))  # a bad spec fails before any work
+    check_specs([ARMS.get(arm, arm) for arm in arms])
     ns = argparse.Namespace(lengths=list(lengths), budgets=list(budgets), windows=list(windows))
     points, skipped = grid(ns)
     bar = Progress(len(scenarios) * len(points) * len(arms) * seeds, NAME, quiet)

@@ -1,4 +1,4 @@
-"""Build ``docs/results.md`` from the benchmark JSON files present: tables drawn from the data
+"""Build docs/results.md from the benchmark JSON files present: tables drawn from the data
 and notes computed from the numbers.
 
 Each benchmark's JSON is looked for in ``<results>/<name>/`` and then in ``<docs>/figures/``

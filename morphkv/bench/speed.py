@@ -22,7 +22,7 @@ import numpy as np
 
 from . import plots
 from ._util import RANDOM_TINY, add_flags, markdown_table, pivot, require_matplotlib
-from .arms import parse_arms
+from .arms import check_specs
 from .length import FULL, run_length, worker_main
 
 __all__ = ["RANDOM_TINY", "DEFAULT_ARMS", "execute", "run", "add_arguments"]
@@ -66,70 +66,44 @@ def _apply_quick(args: argparse.Namespace) -> None:
 
 def _at(records: list[dict], position: int, field: str) -> float | None:
     """The record at ``position`` (the nearest one at or below it)."""
-    best = None
-    for r in records:
-        if r["position"] <= position:
-            best = r
-    return None if best is None else best[field]
-
-
-def _checkpoints(args: argparse.Namespace) -> tuple[int, int, int]:
-    """(early, late, cross) positions for the targets: 2000 / 20000 / 8000 in a full run."""
-    late = (args.tokens // args.every) * args.every
-    early = 2000 if late >= 4000 else max(args.every, (late // 2 // args.every) * args.every)
-    cross = min(8000, args.full_max_tokens, late)
-    return early, late, max(args.every, (cross // args.every) * args.every)
+    below = [r for r in records if r["position"] <= position]
+    return below[-1][field] if below else None
 
 
 def evaluate_targets(result: dict, args: argparse.Namespace) -> list[dict]:
-    recs, (early, late, cross), out = result["records"], _checkpoints(args), []
+    """The length targets (positions 2000 / 20000 / 8000 in a full run), computed."""
+    late = (args.tokens // args.every) * args.every
+    early = 2000 if late >= 4000 else max(args.every, (late // 2 // args.every) * args.every)
+    cross = max(args.every, (min(8000, args.full_max_tokens, late) // args.every) * args.every)
+    recs, out, ms, mib = result["records"], [], "ms_per_token_median", 2**-20
+    m, f, rot = recs.get("morphkv"), recs.get("full"), recs.get("rotating")
 
     def target(name, value, ok, detail):
         out.append({"target": name, "value": value, "pass": ok, "detail": detail})
 
-    m, f, rot = recs.get("morphkv"), recs.get("full"), recs.get("rotating")
     if m:
         p0, p1 = _at(m, early, "peak_bytes"), _at(m, late, "peak_bytes")
-        detail = f"peak {p0 / 2**20:.1f} MiB @ {early} -> {p1 / 2**20:.1f} MiB @ {late}"
+        detail = f"peak {p0 * mib:.1f} MiB @ {early} -> {p1 * mib:.1f} MiB @ {late}"
         if f:
             fe, fl = _at(f, early, "peak_bytes"), f[-1]["peak_bytes"]
-            detail += (
-                f"; full: {fe / 2**20:.1f} -> {fl / 2**20:.1f} MiB @ {f[-1]['position']} "
-                f"(+{100 * (fl / fe - 1):.1f}%)"
-            )
+            detail += (f"; full: {fe * mib:.1f} -> {fl * mib:.1f} MiB @ {f[-1]['position']} "
+                       f"(+{100 * (fl / fe - 1):.1f}%)")
         growth = p1 / p0 - 1
         target(f"morphkv peak memory growth {early}->{late} < 2%", growth, growth < 0.02, detail)
-        t0, t1 = _at(m, early, "ms_per_token_median"), _at(m, late, "ms_per_token_median")
-        target(
-            f"morphkv decode ms/token @ {late} within 10% of @ {early}",
-            t1 / t0,
-            t1 / t0 <= 1.10,
-            f"{t0:.2f} ms -> {t1:.2f} ms",
-        )
-    if m and rot:
-        ratios = [
-            r["ms_per_token_median"] / x
-            for r in m
-            if r["position"] > 2 * args.budget
-            and (x := _at(rot, r["position"], "ms_per_token_median"))
-        ]
-        if ratios:
-            ratio = float(np.median(ratios))
-            target(
-                "morphkv decode <= 1.15x RotatingKVCache",
-                ratio,
-                ratio <= 1.15,
-                f"median over {len(ratios)} blocks past {2 * args.budget} tokens of the "
-                "per-block median-ms ratio",
-            )
+        t0, t1 = _at(m, early, ms), _at(m, late, ms)
+        target(f"morphkv decode ms/token @ {late} within 10% of @ {early}", t1 / t0,
+               t1 / t0 <= 1.10, f"{t0:.2f} ms -> {t1:.2f} ms")
+    past = [r for r in (m if rot else []) if r["position"] > 2 * args.budget]
+    ratios = [r[ms] / b for r in past if (b := _at(rot, r["position"], ms))]
+    if ratios:
+        ratio = float(np.median(ratios))
+        target("morphkv decode <= 1.15x RotatingKVCache", ratio, ratio <= 1.15,
+               f"median over {len(ratios)} blocks past {2 * args.budget} tokens of the per-block "
+               "median-ms ratio")
     if m and f and f[-1]["position"] >= cross:
-        tm, tf = _at(m, cross, "ms_per_token_median"), _at(f, cross, "ms_per_token_median")
-        target(
-            f"morphkv decodes faster than full @ {cross} tokens",
-            tm / tf,
-            tm < tf,
-            f"morphkv {tm:.2f} ms vs full {tf:.2f} ms",
-        )
+        tm, tf = _at(m, cross, ms), _at(f, cross, ms)
+        target(f"morphkv decodes faster than full @ {cross} tokens", tm / tf, tm < tf,
+               f"morphkv {tm:.2f} ms vs full {tf:.2f} ms")
     return out
 
 
@@ -158,47 +132,30 @@ def format_table(result: dict, args: argparse.Namespace | None = None) -> str:
 
 
 def plot_length(result: dict, out: Path) -> list[str]:
-    recs = result["records"]
+    recs, x = result["records"], "context position (tokens)"
 
     def series(field, scale=1):
-        return {
-            a: ([r["position"] for r in rs], [r[field] * scale for r in rs])
-            for a, rs in recs.items()
-        }
+        return {a: ([r["position"] for r in rs], [r[field] * scale for r in rs])
+                for a, rs in recs.items()}
 
     fig, axes = plots.panels(1, 8, 5)
-    plots.lines(
-        axes[0, 0],
-        series("tokens_per_s"),
-        "context position (tokens)",
-        "decode tokens/s (block)",
-        "Decode speed vs context length",
-    )
+    speed = "Decode speed vs context length"
+    plots.lines(axes[0, 0], series("tokens_per_s"), x, "decode tokens/s (block)", speed)
     paths = [plots.save(fig, out / "speed_tokens_per_s.png", 100)]
     fig, axes = plots.panels(3, 5.3, 5)
-    for ax, (field, title) in zip(
-        axes[0],
-        (
-            ("peak_bytes", "MLX peak memory"),
-            ("active_bytes", "MLX active memory"),
-            ("kv_bytes", "stored KV bytes"),
-        ),
-        strict=True,
-    ):
-        plots.lines(ax, series(field, 2**-20), "context position (tokens)", "MiB", title)
+    panels = {"peak_bytes": "MLX peak memory", "active_bytes": "MLX active memory",
+              "kv_bytes": "stored KV bytes"}
+    for ax, (field, title) in zip(axes[0], panels.items(), strict=True):
+        plots.lines(ax, series(field, 2**-20), x, "MiB", title)
     return paths + [plots.save(fig, out / "speed_memory.png", 100)]
 
 
 def _meta(args: argparse.Namespace) -> dict:
     import mlx.core as mx
 
-    return {
-        "args": {k: v for k, v in vars(args).items() if k != "worker"},
-        "mlx": mx.__version__,
-        "ld_preload": os.environ.get("LD_PRELOAD", ""),
-        "cpu_count": os.cpu_count(),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
+    return {"args": {k: v for k, v in vars(args).items() if k != "worker"},
+            "mlx": mx.__version__, "ld_preload": os.environ.get("LD_PRELOAD", ""),
+            "cpu_count": os.cpu_count(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -222,7 +179,7 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     require_matplotlib(args)
     _apply_quick(args)
     arms = [a.strip() for a in str(args.arms).split(",") if a.strip()]
-    parse_arms(arms, FULL)  # a bad spec fails before any work
+    check_specs(arms, FULL)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"meta": _meta(args), **run_length(args, arms, model, tokenizer)}
