@@ -26,6 +26,7 @@ from ._util import (
     load_model,
     markdown_table,
     out_dir,
+    pivot,
     require_matplotlib,
     write_json,
 )
@@ -155,24 +156,13 @@ def summary(result: dict, metric: str = "kl") -> tuple[list[str], list[list]]:
 
 
 def tables(result: dict) -> str:
-    parts = [
-        f"### {label}\n\n" + markdown_table(*summary(result, m)) for m, label in METRICS.items()
-    ]
-    rows = [
-        {**r, "budget": r["budget"] if r["budget"] is not None else "-"} for r in result["rows"]
-    ]
-    cols = ["kl", "top1", "ppl_ratio", "kv_bytes_kept", "kv_bytes_held", "tokens_per_s"]
-    body = [
-        [r["text"], r["arm"], r["budget"], *[r.get(c, float("nan")) for c in cols]] for r in rows
-    ]
-    parts.append(
-        "### per text (KV kept B: bytes of the kept keys and values; held B: everything the "
-        "caches hold, storage and selection state)\n\n"
-        + markdown_table(
-            ["text", "arm", "budget", "KL", "top1", "ppl ratio", "KV kept B", "held B", "tok/s"],
-            body,
-        )
-    )
+    parts = [f"### {t}\n\n" + markdown_table(*summary(result, m)) for m, t in METRICS.items()]
+    rows = [r for r in result["rows"] if r["budget"] is not None]
+    per_text = pivot(rows, ["text", "arm"], "budget", "kl")
+    parts.append("### KL per text\n\n" + markdown_table(*per_text))
+    held = [{**r, "MiB": r["kv_bytes_held"] / 2**20} for r in result["rows"]]
+    parts.append("### MiB the caches hold (storage and selection state, all layers)\n\n"
+                 + markdown_table(*pivot(held, ["text", "arm"], "budget", "MiB")))
     return "\n\n".join(parts)
 
 

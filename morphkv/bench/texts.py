@@ -55,23 +55,21 @@ def prose_documents(tokenizer, n_tokens: int, n_docs: int = 1) -> list[list[int]
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.encode(text)
-    return list(ids)
+    return list(tokenizer.encode(text))
 
 
-def chat_tokens(tokenizer, messages: list[dict]) -> list[int]:
+def chat_tokens(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
     """Token ids of a conversation in the model's chat template (ChatML if it has none)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if template is not None and hasattr(tokenizer, "apply_chat_template"):
+    if getattr(tokenizer, "chat_template", None) is not None:
         try:
-            ids = tokenizer.apply_chat_template(messages, tokenize=True)
-            if isinstance(ids, dict):
-                ids = ids["input_ids"]
-            return list(ids)
+            ids = tokenizer.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=add_generation_prompt
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
         except Exception:  # noqa: BLE001 - fall back to ChatML below
             pass
     text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return encode(tokenizer, text)
+    return encode(tokenizer, text + ("<|im_start|>assistant\n" if add_generation_prompt else ""))
 
 
 def conversation_tokens(tokenizer, index: int = 0) -> list[int]:
@@ -80,17 +78,7 @@ def conversation_tokens(tokenizer, index: int = 0) -> list[int]:
 
 def chat_prompt(tokenizer, user: str) -> list[int]:
     """A single-turn prompt ending where the assistant's answer starts."""
-    messages = [{"role": "user", "content": user}]
-    template = getattr(tokenizer, "chat_template", None)
-    if template is not None and hasattr(tokenizer, "apply_chat_template"):
-        try:
-            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-            if isinstance(ids, dict):
-                ids = ids["input_ids"]
-            return list(ids)
-        except Exception:  # noqa: BLE001
-            pass
-    return encode(tokenizer, f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+    return chat_tokens(tokenizer, [{"role": "user", "content": user}], add_generation_prompt=True)
 
 
 def greedy_continuation(model, prompt: list[int], n: int) -> list[int]:
