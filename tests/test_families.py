@@ -150,7 +150,8 @@ def test_family_generates_with_its_own_layout(family):
         assert cache.kept_positions.shape == (1, heads, BUDGET)
         assert cache.morphkv_kept_bytes == BUDGET * 2 * head_dim * 4  # K+V float32
         assert cache.full_seq_bytes == seen * 2 * head_dim * 4
-        assert cache.nbytes == (BUDGET + 1) * heads * 2 * head_dim * 4
+        assert cache.storage_nbytes == (BUDGET + 1) * heads * 2 * head_dim * 4
+        assert cache.nbytes == cache.storage_nbytes + cache.engine_nbytes
     layout = describe_layout(caches)
     if not any(isinstance(c, CacheList) for c in caches):
         assert f"{len(morph)} x MorphKVCache, morphkv budget {BUDGET}" in layout
