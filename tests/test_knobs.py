@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from reference import reference_kept
 
 from morphkv import KVCacheBuilder, KVCacheConfig
-from morphkv.hooks import _ATTACHED
+from morphkv.hooks import queries_by_hand
 
 
 @st.composite
@@ -42,9 +42,8 @@ def knob_streams(draw):
 @pytest.fixture(autouse=True)
 def hook_present():
     """Attention scoring asks for the model hook; these tests hand the queries in directly."""
-    _ATTACHED.setdefault("tests.knobs", None)
-    yield
-    _ATTACHED.pop("tests.knobs", None)
+    with queries_by_hand():
+        yield
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
