@@ -15,6 +15,7 @@ from pathlib import Path
 
 COMMANDS: list[tuple[str, str]] = [
     ("generate", "morphkv.generate"),
+    ("serve", "morphkv.serve"),
     ("bench mechanism", "morphkv.bench.mechanism"),
     ("bench speed", "morphkv.bench.speed"),
     ("eval fidelity", "morphkv.bench.fidelity"),
