@@ -87,20 +87,22 @@ class BatchMorphKVCache(mlx_cache._BaseCache):
                     f"cache {i} holds a batch of {c.keys.shape[0]}; merge takes "
                     "single-sequence caches"
                 )
-            c.tokens_kept  # settles a pending update before copying
+            c.size()  # settles a pending update before copying
             rows.append(copy.deepcopy(c))
         return cls(rows)
 
     def extract(self, idx: int) -> MorphKVCache:
         """A copy of row ``idx`` as a single-sequence cache (the row keeps going)."""
         row = self.rows[idx]
-        row.tokens_kept  # settles a pending update before copying
+        row.size()  # settles a pending update before copying
         return copy.deepcopy(row)
 
     def filter(self, batch_indices) -> None:
         """Keep only the given rows, in that order."""
-        keep = [int(i) for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist")
-                                 else batch_indices)]
+        keep = [
+            int(i)
+            for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist") else batch_indices)
+        ]
         self.rows = [self.rows[i] for i in keep]
         self._lead = [self._lead[i] for i in keep]
         if self._remaining is not None:
@@ -130,7 +132,7 @@ class BatchMorphKVCache(mlx_cache._BaseCache):
             left_padding = [int(p) for p in left_padding]
             if len(left_padding) != len(self.rows) or min(left_padding, default=0) < 0:
                 raise ValueError(f"left_padding {left_padding} does not fit {len(self.rows)} rows")
-            self._lead = [a + b for a, b in zip(self._lead, left_padding)]
+            self._lead = [a + b for a, b in zip(self._lead, left_padding, strict=True)]
         if right_padding is not None and max(right_padding, default=0) > 0:
             if lengths is None or len(lengths) != len(self.rows):
                 raise ValueError("prepare(right_padding=...) needs lengths, one per row")
@@ -160,7 +162,7 @@ class BatchMorphKVCache(mlx_cache._BaseCache):
     @property
     def offset(self) -> mx.array:
         """Per-row RoPE offset of the next chunk's first column."""
-        return mx.array([r.offset - p for r, p in zip(self.rows, self._lead)])
+        return mx.array([r.offset - p for r, p in zip(self.rows, self._lead, strict=True)])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Route each row's real tokens to its cache; return the rows' keys/values stacked,
@@ -172,7 +174,7 @@ class BatchMorphKVCache(mlx_cache._BaseCache):
         B, H, C, D = keys.shape
         spans = self._spans(C)
         fetched = []
-        for i, (row, s) in enumerate(zip(self.rows, spans)):
+        for i, (row, s) in enumerate(zip(self.rows, spans, strict=True)):
             cols = slice(s.start, s.start + s.count)
             fetched.append(
                 row.update_and_fetch(keys[i : i + 1, :, cols], values[i : i + 1, :, cols])
@@ -186,10 +188,15 @@ class BatchMorphKVCache(mlx_cache._BaseCache):
         out = []
         for which, template in ((0, keys), (1, values)):
             parts = []
-            for f, n in zip(fetched, lengths):
+            for f, n in zip(fetched, lengths, strict=True):
                 fill = mx.zeros((1, H, K - n, template.shape[3]), template.dtype)
-                parts.append(fill if f is None else f[which] if n == K else
-                             mx.concatenate([f[which], fill], axis=2))
+                parts.append(
+                    fill
+                    if f is None
+                    else f[which]
+                    if n == K
+                    else mx.concatenate([f[which], fill], axis=2)
+                )
             out.append(parts[0] if B == 1 else mx.concatenate(parts, axis=0))
         return out[0], out[1]
 
@@ -202,7 +209,7 @@ class BatchMorphKVCache(mlx_cache._BaseCache):
         B, n_heads, C, _ = queries.shape
         K = max(max(lengths), 1)
         row_masks = []
-        for i, (row, s) in enumerate(zip(self.rows, spans)):
+        for i, (row, s) in enumerate(zip(self.rows, spans, strict=True)):
             if s.count == 0:
                 row_masks.append(None)
                 continue
@@ -211,14 +218,15 @@ class BatchMorphKVCache(mlx_cache._BaseCache):
         if C == 1:
             return _decode_mask(lengths)
         blocks = []
-        for m, s, n in zip(row_masks, spans, lengths):
+        for m, s, n in zip(row_masks, spans, lengths, strict=True):
             if s.count == 1 or isinstance(m, str):  # a row without the liveness mask
                 m = create_causal_mask(s.count, offset=n - s.count)[None, None]
             blocks.append(_row_block(m, s, C, K, n_heads))
         return blocks[0] if B == 1 else mx.concatenate(blocks, axis=0)
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
-                  **kwargs):
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs
+    ):
         """Mask for N new columns, as mlx_lm builds it before the layers run (the attention
         hook replaces it per layer with the rows' own masks)."""
         if window_size is not None:
@@ -227,7 +235,7 @@ class BatchMorphKVCache(mlx_cache._BaseCache):
             )
         spans = self._spans(N)
         kept = [r.tokens_kept for r in self.rows]
-        lengths = [k + s.count if s.count else 0 for k, s in zip(kept, spans)]
+        lengths = [k + s.count if s.count else 0 for k, s in zip(kept, spans, strict=True)]
         uniform = all(s == _Span(0, N) for s in spans) and len(set(kept)) <= 1
         if N == 1:
             return None if uniform else _decode_mask(lengths)
@@ -236,8 +244,9 @@ class BatchMorphKVCache(mlx_cache._BaseCache):
         K = max(max(lengths), 1)
         blocks = [
             _row_block(create_causal_mask(s.count, offset=k)[None, None], s, N, K, 1)
-            if s.count else _row_block(None, s, N, K, 1)
-            for s, k in zip(spans, kept)
+            if s.count
+            else _row_block(None, s, N, K, 1)
+            for s, k in zip(spans, kept, strict=True)
         ]
         return blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=0)
 

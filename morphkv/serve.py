@@ -20,8 +20,15 @@ from typing import Any
 # mlx_lm.server's flags that morphkv serve passes through, with mlx_lm's defaults. The server
 # also reads the flags below this table; they keep mlx_lm's defaults (not offered: adapters,
 # draft models and --kv-bits turn batching off or do not combine with a morphkv cache).
-_FIXED = dict(adapter_path=None, draft_model=None, num_draft_tokens=3, kv_bits=None,
-              kv_group_size=64, quantized_kv_start=0, pipeline=False)
+_FIXED = dict(
+    adapter_path=None,
+    draft_model=None,
+    num_draft_tokens=3,
+    kv_bits=None,
+    kv_group_size=64,
+    quantized_kv_start=0,
+    pipeline=False,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .rules import METHODS
 
     a = parser.add_argument
-    a("--model", default=None, help="A .gguf file (Llama family), an mlx_lm model path / Hugging "
-      "Face repo, or nothing for the embedded SmolLM2-135M-Instruct.")
+    a(
+        "--model",
+        default=None,
+        help="A .gguf file (Llama family), an mlx_lm model path / Hugging "
+        "Face repo, or nothing for the embedded SmolLM2-135M-Instruct.",
+    )
     a("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1).")
     a("--port", type=int, default=8080, help="Port (default: 8080).")
     a("--allowed-origins", type=lambda x: x.split(","), default="*", help="CORS origins.")
@@ -40,8 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     a("--chat-template", default="", help="A chat template for the tokenizer.")
     a("--use-default-chat-template", action="store_true", help="Use the default chat template.")
-    a("--chat-template-args", type=json.loads, default="{}",
-      help="JSON arguments for apply_chat_template, e.g. '{\"enable_thinking\":false}'.")
+    a(
+        "--chat-template-args",
+        type=json.loads,
+        default="{}",
+        help="JSON arguments for apply_chat_template, e.g. '{\"enable_thinking\":false}'.",
+    )
     a("--temp", type=float, default=0.0, help="Default sampling temperature.")
     a("--top-p", type=float, default=1.0, help="Default nucleus sampling top-p.")
     a("--top-k", type=int, default=0, help="Default top-k (0: off).")
@@ -51,8 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--prompt-concurrency", type=int, default=8, help="Prompts prefilled in one batch.")
     a("--prefill-step-size", type=int, default=2048, help="Prompt tokens per prefill chunk.")
     a("--prompt-cache-size", type=int, default=10, help="Most KV caches kept for reuse.")
-    a("--prompt-cache-bytes", type=_parse_size, default=None,
-      help="Most bytes of KV caches kept for reuse (e.g. 500M, 2G).")
+    a(
+        "--prompt-cache-bytes",
+        type=_parse_size,
+        default=None,
+        help="Most bytes of KV caches kept for reuse (e.g. 500M, 2G).",
+    )
     g = parser.add_argument_group("KV cache (as in morphkv generate)")
     g.add_argument("--method", default="morphkv", choices=sorted(METHODS))
     g.add_argument("--budget", type=int, default=512, help="Tokens kept per sequence and KV head.")
@@ -77,10 +96,15 @@ class ServedModel:
 def cache_config(args):
     from .config import KVCacheConfig
 
-    return KVCacheConfig(method=args.method, morphkv_budget=args.budget,
-                         morphkv_n_sink=args.sinks, morphkv_window=args.window,
-                         morphkv_fusion=args.fusion, scoring=args.scoring,
-                         seed=args.seed).validate()
+    return KVCacheConfig(
+        method=args.method,
+        morphkv_budget=args.budget,
+        morphkv_n_sink=args.sinks,
+        morphkv_window=args.window,
+        morphkv_fusion=args.fusion,
+        scoring=args.scoring,
+        seed=args.seed,
+    ).validate()
 
 
 def load_served(args, config) -> ServedModel:
@@ -104,9 +128,12 @@ def load_served(args, config) -> ServedModel:
         from mlx_lm.utils import load
 
         path = str(name)
-        model, tokenizer, model_config = load(path, tokenizer_config=tokenizer_config,
-                                              return_config=True,
-                                              trust_remote_code=args.trust_remote_code)
+        model, tokenizer, model_config = load(
+            path,
+            tokenizer_config=tokenizer_config,
+            return_config=True,
+            trust_remote_code=args.trust_remote_code,
+        )
     patch_model(model, config)
     model.make_cache()  # raises now for models morphkv cannot serve (sliding-window layers)
     names = {"default_model", path, DEFAULT_MODEL_NAME if name is None else str(name)}
@@ -141,10 +168,15 @@ def _fmt(n: float) -> str:
 
 
 def startup_line(served: ServedModel, config, bound: int | None) -> str:
-    setting = (f"method={config.method} budget={config.budget} window={config.window} "
-               f"sinks={config.n_sink} fusion={config.morphkv_fusion} scoring={config.scoring}")
-    memory = ("unbounded (method=full)" if bound is None
-              else f"{_fmt(bound)} ({bound} bytes) per sequence")
+    setting = (
+        f"method={config.method} budget={config.budget} window={config.window} "
+        f"sinks={config.n_sink} fusion={config.morphkv_fusion} scoring={config.scoring}"
+    )
+    memory = (
+        "unbounded (method=full)"
+        if bound is None
+        else f"{_fmt(bound)} ({bound} bytes) per sequence"
+    )
     return f"morphkv serve: {served.path}; KV cache {setting}; KV memory bound {memory}"
 
 
@@ -206,8 +238,11 @@ def _rebound(module, name: str, value):
 
 def server_args(args, served: ServedModel) -> argparse.Namespace:
     """The namespace mlx_lm.server's classes read (``cli_args``)."""
-    values = {k: v for k, v in vars(args).items()
-              if k not in {"method", "budget", "window", "sinks", "fusion", "scoring", "seed"}}
+    values = {
+        k: v
+        for k, v in vars(args).items()
+        if k not in {"method", "budget", "window", "sinks", "fusion", "scoring", "seed"}
+    }
     from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
     values.update(_FIXED, quantized_kv_start=DEFAULT_QUANTIZED_KV_START, model=served.path)
@@ -226,8 +261,9 @@ def run(args) -> int:
         if getattr(args, flag) < 1:
             print(f"morphkv: error: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
-    logging.basicConfig(level=getattr(logging, args.log_level),
-                        format="%(asctime)s - %(levelname)s - %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s"
+    )
     try:
         served = load_served(args, config)
     except (ValueError, FileNotFoundError) as e:

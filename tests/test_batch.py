@@ -23,8 +23,14 @@ STEP = 8  # prefill step: prompts span several chunks
 def tiny_model(config: KVCacheConfig, seed: int = 0):
     mx.random.seed(seed)
     args = ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=256,
     )
     model = Model(args)
     mx.eval(model.parameters())
@@ -42,8 +48,9 @@ def single(model, prompt, n, cache=None):
     """(tokens, logprobs of the tokens, caches) of a one-sequence greedy run."""
     cache = model.make_cache() if cache is None else cache
     tokens, logprobs = [], []
-    steps = generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=n,
-                          prefill_step_size=STEP)
+    steps = generate_step(
+        mx.array(prompt), model, prompt_cache=cache, max_tokens=n, prefill_step_size=STEP
+    )
     for tok, lp in steps:
         tokens.append(int(tok))
         logprobs.append(lp[int(tok)].item())
@@ -69,8 +76,16 @@ def test_batch_generate_rows_equal_single_runs(method):
     config = KVCacheConfig(method=method, morphkv_budget=16, morphkv_n_sink=2, morphkv_window=4)
     model = tiny_model(config)
     prompts, max_tokens = prompts_of([5, 30, 12]), [20, 9, 25]
-    res = batch_generate(model, _Tok(), prompts, max_tokens=max_tokens, prefill_step_size=STEP,
-                         return_prompt_caches=True, return_token_ids=True, return_logprobs=True)
+    res = batch_generate(
+        model,
+        _Tok(),
+        prompts,
+        max_tokens=max_tokens,
+        prefill_step_size=STEP,
+        return_prompt_caches=True,
+        return_token_ids=True,
+        return_logprobs=True,
+    )
     for prompt, n, ids, lps, caches in zip(
         prompts, max_tokens, res.token_ids, res.logprobs, res.caches, strict=True
     ):
@@ -83,13 +98,15 @@ def test_batch_generate_rows_equal_single_runs(method):
 
 
 def test_rows_join_and_leave_mid_stream():
-    config = KVCacheConfig(method="morphkv", morphkv_budget=12, morphkv_n_sink=2,
-                           morphkv_window=3, scoring="attention")
+    config = KVCacheConfig(
+        method="morphkv", morphkv_budget=12, morphkv_n_sink=2, morphkv_window=3, scoring="attention"
+    )
     model = tiny_model(config, seed=3)
     prompts = prompts_of([7, 19, 3, 26], seed=1)
     max_tokens = [30, 12, 20, 15]
-    gen = BatchGenerator(model, max_tokens=30, prefill_step_size=STEP, completion_batch_size=3,
-                         prefill_batch_size=2)
+    gen = BatchGenerator(
+        model, max_tokens=30, prefill_step_size=STEP, completion_batch_size=3, prefill_batch_size=2
+    )
     out, caches, steps = {}, {}, 0
     uids = gen.insert(prompts[:1], max_tokens=max_tokens[:1])
     removed = None
@@ -122,15 +139,22 @@ def test_rows_join_and_leave_mid_stream():
 
 def test_continued_generation_from_history():
     """Rows start from caches with different histories (merge of non-empty caches)."""
-    config = KVCacheConfig(method="morphkv", morphkv_budget=14, morphkv_n_sink=2,
-                           morphkv_window=3)
+    config = KVCacheConfig(method="morphkv", morphkv_budget=14, morphkv_n_sink=2, morphkv_window=3)
     model = tiny_model(config, seed=5)
     first, second = prompts_of([9, 21], seed=2), prompts_of([4, 13], seed=3)
-    res = batch_generate(model, _Tok(), first, max_tokens=6, prefill_step_size=STEP,
-                         return_prompt_caches=True)
-    res2 = batch_generate(model, _Tok(), second, max_tokens=[11, 7], prefill_step_size=STEP,
-                          prompt_caches=res.caches, return_prompt_caches=True,
-                          return_token_ids=True)
+    res = batch_generate(
+        model, _Tok(), first, max_tokens=6, prefill_step_size=STEP, return_prompt_caches=True
+    )
+    res2 = batch_generate(
+        model,
+        _Tok(),
+        second,
+        max_tokens=[11, 7],
+        prefill_step_size=STEP,
+        prompt_caches=res.caches,
+        return_prompt_caches=True,
+        return_token_ids=True,
+    )
     for p1, p2, n, ids, caches, history in zip(
         first, second, [11, 7], res2.token_ids, res2.caches, res.caches, strict=True
     ):
@@ -143,8 +167,14 @@ def test_continued_generation_from_history():
 
 def test_right_padded_prefill_drops_padding():
     """The cache protocol directly: right-padded chunks, then decode, per-row offsets."""
-    config = KVCacheConfig(method="h2o", head_dim=8, morphkv_budget=6, morphkv_n_sink=1,
-                           morphkv_window=2, scoring="proxy")
+    config = KVCacheConfig(
+        method="h2o",
+        head_dim=8,
+        morphkv_budget=6,
+        morphkv_n_sink=1,
+        morphkv_window=2,
+        scoring="proxy",
+    )
     lengths = [3, 10, 7]
     rows = [MorphKVCache(config) for _ in lengths]
     batch = MorphKVCache.merge([MorphKVCache(config) for _ in lengths])
@@ -154,7 +184,7 @@ def test_right_padded_prefill_drops_padding():
     for start in (0, 4, 8):
         chunk = keys[:, :, start : start + 4]
         k, v = batch.update_and_fetch(chunk, chunk)
-        for i, (row, n) in enumerate(zip(rows, lengths)):
+        for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
             real = chunk[i : i + 1, :, : max(0, min(4, n - start))]
             if real.shape[2]:
                 rk, _ = row.update_and_fetch(real, real)
@@ -170,7 +200,7 @@ def test_right_padded_prefill_drops_padding():
             assert mx.array_equal(k[i : i + 1, :, : rk.shape[2]], rk)
             if mask is not None:  # the zero fill is hidden
                 assert mask[i, 0, 0].tolist() == [j < rk.shape[2] for j in range(k.shape[2])]
-    for b, r in zip(batch.rows, rows):
+    for b, r in zip(batch.rows, rows, strict=True):
         np.testing.assert_array_equal(b.kept_positions, r.kept_positions)
     one = batch.extract(1)
     batch.filter([0, 2])
@@ -197,11 +227,12 @@ CHATS = ["Write a story about Einstein", "Hi", "What time is it?", "How tall is 
 @pytest.fixture(scope="module")
 def embedded():
     model, tokenizer = load_embedded()
-    config = KVCacheConfig(method="morphkv", morphkv_budget=24, morphkv_n_sink=4,
-                           morphkv_window=4)
+    config = KVCacheConfig(method="morphkv", morphkv_budget=24, morphkv_n_sink=4, morphkv_window=4)
     patch_model(model, config)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                             add_generation_prompt=True) for p in CHATS]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        for p in CHATS
+    ]
     yield model, tokenizer, [list(p) for p in prompts]
     del model.make_cache
 
@@ -210,9 +241,14 @@ def embedded():
 def test_mlx_lm_many_batches(embedded):
     """mlx_lm's test_many_batches and test_batch_matches_single: first-token logprobs."""
     model, tokenizer, prompts = embedded
-    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-                         max_tokens=1, prefill_batch_size=2, prefill_step_size=8,
-                         completion_batch_size=3)
+    gen = BatchGenerator(
+        model,
+        stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+        max_tokens=1,
+        prefill_batch_size=2,
+        prefill_step_size=8,
+        completion_batch_size=3,
+    )
     uids = gen.insert(prompts)
     responses, iters = {}, 0
     while batch := gen.next_generated():
@@ -231,8 +267,13 @@ def test_mlx_lm_many_batches(embedded):
 def test_mlx_lm_batch_unique_max_toks(embedded):
     """mlx_lm's test_batch_unique_max_toks, long enough to evict (budget 24)."""
     model, tokenizer, prompts = embedded
-    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-                         prefill_batch_size=2, prefill_step_size=8, completion_batch_size=3)
+    gen = BatchGenerator(
+        model,
+        stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+        prefill_batch_size=2,
+        prefill_step_size=8,
+        completion_batch_size=3,
+    )
     num_toks = [12, 3, 14, 9]
     uids = gen.insert(prompts, max_tokens=num_toks)
     out = {uid: [] for uid in uids}
@@ -241,6 +282,8 @@ def test_mlx_lm_batch_unique_max_toks(embedded):
             out[r.uid].append(r.token)
     gen.close()
     for uid, prompt, n in zip(uids, prompts, num_toks, strict=True):
-        tokens = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=n,
-                                                   prefill_step_size=8)]
+        tokens = [
+            r.token
+            for r in stream_generate(model, tokenizer, prompt, max_tokens=n, prefill_step_size=8)
+        ]
         assert out[uid] == tokens

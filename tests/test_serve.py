@@ -46,11 +46,27 @@ def server():
     embedded_gguf_path()  # skips (or fails in CI) when the model cannot be had
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "morphkv", "serve", "--port", str(port), "--budget",
-           str(BUDGET), "--window", "4", "--sinks", "4", "--max-tokens", "8",
-           "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "morphkv",
+        "serve",
+        "--port",
+        str(port),
+        "--budget",
+        str(BUDGET),
+        "--window",
+        "4",
+        "--sinks",
+        "4",
+        "--max-tokens",
+        "8",
+        "--log-level",
+        "WARNING",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
@@ -72,8 +88,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", timeout=120,
-                         max_retries=0)
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", timeout=120, max_retries=0)
 
 
 def chat(client, text, **kw):
@@ -95,25 +110,29 @@ def test_chat_and_streamed_chat_agree(client):
     text = r.choices[0].message.content
     assert text and r.usage.completion_tokens <= 6
     assert r.choices[0].finish_reason in ("stop", "length")
-    parts = [c.choices[0].delta.content or "" for c in
-             chat(client, "Name a color.", max_tokens=6, stream=True) if c.choices]
+    parts = [
+        c.choices[0].delta.content or ""
+        for c in chat(client, "Name a color.", max_tokens=6, stream=True)
+        if c.choices
+    ]
     assert "".join(parts) == text  # greedy: the same tokens either way
 
 
 def test_text_completion(client):
-    r = client.completions.create(model="default_model", prompt="The capital of France is",
-                                  max_tokens=5)
+    r = client.completions.create(
+        model="default_model", prompt="The capital of France is", max_tokens=5
+    )
     assert r.choices[0].text.strip() and r.usage.completion_tokens <= 5
 
 
 def test_multi_turn_reuses_the_prompt_cache(client):
     messages = [{"role": "user", "content": "Tell me one fact about the Moon."}]
-    first = client.chat.completions.create(model="default_model", messages=messages,
-                                           max_tokens=8)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "And one about Mars?"}]
-    second = client.chat.completions.create(model="default_model", messages=messages,
-                                            max_tokens=8)
+    first = client.chat.completions.create(model="default_model", messages=messages, max_tokens=8)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And one about Mars?"},
+    ]
+    second = client.chat.completions.create(model="default_model", messages=messages, max_tokens=8)
     assert second.choices[0].message.content
     assert second.usage.prompt_tokens > first.usage.prompt_tokens > BUDGET
     assert second.usage.prompt_tokens_details.cached_tokens > 0
@@ -142,7 +161,8 @@ def test_errors_are_clean_http_errors_and_serving_goes_on(client):
         chat(client, "Hi", max_tokens=-1)
     assert "max_tokens" in bad.value.response.text
     with pytest.raises(openai.NotFoundError) as unknown:
-        client.chat.completions.create(model="no-such-model", max_tokens=4,
-                                       messages=[{"role": "user", "content": "Hi"}])
+        client.chat.completions.create(
+            model="no-such-model", max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
+        )
     assert "not served" in unknown.value.response.text
     assert chat(client, "Say hi.", max_tokens=4).choices[0].message.content
