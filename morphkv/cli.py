@@ -18,6 +18,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("serve", "morphkv.serve"),
     ("bench mechanism", "morphkv.bench.mechanism"),
     ("bench speed", "morphkv.bench.speed"),
+    ("bench serve", "morphkv.bench.serve"),
     ("eval fidelity", "morphkv.bench.fidelity"),
     ("eval generation", "morphkv.bench.generation"),
     ("report", "morphkv.bench.report"),

@@ -108,7 +108,8 @@ def cache_config(args):
 
 
 def load_served(args, config) -> ServedModel:
-    """Load ``--model`` (or the embedded model) and install morphkv caches on it."""
+    """Load ``--model`` (or the embedded model) and install morphkv caches on it (``config``
+    None: keep mlx_lm's default cache, for comparisons)."""
     from .builder import patch_model
     from .model import DEFAULT_MODEL_NAME, load_gguf_model, resolve_default_gguf
 
@@ -134,7 +135,8 @@ def load_served(args, config) -> ServedModel:
             return_config=True,
             trust_remote_code=args.trust_remote_code,
         )
-    patch_model(model, config)
+    if config is not None:
+        patch_model(model, config)
     model.make_cache()  # raises now for models morphkv cannot serve (sliding-window layers)
     names = {"default_model", path, DEFAULT_MODEL_NAME if name is None else str(name)}
     return ServedModel(model, tokenizer, model_config, path, frozenset(names))
@@ -149,8 +151,8 @@ def kv_bound(served: ServedModel):
 
     caches = served.model.make_cache()
     served.model(mx.array([[0]]), cache=caches)
-    config = caches[0].config
-    if config.method == "full":
+    config = getattr(caches[0], "config", None)
+    if config is None or config.method == "full":
         return config, None
     total = 0
     for c in caches:
@@ -168,6 +170,8 @@ def _fmt(n: float) -> str:
 
 
 def startup_line(served: ServedModel, config, bound: int | None) -> str:
+    if config is None:
+        return f"morphkv serve: {served.path}; KV cache mlx_lm's default; KV memory unbounded"
     setting = (
         f"method={config.method} budget={config.budget} window={config.window} "
         f"sinks={config.n_sink} fusion={config.morphkv_fusion} scoring={config.scoring}"
@@ -250,8 +254,6 @@ def server_args(args, served: ServedModel) -> argparse.Namespace:
 
 
 def run(args) -> int:
-    import mlx_lm.server as server
-
     try:
         config = cache_config(args)
     except ValueError as e:
@@ -261,6 +263,14 @@ def run(args) -> int:
         if getattr(args, flag) < 1:
             print(f"morphkv: error: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    return serve(args, config)
+
+
+def serve(args, config) -> int:
+    """Load the model, say the cache setting and bound, serve until interrupted. ``config``
+    None serves mlx_lm's default cache (what ``morphkv bench serve`` compares against)."""
+    import mlx_lm.server as server
+
     logging.basicConfig(
         level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s"
     )
