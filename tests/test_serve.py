@@ -24,7 +24,6 @@ openai = pytest.importorskip("openai")
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET = 32
-pytestmark = pytest.mark.slow
 
 
 def _free_port() -> int:
@@ -39,6 +38,31 @@ def _healthy(url: str) -> bool:
             return r.status == 200
     except OSError:
         return False
+
+
+def test_bad_cache_settings_fail_before_loading(capsys):
+    from morphkv.cli import main
+
+    assert main(["serve", "--budget", "8", "--window", "8"]) == 2
+    assert "morphkv_budget must exceed" in capsys.readouterr().err
+    assert main(["serve", "--max-tokens", "0"]) == 2
+
+
+def test_mlx_lm_server_reads_only_flags_it_is_given():
+    """Every ``cli_args.<flag>`` mlx_lm.server reads exists in the namespace serve hands it."""
+    import re
+
+    import mlx_lm.server
+
+    from morphkv.cli import build_parser
+    from morphkv.serve import ServedModel, server_args
+
+    args = build_parser().parse_args(["serve"])
+    served = ServedModel(None, None, {}, "/m.gguf", frozenset())
+    namespace = server_args(args, served)
+    read = set(re.findall(r"cli_args\.(\w+)", Path(mlx_lm.server.__file__).read_text()))
+    assert read and not read - set(vars(namespace))
+    assert namespace.model == "/m.gguf" and namespace.host == "127.0.0.1"
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +121,7 @@ def chat(client, text, **kw):
     )
 
 
+@pytest.mark.slow
 def test_startup_line_states_cache_and_bound(server):
     _, lines = server
     line = next(x for x in lines if x.startswith("morphkv serve:"))
@@ -105,6 +130,7 @@ def test_startup_line_states_cache_and_bound(server):
     assert "KV memory bound" in line and f"({30 * 3 * 33 * 128 * 4} bytes) per sequence" in line
 
 
+@pytest.mark.slow
 def test_chat_and_streamed_chat_agree(client):
     r = chat(client, "Name a color.", max_tokens=6)
     text = r.choices[0].message.content
@@ -118,6 +144,7 @@ def test_chat_and_streamed_chat_agree(client):
     assert "".join(parts) == text  # greedy: the same tokens either way
 
 
+@pytest.mark.slow
 def test_text_completion(client):
     r = client.completions.create(
         model="default_model", prompt="The capital of France is", max_tokens=5
@@ -125,6 +152,7 @@ def test_text_completion(client):
     assert r.choices[0].text.strip() and r.usage.completion_tokens <= 5
 
 
+@pytest.mark.slow
 def test_multi_turn_reuses_the_prompt_cache(client):
     messages = [{"role": "user", "content": "Tell me one fact about the Moon."}]
     first = client.chat.completions.create(model="default_model", messages=messages, max_tokens=8)
@@ -138,6 +166,7 @@ def test_multi_turn_reuses_the_prompt_cache(client):
     assert second.usage.prompt_tokens_details.cached_tokens > 0
 
 
+@pytest.mark.slow
 def test_three_concurrent_requests(client):
     results, errors = {}, []
 
@@ -156,6 +185,7 @@ def test_three_concurrent_requests(client):
     assert all(r.choices[0].message.content for r in results.values())
 
 
+@pytest.mark.slow
 def test_errors_are_clean_http_errors_and_serving_goes_on(client):
     with pytest.raises(openai.BadRequestError) as bad:
         chat(client, "Hi", max_tokens=-1)
