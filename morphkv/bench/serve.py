@@ -67,9 +67,14 @@ def server_main(argv: list[str]) -> int:
     serve.add_arguments(parser)
     args = parser.parse_args(flags)
 
+    reset = Path(log_path + ".reset")  # the bench asks for a fresh peak through this file
+
     def sample():
         with open(log_path, "a") as f:
             while True:
+                if reset.exists():
+                    mx.reset_peak_memory()
+                    reset.unlink()
                 t, active, peak = time.time(), mx.get_active_memory(), mx.get_peak_memory()
                 f.write(f"{t:.3f} {active} {peak}\n")
                 f.flush()
@@ -93,15 +98,31 @@ class Server:
 
         self.port, self.log = _free_port(), out / f"memory_{cache}.log"
         self.log.unlink(missing_ok=True)
-        flags = ["--port", str(self.port), "--log-level", "WARNING", "--budget", str(args.budget),
-                 "--window", str(args.window), "--sinks", str(args.sinks),
-                 "--method", args.method] + (["--model", args.model] if args.model else [])
-        code = "import sys; from morphkv.bench.serve import server_main; " \
-               "sys.exit(server_main(sys.argv[1:]))"
+        flags = [
+            "--port",
+            str(self.port),
+            "--log-level",
+            "WARNING",
+            "--budget",
+            str(args.budget),
+            "--window",
+            str(args.window),
+            "--sinks",
+            str(args.sinks),
+            "--method",
+            args.method,
+        ] + (["--model", args.model] if args.model else [])
+        code = (
+            "import sys; from morphkv.bench.serve import server_main; "
+            "sys.exit(server_main(sys.argv[1:]))"
+        )
         self.output = out / f"server_{cache}.txt"
-        self.proc = subprocess.Popen([sys.executable, "-c", code, str(self.log), cache, *flags],
-                                     stdout=self.output.open("w"), stderr=subprocess.STDOUT,
-                                     env=blas_env(dict(os.environ)))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(self.log), cache, *flags],
+            stdout=self.output.open("w"),
+            stderr=subprocess.STDOUT,
+            env=blas_env(dict(os.environ)),
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 600
         while not self._healthy():
@@ -127,6 +148,13 @@ class Server:
                 return int(last[1]), int(last[2])
             time.sleep(0.05)
 
+    def reset_peak(self) -> None:
+        """Restart the server's MLX peak memory count (it includes model loading before)."""
+        flag = Path(f"{self.log}.reset")
+        flag.touch()
+        while flag.exists():
+            time.sleep(0.05)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGTERM)
@@ -142,8 +170,11 @@ def _streamed(client, prompt: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     first, tokens = None, 0
     stream = client.chat.completions.create(
-        model="default_model", messages=[{"role": "user", "content": prompt}],
-        max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+        model="default_model",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content and first is None:
@@ -174,9 +205,14 @@ def concurrency_run(client, prompts: list[str], clients: int, max_tokens: int) -
         t.join()
     wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in results)
-    return {"clients": clients, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "latency_s": statistics.median(r["latency_s"] for r in results),
-            "ttft_s": statistics.median(r["ttft_s"] for r in results)}
+    return {
+        "clients": clients,
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "latency_s": statistics.median(r["latency_s"] for r in results),
+        "ttft_s": statistics.median(r["ttft_s"] for r in results),
+    }
 
 
 def conversation(client, server: Server, turns: int, max_tokens: int) -> list[dict]:
@@ -185,16 +221,24 @@ def conversation(client, server: Server, turns: int, max_tokens: int) -> list[di
         question = TURNS[i % len(TURNS)].format(PLANETS[(i // len(TURNS)) % len(PLANETS)])
         messages.append({"role": "user", "content": question})
         t0 = time.perf_counter()
-        r = client.chat.completions.create(model="default_model", messages=messages,
-                                           max_tokens=max_tokens)
+        r = client.chat.completions.create(
+            model="default_model", messages=messages, max_tokens=max_tokens
+        )
         latency = time.perf_counter() - t0
         messages.append({"role": "assistant", "content": r.choices[0].message.content})
         active, peak = server.memory()
         details = r.usage.prompt_tokens_details
-        rows.append({"turn": i + 1, "prompt_tokens": r.usage.prompt_tokens,
-                     "completion_tokens": r.usage.completion_tokens,
-                     "cached_tokens": details.cached_tokens if details else None,
-                     "latency_s": latency, "active_bytes": active, "peak_bytes": peak})
+        rows.append(
+            {
+                "turn": i + 1,
+                "prompt_tokens": r.usage.prompt_tokens,
+                "completion_tokens": r.usage.completion_tokens,
+                "cached_tokens": details.cached_tokens if details else None,
+                "latency_s": latency,
+                "active_bytes": active,
+                "peak_bytes": peak,
+            }
+        )
     return rows
 
 
@@ -203,17 +247,24 @@ def bench_server(cache: str, args, out: Path) -> dict:
 
     server = Server(cache, args, out)
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=600,
-                               max_retries=0)
+        client = openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key="unused", timeout=600, max_retries=0
+        )
         prompts = PROMPTS[: args.n_prompts]
         concurrency_run(client, prompts, 1, 4)  # warm-up: the prompts' segments are cached
         levels = []
         for clients in args.levels:
-            runs = [concurrency_run(client, prompts, clients, args.max_tokens)
-                    for _ in range(args.repeats)]
+            runs = [
+                concurrency_run(client, prompts, clients, args.max_tokens)
+                for _ in range(args.repeats)
+            ]
             levels.append({k: statistics.median(r[k] for r in runs) for k in runs[0]})
-            print(f"  {cache}: {clients} clients: {levels[-1]['tokens_per_s']:.1f} tokens/s, "
-                  f"latency {levels[-1]['latency_s']:.2f} s", flush=True)
+            print(
+                f"  {cache}: {clients} clients: {levels[-1]['tokens_per_s']:.1f} tokens/s, "
+                f"latency {levels[-1]['latency_s']:.2f} s",
+                flush=True,
+            )
+        server.reset_peak()
         turns = conversation(client, server, args.turns, args.turn_tokens)
         startup = server.output.read_text().split("\n")[0]
     finally:
@@ -229,10 +280,12 @@ def summarize(result: dict, budget: int) -> dict:
     growth = None
     if len(past) > 1:
         growth = past[-1]["peak_bytes"] / past[0]["peak_bytes"] - 1
-    return {"speedup_most_vs_one": most["tokens_per_s"] / one["tokens_per_s"],
-            "budget_reached_at_turn": past[0]["turn"] if past else None,
-            "peak_growth_after_budget": growth,
-            "peak_first_to_last": turns[-1]["peak_bytes"] / turns[0]["peak_bytes"] - 1}
+    return {
+        "speedup_most_vs_one": most["tokens_per_s"] / one["tokens_per_s"],
+        "budget_reached_at_turn": past[0]["turn"] if past else None,
+        "peak_growth_after_budget": growth,
+        "peak_first_to_last": turns[-1]["peak_bytes"] / turns[0]["peak_bytes"] - 1,
+    }
 
 
 def plot(results: dict, budget: int, path: Path) -> None:
@@ -247,13 +300,15 @@ def plot(results: dict, budget: int, path: Path) -> None:
         axes[0].plot([x["clients"] for x in c], [x["tokens_per_s"] for x in c], "o-", label=name)
         axes[1].plot([x["clients"] for x in c], [x["latency_s"] for x in c], "o-", label=name)
         t = r["conversation"]
-        axes[2].plot([x["turn"] for x in t], [x["peak_bytes"] / 2**20 for x in t], "o-",
-                     label=name)
+        axes[2].plot([x["turn"] for x in t], [x["peak_bytes"] / 2**20 for x in t], "o-", label=name)
         reached = r["summary"]["budget_reached_at_turn"]
         if name == "morphkv" and reached:
             axes[2].axvline(reached, color="gray", ls=":", label=f"budget {budget} reached")
-    labels = [("concurrent clients", "total tokens/s"), ("concurrent clients",
-              "median request latency (s)"), ("conversation turn", "server MLX peak (MiB)")]
+    labels = [
+        ("concurrent clients", "total tokens/s"),
+        ("concurrent clients", "median request latency (s)"),
+        ("conversation turn", "server MLX peak (MiB)"),
+    ]
     for ax, (x, y) in zip(axes, labels, strict=True):
         ax.set_xlabel(x)
         ax.set_ylabel(y)
@@ -285,9 +340,11 @@ def run(args) -> int:
     for cache, r in results.items():
         s = r["summary"]
         growth = s["peak_growth_after_budget"]
-        print(f"{cache}: {max(args.levels)} clients {s['speedup_most_vs_one']:.2f}x tokens/s of "
-              f"one at a time; MLX peak growth after the budget: "
-              f"{'n/a' if growth is None else f'{100 * growth:.1f}%'}, first to last turn "
-              f"{100 * s['peak_first_to_last']:.1f}%")
+        print(
+            f"{cache}: {max(args.levels)} clients {s['speedup_most_vs_one']:.2f}x tokens/s of "
+            f"one at a time; MLX peak growth after the budget: "
+            f"{'n/a' if growth is None else f'{100 * growth:.1f}%'}, first to last turn "
+            f"{100 * s['peak_first_to_last']:.1f}%"
+        )
     print(f"wrote {out / name}.json and .png")
     return 0
