@@ -17,16 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# mlx_lm.server's flags that morphkv serve passes through, with mlx_lm's defaults. The server
-# also reads the flags below this table; they keep mlx_lm's defaults (not offered: adapters,
-# draft models and --kv-bits turn batching off or do not combine with a morphkv cache).
+# mlx_lm.server reads these too; morphkv serve keeps them fixed at mlx_lm's defaults: adapters
+# and draft models (a draft model turns batching off), --kv-bits (quantized caches turn batching
+# off and do not combine with a morphkv cache), --pipeline (distributed runs).
 _FIXED = dict(
     adapter_path=None,
     draft_model=None,
     num_draft_tokens=3,
     kv_bits=None,
     kv_group_size=64,
-    quantized_kv_start=0,
     pipeline=False,
 )
 

@@ -274,7 +274,7 @@ def test_mlx_lm_batch_unique_max_toks(embedded):
         prefill_step_size=8,
         completion_batch_size=3,
     )
-    num_toks = [12, 3, 14, 9]
+    num_toks = [6, 2, 8, 4]
     uids = gen.insert(prompts, max_tokens=num_toks)
     out = {uid: [] for uid in uids}
     while batch := gen.next_generated():
