@@ -5,8 +5,9 @@ Both servers are the same mlx_lm server machinery on the same model (``morphkv s
 the same with mlx_lm's default ``KVCache``), started one after the other on loopback and driven
 with the official ``openai`` client on the same prompts: 1, 2 and 4 concurrent clients sending
 the same requests (streamed: time to first token, request latency, total tokens/s), then a
-multi-turn conversation that runs well past the budget while the server's MLX memory (active
-and peak, sampled in the server process) is recorded after each turn. Prints and saves JSON +
+multi-turn conversation that runs well past the budget while the server's MLX memory (active,
+and peak since the conversation began, sampled in the server process) is recorded after each
+turn. Prints and saves JSON +
 PNG (default under results/serve/).
 """
 
