@@ -360,6 +360,14 @@ class MorphKVCache(mlx_cache._BaseCache):
     def trim(self, n: int) -> int:
         return 0
 
+    @classmethod
+    def merge(cls, caches: list):
+        """mlx_lm's batch protocol (``batch_generate``, ``BatchGenerator``, the server): one
+        batched cache over single-sequence caches; see ``morphkv.batch``."""
+        from .batch import BatchMorphKVCache  # batch builds on this module
+
+        return BatchMorphKVCache.merge(caches)
+
     # ---- persistence: mlx_lm save_prompt_cache / load_prompt_cache, copy.deepcopy ---------
     @property
     def state(self) -> list:

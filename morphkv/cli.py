@@ -15,11 +15,13 @@ from pathlib import Path
 
 COMMANDS: list[tuple[str, str]] = [
     ("generate", "morphkv.generate"),
+    ("serve", "morphkv.serve"),
     ("bench mechanism", "morphkv.bench.mechanism"),
     ("bench speed", "morphkv.bench.speed"),
     ("bench layer", "morphkv.bench.layer"),
     ("bench overhead", "morphkv.bench.overhead"),
     ("bench blas", "morphkv.bench.blas"),
+    ("bench serve", "morphkv.bench.serve"),
     ("eval fidelity", "morphkv.bench.fidelity"),
     ("eval generation", "morphkv.bench.generation"),
     ("report", "morphkv.bench.report"),
