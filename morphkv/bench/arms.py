@@ -6,8 +6,10 @@ by its name or its short name (``window`` -> ``morphkv_window``, ``recent`` ->
 knob needs no change here; or one of the older shorthands: a number (the window), ``mean`` /
 ``max`` (the fusion), ``attn`` / ``proxy`` (the scoring). Examples: ``streaming_llm``,
 ``morphkv:mean:32:attn`` (= ``morphkv:fusion=mean:window=32:scoring=attention``),
-``morphkv:window=8:recent=64``. ``method`` is one of ``morphkv.METHODS`` or a key of
-``BASELINES`` (mlx_lm's own caches). Budgets come from the command, not the spec.
+``morphkv:window=8:recent=64``. ``method`` is one of ``morphkv.METHODS``, a key of
+``BASELINES`` (mlx_lm's own caches) or a preset of ``morphkv.PRESETS`` (``recommended``,
+``paper``: settings that scale with the budget; options override them). ``recent=0.5`` means
+half the budget. Budgets come from the command, not the spec.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .. import METHODS, KVCacheBuilder, KVCacheConfig
+from .. import METHODS, PRESETS, KVCacheBuilder, KVCacheConfig
 
 SHORTHANDS = {
     "mean": ("morphkv_fusion", "mean"),
@@ -82,10 +84,10 @@ class Arm:
         """``method[:option]...`` (see the module docstring); ``aliases`` renames methods."""
         method, *parts = text.strip().split(":")
         method = (aliases or {}).get(method, method)
-        if method not in METHODS and method not in BASELINES:
+        if method not in METHODS and method not in BASELINES and method not in PRESETS:
             raise ValueError(
                 f"arm {text!r}: unknown method {method!r}; valid: "
-                f"{sorted(METHODS) + sorted(BASELINES)}"
+                f"{sorted(METHODS) + sorted(BASELINES) + sorted(PRESETS)}"
             )
         options = []
         for part in parts:
@@ -102,6 +104,8 @@ class Arm:
         return cls(method, tuple(options), defaults)
 
     def get(self, name: str) -> Any:
+        if self.method in PRESETS:  # a preset's own values (at a nominal budget)
+            return getattr(self.config(4096), name)
         merged = {**dict(self.defaults), **dict(self.options)}
         if name in merged:
             return merged[name]
@@ -126,22 +130,29 @@ class Arm:
     @property
     def name(self) -> str:
         """``method[_fusion]_w<window>[_attn]`` plus ``_<option><value>`` per other option."""
-        if self.method == "full" or self.is_baseline:
+        if self.method == "full" or self.is_baseline or self.method in PRESETS:
             name = self.method
         else:
             name = self.method + (f"_{self.fusion}" if self.method == "morphkv" else "")
             name += f"_w{self.window}" + ("_attn" if self.scoring == "attention" else "")
         for key, value in self.options:
-            if key not in NAMED:
+            if key not in NAMED or self.method in PRESETS:
                 name += f"_{key.removeprefix('morphkv_').removeprefix('kv_')}{value}"
         return name
 
     def config(self, budget: int, **extra) -> KVCacheConfig:
         """The validated config at ``budget``; ``extra`` (e.g. a seed) under the spec."""
-        fields = {**{field_name(k): v for k, v in extra.items()}, **dict(self.defaults)}
+        fields = {field_name(k): v for k, v in extra.items()}
+        if self.method not in PRESETS:  # a preset sets its own values; the spec overrides them
+            fields.update(self.defaults)
         fields.update(self.options)
-        fields.update(method=self.method, morphkv_budget=int(budget))
+        for key, value in fields.items():  # recent=0.5: a fraction of the budget
+            if key == "morphkv_recent" and isinstance(value, float) and 0 < value < 1:
+                fields[key] = max(1, int(budget * value))
         try:
+            if self.method in PRESETS:
+                return PRESETS[self.method](int(budget), **fields)
+            fields.update(method=self.method, morphkv_budget=int(budget))
             return dataclasses.replace(KVCacheConfig(), **fields).validate()
         except (TypeError, ValueError) as e:
             raise ValueError(f"arm {self.name} at budget {budget}: {e}") from None
