@@ -24,6 +24,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("bench serve", "morphkv.bench.serve"),
     ("eval fidelity", "morphkv.bench.fidelity"),
     ("eval generation", "morphkv.bench.generation"),
+    ("eval sweep", "morphkv.bench.sweep"),
     ("report", "morphkv.bench.report"),
 ]
 

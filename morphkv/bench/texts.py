@@ -117,6 +117,24 @@ def _continuation(tokenizer, model, s) -> dict[str, list[int]]:
 TEXTS = {"prose": _prose, "conversation": _conversation, "continuation": _continuation}
 
 
+def split_texts(tokenizer, model, split: str, prose_tokens=1024, continuation_tokens=600):
+    """Texts for choosing settings (``tune``) and for reporting them (``heldout``), disjoint:
+    tune = prose document 0, conversation 0, the continuation of ``CONTINUATION_PROMPT``;
+    heldout = prose document 1, conversations 1 and 2, the continuation of another prompt."""
+    if split not in ("tune", "heldout"):
+        raise ValueError(f"unknown split {split!r}; valid: tune, heldout")
+    tune = split == "tune"
+    docs = prose_documents(tokenizer, prose_tokens, 2)
+    out = {"prose": docs[0] if tune else docs[1]}
+    for i in (0,) if tune else (1, 2):
+        out[f"conversation{i}"] = conversation_tokens(tokenizer, i)
+    prompt = CONTINUATION_PROMPT if tune else GENERATION_PROMPTS[1]
+    out["continuation"] = greedy_continuation(
+        model, chat_prompt(tokenizer, prompt), continuation_tokens
+    )
+    return out
+
+
 def build_texts(tokenizer, kinds, model=None, **settings) -> dict[str, list[int]]:
     """{text name: token ids} for the named kinds; ``settings`` are the kinds' sizes
     (``prose_tokens``, ``prose_docs``, ``conversations``, ``conversation_tokens``,
