@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          ["tune", "heldout"]),
         ("--budgets", [64, 128, 256], "budgets in tokens per KV head"),
         ("--arms", [BASELINE, "paper", "recommended"], "arm specs (fidelity's spelling)"),
-        ("--grid", [], "key=v1/v2 options (comma between keys) whose combinations are added over --grid-base"),
+        ("--grid", [], "options key=v1/v2 (comma between keys); every combination is added "
+         "over --grid-base"),
         ("--grid-base", "morphkv:attn", "the arm the --grid options apply to"),
         ("--equal-bytes", False, "every arm at the budget where it holds StreamingLLM's bytes"),
         ("--prose-tokens", 1024, "tokens of the prose text"),
