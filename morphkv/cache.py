@@ -347,6 +347,18 @@ class MorphKVCache(mlx_cache._BaseCache):
         cache limits sum)."""
         return self.storage_nbytes + self.engine_nbytes
 
+    @property
+    def nbytes_bound(self) -> int | None:
+        """Every byte this cache will hold once its budget is reached (K/V storage of
+        ``budget + 1`` slots + the selection state); None for ``method="full"``. Known after
+        the first update (it needs the shapes)."""
+        if self.engine is None or self.engine.bound_nbytes() is None:
+            return None
+        B, H, _, D = self.keys.shape
+        slots = self.config.budget + 1
+        storage = B * H * slots * (D + self.values.shape[3]) * self.keys.dtype.size
+        return storage + self.engine.bound_nbytes()
+
     def size(self) -> int:
         return self.tokens_kept
 

@@ -120,6 +120,17 @@ class Engine:
             if name not in ("row_index", "dead")
         )
 
+    def bound_nbytes(self) -> int | None:
+        """Bytes of this engine's state once its budget is reached (None: never bounded),
+        measured on a fresh engine fed ``budget + 1`` tokens."""
+        if not self.rule.evicts:
+            return None
+        real = isinstance(self.attention, CausalRows)
+        probe = Engine(self.config, self.rows, self.head_dim, real)
+        zeros = np.zeros((self.rows, self.config.budget + 1, self.head_dim), np.float32)
+        probe.feed(zeros, None, zeros[:, :0], zeros)
+        return probe.nbytes
+
     # ---- what rules read -----------------------------------------------------------------
     @property
     def kept(self) -> int:

@@ -142,10 +142,10 @@ def load_served(args, config) -> ServedModel:
 
 
 def kv_bound(served: ServedModel):
-    """(the caches' resolved config, K+V storage bytes of one sequence once the budget is
-    reached): every layer stores (budget + 1) slots per KV head (one awaits reuse). Measured
-    from one token's keys, so the KV heads, head dims and dtype are the model's real ones.
-    The bytes are None for method='full' (no bound)."""
+    """(the caches' resolved config, bytes of one sequence's caches once the budget is
+    reached): every layer stores (budget + 1) slots per KV head (one awaits reuse) plus its
+    selection state (``MorphKVCache.nbytes_bound``). Measured after one token, so the KV
+    heads, head dims and dtype are the model's real ones. None for method='full'."""
     import mlx.core as mx
 
     caches = served.model.make_cache()
@@ -153,11 +153,7 @@ def kv_bound(served: ServedModel):
     config = getattr(caches[0], "config", None)
     if config is None or config.method == "full":
         return config, None
-    total = 0
-    for c in caches:
-        _, H, _, Dk = c.keys.shape
-        total += H * (config.budget + 1) * (Dk + c.values.shape[3]) * c.keys.dtype.size
-    return config, total
+    return config, sum(c.nbytes_bound or 0 for c in caches if hasattr(c, "nbytes_bound"))
 
 
 def _fmt(n: float) -> str:
