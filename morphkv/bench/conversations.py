@@ -273,6 +273,12 @@ GENERATION_PROMPTS = [
     "examples for each stage.",
     "Write a long story about a lighthouse keeper on a remote island who finds a mysterious "
     "message in a bottle, with several chapters, named characters, and a surprising ending.",
+    "Describe in depth how bread is made at home: ingredients, kneading, rising, shaping, "
+    "baking and common mistakes, with a full recipe and tips for each step.",
+    "Write a detailed history of the bicycle, from the first wooden designs to modern racing "
+    "and electric bikes, with the inventors, the key improvements and how people used them.",
+    "Explain how the human immune system fights an infection, step by step: the first "
+    "barriers, the innate response, antibodies, memory cells and vaccines, with examples.",
 ]
 
 CONTINUATION_PROMPT = (
