@@ -11,30 +11,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator, batch_generate, generate_step, stream_generate
-from mlx_lm.models.llama import Model, ModelArgs
 
 from morphkv import KVCacheConfig, MorphKVCache, patch_model
 from morphkv.batch import BatchMorphKVCache
+from morphkv.bench._util import tiny_llama
 from tests.smollm2_fixture import load_embedded
 
 STEP = 8  # prefill step: prompts span several chunks
 
 
 def tiny_model(config: KVCacheConfig, seed: int = 0):
-    mx.random.seed(seed)
-    args = ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=256,
-    )
-    model = Model(args)
-    mx.eval(model.parameters())
-    return patch_model(model, config)
+    return patch_model(tiny_llama(seed), config)
 
 
 class _Tok:
