@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     parser.add_argument(
         "--prompt", "-p", default=None,
-        help="Prompt text (\\n and \\t are unescaped); read from stdin when absent or '-'. "
+        help="Prompt text (\\n and \\t are unescaped; default: read from stdin, as with '-'). "
         "An empty prompt is an error unless --allow-empty-prompt.",
     )
     parser.add_argument(
