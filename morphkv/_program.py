@@ -47,6 +47,8 @@ def start() -> None:
     if not invoked_as_program():
         return
     install_quiet_interrupt()
+    # after the OpenBLAS re-exec SIGINT arrives blocked (see morphkv.blas): deliver it now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if os.environ.get("MORPHKV_BLAS_REEXEC") is None:
         from .blas import ensure_blas_preloaded
 

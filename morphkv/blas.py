@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -101,11 +102,15 @@ def ensure_blas_preloaded() -> None:
         return
     env = blas_env()
     env[_ENV_GUARD] = "1"
+    # Ctrl-C during the new interpreter's start-up stays pending (a blocked signal survives
+    # execve) until morphkv unblocks it with its quiet handler in place (morphkv._program).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, _command_line(), env)
     except OSError:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         return  # keep running with the slow BLAS
 
 
