@@ -221,8 +221,9 @@ def test_generate_every_method_in_process(monkeypatch, capsys, shared_model, met
     assert seen >= 12
     if method == "full":
         assert kept == seen and "Compression: 1.00x" in out.out
+        assert "Note:        method=full never evicts" in out.out
     else:
-        assert kept == 8
+        assert kept == 8 and "Note:" not in out.out
     assert f"method={method}" in out.out
     assert "(30 layers x batch 1 x 3 KV heads)" in out.out
 
