@@ -24,6 +24,10 @@ COMMANDS: list[tuple[str, str]] = [
 ]
 
 
+# optional dependencies (pyproject's extras): a missing one is one line naming the extra
+OPTIONAL_EXTRAS = {"matplotlib": "bench"}
+
+
 def _help_of(module) -> str:
     """The first sentence of the module docstring, without reST double backticks."""
     paragraph = (module.__doc__ or "").strip().split("\n\n")[0]
@@ -129,6 +133,14 @@ def _main(argv: list[str] | None) -> int:
         rc = vars(args).pop("_run")(args)  # the Namespace stays plain data (JSON-able)
     except (ModelUnavailableError, UsageError) as e:
         print(f"morphkv: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        extra = OPTIONAL_EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"morphkv: error: this command needs {e.name}, an optional dependency: "
+              f"pip install 'morphkv[{extra}]' (from a clone: pip install -e '.[{extra}]')",
+              file=sys.stderr)
         return 2
     return int(rc or 0)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,24 @@ def test_no_warning_when_preloaded_or_disabled_or_the_command():
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0 and "SlowBLASWarning" not in proc.stderr, proc.stderr
+
+
+def test_a_missing_optional_dependency_is_one_line(tmp_path):
+    """``morphkv bench ...`` without matplotlib (the ``bench`` extra): one line naming the
+    extra, exit 2. matplotlib is made unimportable exactly as Python reports a missing one."""
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "matplotlib.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n"
+    )
+    env = _plain_env(MORPHKV_NO_BLAS_PRELOAD="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(blocker), str(REPO)])
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "morphkv", "bench", "mechanism", "--quick", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert last.startswith("morphkv: error:") and "pip install -e '.[bench]'" in last, last
