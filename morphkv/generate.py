@@ -13,8 +13,8 @@ from .gen_stats import CacheStats, blas_status, cache_stats, format_stats  # noq
 
 # The command's cache settings; every flag's default is read from here, so a preset is this
 # one line. The budget is demo-sized: the README's first command evicts within seconds.
-DEFAULTS = KVCacheConfig(method="morphkv", morphkv_budget=128)
-DEFAULT_MAX_TOKENS = 200
+DEFAULTS = KVCacheConfig(method="morphkv", morphkv_budget=64)
+DEFAULT_MAX_TOKENS = 128
 SEED_MAX = 2**32 - 1
 
 # KVCacheConfig field names as the user typed them (for error messages)
