@@ -24,7 +24,8 @@ def invoked_as_program() -> bool:
     if len(orig) >= 3 and orig[1] == "-m" and orig[2] == "morphkv":
         return True
     p = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
-    return p.stem == "morphkv" or (p.name == "__main__.py" and p.parent.name == "morphkv")
+    console_script = p.stem == "morphkv" and p.suffix in ("", ".exe")  # not a morphkv.py script
+    return console_script or (p.name == "__main__.py" and p.parent.name == "morphkv")
 
 
 def _quiet_exit(signum, frame) -> None:
