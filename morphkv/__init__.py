@@ -8,6 +8,7 @@ from .attach import attach, detach  # noqa: E402
 from .builder import KVCacheBuilder, patch_model, unpatch_model  # noqa: E402
 from .cache import MorphKVCache  # noqa: E402
 from .config import KVCacheConfig  # noqa: E402
+from .presets import PRESETS, recommended  # noqa: E402
 from .rules import METHODS  # noqa: E402
 
 __all__ = [
@@ -16,6 +17,8 @@ __all__ = [
     "KVCacheBuilder",
     "KVCacheConfig",
     "METHODS",
+    "PRESETS",
+    "recommended",
     "MorphKVCache",
     "patch_model",
     "unpatch_model",

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
+import weakref
 from typing import Any
 
+from . import hooks
 from .cache import MorphKVCache
 from .config import KVCacheConfig
+from .layout import count_global, native_caches, native_factory, replace_global
+
+_WARNED: dict[int, weakref.ref] = {}  # models already warned about proxy scoring
 
 
 def _model_head_dim(model: Any) -> int | None:
@@ -20,11 +26,33 @@ def _model_head_dim(model: Any) -> int | None:
     return hidden // heads if hidden and heads else None
 
 
-def _layers(model: Any) -> list:
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no .layers; cannot build one cache per layer")
-    return list(layers)
+def _warn_once(model: Any, message: str) -> None:
+    key = id(model)
+    ref = _WARNED.get(key)
+    if ref is not None and ref() is model:
+        return
+    _WARNED[key] = weakref.ref(model, lambda _, k=key: _WARNED.pop(k, None))
+    warnings.warn(message, stacklevel=4)
+
+
+def _scoring(model: Any, config: KVCacheConfig) -> KVCacheConfig:
+    """Attach the attention hook where the model's modules allow it; otherwise say (once per
+    model) what is lost, or refuse ``scoring="attention"``."""
+    if hooks.hook_modules(model):  # exact chunks, and real queries for scoring="auto"
+        hooks.install(model)
+        if config.scoring == "auto":
+            config = dataclasses.replace(config, scoring="attention")
+        return config
+    if config.scoring == "attention":
+        hooks.install(model)  # raises, naming the unsupported module
+    _warn_once(
+        model,
+        f"morphkv: {type(model).__module__} does not route attention through mlx_lm's "
+        f"{hooks.HOOK_NAME}, so morphkv cannot see its queries: scoring is 'proxy' (keys stand "
+        "in for queries) and a multi-token prefill chunk attends to tokens evicted inside it "
+        "(not exact; use prefill_step_size=1 for token-by-token semantics)",
+    )
+    return config
 
 
 class KVCacheBuilder:
@@ -36,42 +64,51 @@ class KVCacheBuilder:
         return MorphKVCache(config)
 
     @staticmethod
-    def for_model(model: Any, config: KVCacheConfig) -> list[MorphKVCache]:
-        """One fresh cache per attention layer of an mlx_lm model, ``head_dim`` inferred from
-        the model when the config leaves it ``None``. For the supported model families the
-        attention hook is attached (``morphkv.attach``), so prefill chunks are exact and
-        ``scoring="auto"`` means the model's real queries."""
-        from .attach import attach, attachable  # attach builds on this module
-
+    def for_model(model: Any, config: KVCacheConfig, *, _factory=None) -> list:
+        """The model's own cache layout (``model.make_cache()`` where it has one, else one
+        ``KVCache`` per layer) with every full-attention ``KVCache`` replaced by a fresh
+        ``MorphKVCache``; sliding-window, linear-attention and state-space layers keep
+        mlx_lm's caches (``morphkv.layout.describe_layout`` says which layer is bounded by
+        what). ``head_dim`` is inferred from the model when the config leaves it ``None``.
+        Where the model's modules allow it the attention hook is attached, so prefill chunks
+        are exact and ``scoring="auto"`` means the model's real queries; elsewhere a warning
+        says scoring is proxy and chunked prefill inexact."""
         config = config.validate()
         if config.head_dim is None:
             config = dataclasses.replace(config, head_dim=_model_head_dim(model))
-        for layer in _layers(model):
-            if getattr(layer, "use_sliding", False):
-                raise ValueError(
-                    "this model has sliding-window attention layers, which MorphKVCache "
-                    "does not support"
-                )
-        if attachable(model):  # exact chunks, and real queries for scoring="auto"
-            attach(model)
-            if config.scoring == "auto":
-                config = dataclasses.replace(config, scoring="attention")
-        elif config.scoring == "attention":
-            attach(model)  # raises, naming the unsupported module
-        return [MorphKVCache(config) for _ in _layers(model)]
+        caches = native_caches(model, _factory)
+        if not count_global(caches):
+            kinds = sorted({type(c).__name__ for c in caches})
+            raise ValueError(
+                f"{type(model).__name__} has no full-attention KVCache layer to bound (its "
+                f"caches: {', '.join(kinds) or 'none'}); morphkv has nothing to do here"
+            )
+        config = _scoring(model, config)
+        return replace_global(caches, lambda: MorphKVCache(config))
 
 
 def patch_model(model: Any, config: KVCacheConfig) -> Any:
     """Install ``model.make_cache`` so mlx_lm's ``generate``, ``stream_generate``,
-    ``make_prompt_cache`` (and the server) build fresh MorphKV caches on every call.
-    Returns the model; ``unpatch_model`` restores the original factory."""
+    ``make_prompt_cache`` (and the server) build fresh caches (``KVCacheBuilder.for_model``)
+    on every call. Returns the model; ``unpatch_model`` restores the original factory."""
     config.validate()
-    model.make_cache = lambda: KVCacheBuilder.for_model(model, config)
+    native = native_factory(model)  # the factory to build on: never our own (no recursion)
+
+    def make_cache():
+        return KVCacheBuilder.for_model(model, config, _factory=native)
+
+    make_cache.morphkv_native = native
+    model.make_cache = make_cache
     return model
 
 
 def unpatch_model(model: Any) -> Any:
-    """Undo ``patch_model``."""
-    if "make_cache" in vars(model):
+    """Undo ``patch_model``: the model's own factory again (one it had on the instance is
+    put back)."""
+    installed = vars(model).get("make_cache")
+    if installed is not None and hasattr(installed, "morphkv_native"):
         del model.make_cache
+        native = installed.morphkv_native
+        if native is not None and getattr(native, "__self__", None) is not model:
+            model.make_cache = native
     return model

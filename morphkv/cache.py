@@ -23,9 +23,11 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
+from . import saved
 from .config import KVCacheConfig
 from .engine import Engine
 from .hooks import hooks_attached
+from .liveness import liveness
 
 
 def _to_numpy(x: mx.array) -> np.ndarray:
@@ -35,21 +37,12 @@ def _to_numpy(x: mx.array) -> np.ndarray:
     return np.asarray(x)
 
 
-def _pack(a: np.ndarray) -> mx.array:
-    """Bit-exact MLX copy of a host array (float64 has no portable MLX dtype)."""
-    a = np.ascontiguousarray(a)
-    return mx.array(a.view(np.uint32) if a.dtype.itemsize == 8 else a)
-
-
-def _unpack(a: mx.array, dtype) -> np.ndarray:
-    return np.array(a).view(dtype)
-
-
 @dataclass
 class _Chunk:
     """One update: what the engine must see, and what exact attention needs to know."""
 
     keys: mx.array | None  # (B, n_kv_heads, C, head_dim), until fed
+    values: mx.array | None  # the same for values (read by the engine with morphkv_value)
     dead: np.ndarray | None  # slot per row that the first new token overwrote
     before: int  # slots in use before the update
     first: int  # absolute position of the first new token
@@ -97,12 +90,13 @@ class MorphKVCache(mlx_cache._BaseCache):
                 "cache only through morphkv.attach(model, config): call it before generating"
             )
         if self.engine is None:
-            self.engine = Engine(self.config, B * H, D)
+            self.engine = Engine(self.config, B * H, D, self.config.scoring == "attention")
         device = self.decode_on_device
         on_device = C == 1 and (mx.default_device() == mx.gpu if device is None else device)
         engine = self.engine.to(mx if on_device else np)
         chunk = _Chunk(
             keys=keys,
+            values=values if self.config.morphkv_value else None,
             dead=engine.dead,
             before=engine.slots,
             first=engine.seen,
@@ -113,6 +107,28 @@ class MorphKVCache(mlx_cache._BaseCache):
         self._chunk = chunk  # the engine sees it later: see _flush
         self.offset += C
         return fetched
+
+    def prepare_attention(self, queries: mx.array, scale: float, mask):
+        """Called by the attention hook (``morphkv.attach``) with this layer's queries
+        (B, n_heads, C, head_dim) and the scale the model uses. Keeps the queries for
+        attention scoring and returns the mask for the update: mlx_lm's own for one token (the
+        engine runs later, see ``_flush``), for several the liveness mask, which needs the
+        engine's decisions now: query i sees exactly what token-by-token feeding would store."""
+        chunk = self._chunk
+        if chunk is None:
+            return mask
+        if self.engine is not None:
+            self.engine.scale = float(scale)
+        if self.config.scoring == "attention" and not chunk.fed:
+            chunk.queries = queries
+        B, n_heads, C, _ = queries.shape
+        if C == 1:
+            return mask
+        H = self.keys.shape[1]
+        visible = mx.array(liveness(self._flush(), C))  # (B*H, C, rows)
+        rows = visible.shape[-1]
+        visible = mx.broadcast_to(visible.reshape(B, H, 1, C, rows), (B, H, n_heads // H, C, rows))
+        return visible.reshape(B, n_heads, C, rows)
 
     def _flush(self) -> _Chunk | None:
         """Run the selection engine over the last update and compact the storage if slots
@@ -128,20 +144,23 @@ class MorphKVCache(mlx_cache._BaseCache):
         if chunk.queries is None and self.config.scoring == "attention":
             raise RuntimeError("attention scoring: the cache was read before its queries came")
         B, H, C, D = chunk.keys.shape
-        keys, queries = chunk.keys, chunk.queries
+        keys, queries, stored, values = chunk.keys, chunk.queries, chunk.fetched[0], chunk.values
         if self.engine.xp is np:  # reshape on the host: no extra MLX op to evaluate
-            keys = _to_numpy(keys)
+            keys, stored = _to_numpy(keys), _to_numpy(stored)
+            values = None if values is None else _to_numpy(values)
             queries = None if queries is None else _to_numpy(queries)
-        keys = keys.reshape(B * H, C, D)
+        if values is not None:
+            values = values.reshape(B * H, C, -1)
+        keys, stored = keys.reshape(B * H, C, D), stored.reshape(B * H, -1, D)
         if queries is not None:  # (B, H*G, C, D) -> (B*H, C, G, D): G query heads per KV head
             G = queries.shape[1] // H
             queries = queries.reshape(B, H, G, C, D).transpose(0, 1, 3, 2, 4)
             queries = queries.reshape(B * H, C, G, D)
-        chunk.evicted = self.engine.feed(keys, queries)
+        chunk.evicted = self.engine.feed(keys, queries, stored, values)
         chunk.fed = True
         if self.engine.slots < chunk.rows:
             self._compact(chunk.fetched, chunk.dead, chunk.before, chunk.first)
-        chunk.keys = chunk.queries = chunk.fetched = None
+        chunk.keys = chunk.values = chunk.queries = chunk.fetched = None
         return chunk
 
     def _place(self, keys: mx.array, values: mx.array, dead: np.ndarray | None) -> int:
@@ -150,8 +169,10 @@ class MorphKVCache(mlx_cache._BaseCache):
         B, H, C, _ = keys.shape
         start = self.engine.slots
         if dead is not None:
-            slot = dead if isinstance(dead, mx.array) else mx.array(dead)  # no host sync
-            slot = slot.reshape(B, H, 1, 1).astype(mx.int32)
+            if isinstance(dead, mx.array):  # device decode: no host sync
+                slot = dead.reshape(B, H, 1, 1).astype(mx.int32)
+            else:
+                slot = mx.array(dead.reshape(B, H, 1, 1).astype(np.int32, copy=False))
             if C > 1:
                 first_k, first_v = keys[:, :, :1], values[:, :, :1]
                 keys, values = keys[:, :, 1:], values[:, :, 1:]
@@ -245,6 +266,11 @@ class MorphKVCache(mlx_cache._BaseCache):
             )
         if not mx.issubdtype(keys.dtype, mx.floating):
             raise ValueError(f"keys must be floating point, got {keys.dtype}")
+        if 0 in (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]):
+            raise ValueError(
+                "batch, n_kv_heads and head_dim must be >= 1; got keys "
+                f"{tuple(keys.shape)} and values {tuple(values.shape)}"
+            )
         head_dim = self.config.head_dim
         if head_dim is not None and keys.shape[3] != head_dim:
             raise ValueError(f"keys have head_dim {keys.shape[3]} but config.head_dim={head_dim}")
@@ -296,28 +322,30 @@ class MorphKVCache(mlx_cache._BaseCache):
         if self.engine is None:
             return np.zeros((0, 0, 0), np.int64)
         B, H = self.keys.shape[:2]
-        positions = self.engine.to(np).stored_positions.copy()
+        positions = self.engine.to(np).stored_positions.astype(np.int64)
         if self.engine.dead is not None:
             positions[np.arange(B * H), self.engine.dead] = np.iinfo(np.int64).max
         kept = np.sort(positions, axis=1)[:, : self.engine.kept]
         return kept.reshape(B, H, -1)
 
     @property
-    def nbytes(self) -> int:
+    def storage_nbytes(self) -> int:
         """Bytes of the K/V storage (budget + 1 rows once full: one slot awaits reuse)."""
         self._flush()  # a pending chunk is compacted first
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     @property
     def engine_nbytes(self) -> int:
-        """Bytes of the selection engine's own state, on the host (float64) or, after device
-        decode steps, on the device (float32): positions, scores, the copy of the stored keys
-        and the window's queries and softmax terms for attention rules."""
-        if self.engine is None:
-            return 0
-        return sum(
-            getattr(a, "nbytes", 0) for a in (getattr(self.engine, n, None) for n in Engine.ARRAYS)
-        )
+        """Bytes of the selection engine's state: slot positions, and for attention rules the
+        window's attention rows (h2o: a running score per slot). No copy of the keys."""
+        self._flush()
+        return 0 if self.engine is None else self.engine.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte the cache holds: K/V storage + selection state (what mlx_lm's prompt
+        cache limits sum)."""
+        return self.storage_nbytes + self.engine_nbytes
 
     def size(self) -> int:
         return self.tokens_kept
@@ -335,33 +363,48 @@ class MorphKVCache(mlx_cache._BaseCache):
     # ---- persistence: mlx_lm save_prompt_cache / load_prompt_cache, copy.deepcopy ---------
     @property
     def state(self) -> list:
-        """[config JSON] when empty, else [config JSON, keys, values, names, host arrays...]."""
+        """[config JSON] when empty, else [config JSON, keys, values, array spec, arrays...]
+        (the engine's state, see ``morphkv.saved``)."""
         self._flush()
         if self.engine is None:
             return [self.config.to_json()]
         keys, values = self._fetch()
-        host = self.engine.state()
-        names = sorted(host)
-        return [self.config.to_json(), keys, values, ",".join(names)] + [
-            _pack(host[k]) for k in names
-        ]
+        spec, arrays = saved.pack(saved.snapshot(self.engine))
+        return [self.config.to_json(), keys, values, spec, *arrays]
 
     @state.setter
     def state(self, state: list) -> None:
-        self.config = KVCacheConfig.from_json(state[0]).validate()
-        self.keys = self.values = self.engine = self._chunk = None
-        self.offset = 0
+        """Restore from ``state``; an inconsistent or edited state raises ``ValueError`` and
+        leaves this cache as it was."""
+        config = KVCacheConfig.from_json(state[0]).validate()
         if len(state) == 1:
-            return
-        _, self.keys, self.values, names, *host = state
-        B, H, _, D = self.keys.shape
-        saved = {
-            k: _unpack(a, np.int64 if k in Engine.INTEGER_ARRAYS else np.float64)
-            for k, a in zip(names.split(","), host, strict=True)
-        }
-        mirror = _to_numpy(self.keys).reshape(B * H, -1, D)
-        self.engine = Engine.from_state(self.config, B * H, D, saved, mirror)
-        self.offset = self.engine.seen
+            engine = keys = values = None
+        elif len(state) < 4 or not isinstance(state[3], str):
+            raise ValueError("saved cache: expected [config, keys, values, spec, arrays...]")
+        else:
+            _, keys, values, spec, *arrays = state
+            self._check_saved_storage(config, keys, values)
+            B, H, N, D = keys.shape
+            engine = saved.restore(config, B * H, D, N, saved.unpack(spec, arrays))
+            if engine.slots != N:
+                raise ValueError(f"saved cache: {N} stored rows for {engine.slots} slots")
+        self.config, self.keys, self.values, self.engine = config, keys, values, engine
+        self._chunk = None
+        self.offset = 0 if engine is None else engine.seen
+
+    @staticmethod
+    def _check_saved_storage(config: KVCacheConfig, keys, values) -> None:
+        for name, a in (("keys", keys), ("values", values)):
+            floating = isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)
+            if not floating or a.ndim != 4:
+                raise ValueError(f"saved cache: {name} must be a 4-d floating MLX array")
+        if keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype or 0 in keys.shape:
+            raise ValueError(
+                f"saved cache: keys {keys.shape} {keys.dtype} and values {values.shape} "
+                f"{values.dtype} do not match"
+            )
+        if config.head_dim is not None and keys.shape[3] != config.head_dim:
+            raise ValueError(f"saved cache: head_dim {keys.shape[3]} != config {config.head_dim}")
 
 
 # load_prompt_cache looks cache classes up in mlx_lm.models.cache by name.

@@ -22,6 +22,12 @@ class KVCacheConfig:
         morphkv_window: recent tokens protected from eviction; for ``morphkv`` also the number
             of recent queries whose attention ranks the older tokens.
         morphkv_fusion: how the window's attention rows are fused: ``"mean"`` or ``"max"``.
+        morphkv_recent: most recent tokens protected from eviction (>= window); ``None``
+            means ``morphkv_window`` (the paper's rule). A larger value keeps a recency floor
+            while the window's queries rank the older tokens.
+        morphkv_value: attention rules (morphkv, tova, h2o) multiply a token's attention score
+            by the norm of its value vector (what it would add to the output), as kvpress's
+            ExpectedAttention does.
         scoring: ``"attention"`` ranks by the model's real queries (needs the attention hook,
             ``morphkv.attach``, which ``KVCacheBuilder.for_model`` installs); ``"proxy"`` lets
             the stored keys stand in for queries (any cache, no hook); ``"auto"`` (default) is
@@ -35,6 +41,8 @@ class KVCacheConfig:
     morphkv_n_sink: int = 4
     morphkv_window: int = 8
     morphkv_fusion: str = "mean"
+    morphkv_recent: int | None = None
+    morphkv_value: bool = False
     scoring: str = "auto"
     seed: int = 0
 
@@ -45,6 +53,11 @@ class KVCacheConfig:
     @property
     def window(self) -> int:
         return self.morphkv_window
+
+    @property
+    def recent(self) -> int:
+        """Most recent tokens protected from eviction."""
+        return self.morphkv_window if self.morphkv_recent is None else self.morphkv_recent
 
     @property
     def n_sink(self) -> int:
@@ -67,10 +80,27 @@ class KVCacheConfig:
             raise ValueError(f"morphkv_window must be >= 1, got {self.morphkv_window}")
         if self.morphkv_n_sink < 0:
             raise ValueError(f"morphkv_n_sink must be >= 0, got {self.morphkv_n_sink}")
-        if self.morphkv_budget <= self.n_sink + self.morphkv_window:
+        if not isinstance(self.morphkv_value, bool):
+            raise ValueError(f"morphkv_value must be True or False, got {self.morphkv_value!r}")
+        if self.morphkv_value and self.method not in ("morphkv", "tova", "h2o"):
             raise ValueError(
-                f"morphkv_budget must exceed n_sink + window = {self.n_sink} + "
-                f"{self.morphkv_window} = {self.n_sink + self.morphkv_window}, "
+                f"morphkv_value weights attention scores: method={self.method!r} has none"
+            )
+        if self.morphkv_recent is not None:
+            if not isinstance(self.morphkv_recent, int) or isinstance(self.morphkv_recent, bool):
+                raise ValueError(
+                    f"morphkv_recent must be an int or None, got {self.morphkv_recent!r}"
+                )
+            if self.morphkv_recent < self.morphkv_window:
+                raise ValueError(
+                    f"morphkv_recent must be >= morphkv_window = {self.morphkv_window}, "
+                    f"got {self.morphkv_recent}"
+                )
+        if self.morphkv_budget <= self.n_sink + self.recent:
+            what = "window" if self.morphkv_recent is None else "recent"
+            raise ValueError(
+                f"morphkv_budget must exceed n_sink + {what} = {self.n_sink} + "
+                f"{self.recent} = {self.n_sink + self.recent}, "
                 f"got {self.morphkv_budget}"
             )
         if self.morphkv_fusion not in FUSIONS:
@@ -84,4 +114,9 @@ class KVCacheConfig:
 
     @classmethod
     def from_json(cls, text: str) -> KVCacheConfig:
-        return cls(**json.loads(text))
+        """The config saved by ``to_json``; a malformed one raises ``ValueError``."""
+        try:
+            fields = json.loads(text)
+            return cls(**fields)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"saved cache config is malformed: {e}") from None

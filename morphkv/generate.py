@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 
 from .argtypes import Number, UsageError, add_number, flag_names, model_ref
 from .config import FUSIONS, SCORINGS, KVCacheConfig
 from .gen_stats import CacheStats, blas_status, cache_stats, format_stats  # noqa: F401 (API)
+from .presets import paper
 
-# The command's cache settings; every flag's default is read from here, so a preset is this
-# one line. The budget is demo-sized: the README's first command evicts within seconds.
-DEFAULTS = KVCacheConfig(method="morphkv", morphkv_budget=64)
+# The command's cache settings: PRESET(budget, **flags) builds them and every flag's default is
+# read from PRESET(DEFAULT_BUDGET), so switching preset (e.g. to presets.recommended) is the
+# one line below. The budget is demo-sized: the README's first command evicts within seconds.
+PRESET = paper
+DEFAULT_BUDGET = 64
+DEFAULTS: KVCacheConfig = PRESET(DEFAULT_BUDGET)
 DEFAULT_MAX_TOKENS = 128
 SEED_MAX = 2**32 - 1
 
@@ -102,18 +105,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args) -> KVCacheConfig:
     """The cache settings the flags ask for; errors name the flags, not the config fields."""
-    config = dataclasses.replace(
-        DEFAULTS,
-        method=args.method,
-        morphkv_budget=args.budget,
-        morphkv_n_sink=args.sinks,
-        morphkv_window=args.window,
-        morphkv_fusion=args.fusion,
-        scoring=args.scoring,
-        seed=args.seed if args.seed is not None else DEFAULTS.seed,
-    )
     try:
-        return config.validate()
+        return PRESET(
+            args.budget,
+            method=args.method,
+            morphkv_n_sink=args.sinks,
+            morphkv_window=args.window,
+            morphkv_fusion=args.fusion,
+            scoring=args.scoring,
+            seed=args.seed if args.seed is not None else DEFAULTS.seed,
+        ).validate()
     except ValueError as e:
         raise UsageError(flag_names(str(e), FLAGS)) from None
 
@@ -192,6 +193,9 @@ def run(args) -> int:
         mx.random.seed(args.seed)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)
+    from .shard import shard_if_launched  # under mlx.launch: tensor-parallel, rank 0 prints
+
+    shard_if_launched(model)
     load_s = time.perf_counter() - t0
     prompt = build_prompt(tokenizer, text, args.chat, args.system_prompt)
     if not prompt:

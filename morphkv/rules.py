@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 Array = Any  # numpy.ndarray or mlx.core.array
 
 
@@ -65,8 +67,8 @@ class Random(Rule):
 
 
 class WindowAttention(Rule):
-    """MorphKV: attention of the last ``window`` tokens' queries, softmax over every stored
-    row, fused by mean or max over the window. ``newest_only`` gives TOVA."""
+    """MorphKV: attention of the last ``window`` tokens' queries (``morphkv.rows``), fused by
+    mean or max over the window. ``newest_only`` gives TOVA."""
 
     attention = True
 
@@ -76,12 +78,13 @@ class WindowAttention(Rule):
 
     def score(self, engine) -> Array:
         if self.newest_only:
-            return engine.newest_probs().sum(axis=1)  # GQA: summed over the group
-        weights, total = engine.window_weights()  # (rows, window, groups, slots), (r, w, g)
+            return engine.newest_probs().astype(engine.float)
+        probs = engine.window_probs()  # (rows, window, slots), GQA: summed over the group
         if self.fusion == "max":
-            return (weights / total[..., None]).sum(axis=2).max(axis=1)
-        R, W, G, J = weights.shape  # mean over the window of the group sums: one matvec
-        return ((1.0 / total.reshape(R, 1, W * G)) @ weights.reshape(R, W * G, J))[:, 0] / W
+            return probs.max(axis=1).astype(engine.float)
+        if engine.xp is not np:
+            return probs.astype(engine.float).sum(axis=1) / probs.shape[1]
+        return probs.sum(axis=1, dtype=engine.float) / probs.shape[1]
 
 
 class Cumulative(Rule):
@@ -91,7 +94,7 @@ class Cumulative(Rule):
     observes = True
 
     def observe(self, engine) -> None:
-        newest = engine.newest_probs().sum(axis=1)
+        newest = engine.newest_probs().astype(engine.float)
         engine.accumulated[:, : engine.slots] = engine.accumulated[:, : engine.slots] + newest
 
     def score(self, engine) -> Array:

@@ -1,7 +1,8 @@
 """Obviously-correct NumPy references of the eviction rules, one sequence and one head at a time.
 
 Written straight from the README's rules, without the engine's ring buffers or slot reuse, so
-the fast path can be held to it.
+the fast path can be held to it. Scores are sums of float64 values (or of float16 rows, which
+sum exactly), so the order of summation never matters.
 """
 
 from __future__ import annotations
@@ -28,28 +29,46 @@ def reference_kept(
     window: int,
     fusion: str = "mean",
     queries: np.ndarray | None = None,
+    recent: int | None = None,
+    scale: float | None = None,
+    values: np.ndarray | None = None,
 ) -> list[int]:
     """Positions kept after feeding ``keys`` (T, D) one token at a time.
 
-    ``queries`` (T, G, D) are real queries (G per KV head) for attention scoring; by default
-    the keys stand in for them (G = 1).
+    ``queries`` (T, G, D) are real queries (G per KV head): then token t's attention row is
+    fixed when t arrives (softmax over the tokens stored then, summed over the G heads, rounded
+    to float16) and the rules read those rows. By default the keys stand in for the queries
+    (G = 1) and every row is recomputed over the tokens stored now. ``recent`` protects the
+    last ``recent`` tokens instead of the last ``window``; with ``values`` (T, Dv) the
+    attention scores are multiplied by the values' norms (float32, stored as float16).
     """
+    norms = None
+    if values is not None:
+        v = np.asarray(values, np.float32)
+        norms = np.minimum(np.nan_to_num(np.sqrt((v * v).sum(axis=-1))), 65504.0)
+        norms = norms.astype(np.float16).astype(np.float64)  # stored as float16
     keys = np.asarray(keys, np.float64)
     T, D = keys.shape
+    real = queries is not None
     queries = keys[:, None, :] if queries is None else np.asarray(queries, np.float64)
-    scale = 1.0 / np.sqrt(D)
+    scale = 1.0 / np.sqrt(D) if scale is None else scale
+    recent = window if recent is None else recent
     if method == "sliding_window":
         n_sink = 0
     stored: list[int] = []
     h2o: dict[int, float] = {}
+    rows: dict[int, dict[int, float]] = {}  # real queries: token -> {position: probability}
     for t in range(T):
         stored.append(t)
         K = keys[stored]
+        if real:
+            probs = _softmax(queries[t] @ K.T * scale).sum(axis=0).astype(np.float16)
+            rows[t] = dict(zip(stored, probs.astype(np.float64), strict=True))
         if method == "h2o":
             h2o[t] = 0.0
             probs = _softmax(queries[t] @ K.T * scale).sum(axis=0)
-            for p, s in zip(stored, probs, strict=True):
-                h2o[p] += s
+            for p in stored:
+                h2o[p] += rows[t][p] if real else probs[stored.index(p)]
         if method == "full" or len(stored) <= budget:
             continue
         if method in ("sliding_window", "streaming_llm"):
@@ -57,14 +76,18 @@ def reference_kept(
         elif method == "h2o":
             scores = np.array([h2o[p] for p in stored])
         elif method in ("tova", "morphkv"):
-            rows = [t] if method == "tova" else stored[-window:]
-            probs = _softmax(queries[rows] @ K.T * scale)  # (rows, G, stored)
-            probs = probs.sum(axis=1)  # GQA: sum over the query heads of the group
-            scores = probs.max(axis=0) if fusion == "max" else probs.mean(axis=0)
+            recent_rows = [t] if method == "tova" else list(range(t - window + 1, t + 1))
+            if real:
+                probs = np.array([[rows[w].get(p, 0.0) for p in stored] for w in recent_rows])
+            else:
+                probs = _softmax(queries[recent_rows] @ K.T * scale).sum(axis=1)
+            scores = probs.max(axis=0) if fusion == "max" else probs.sum(axis=0) / len(probs)
         else:
             raise ValueError(method)
+        if norms is not None:
+            scores = scores * norms[stored]
         candidates = [
-            (s, p) for s, p in zip(scores, stored, strict=True) if p >= n_sink and p <= t - window
+            (s, p) for s, p in zip(scores, stored, strict=True) if p >= n_sink and p <= t - recent
         ]
         low = min(s for s, _ in candidates)
         victim = min(p for s, p in candidates if s <= low + TIE_RTOL * abs(low))

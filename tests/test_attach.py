@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.models import base, llama
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models import llama
 from reference import reference_kept
 
 import morphkv
-from morphkv import METHODS, KVCacheBuilder, KVCacheConfig
-from morphkv.attach import _exact_mask
+from morphkv import METHODS, KVCacheBuilder, KVCacheConfig, hooks
 from morphkv.bench._util import tiny_llama
 
 CONFIG = dict(morphkv_budget=20, morphkv_n_sink=2, morphkv_window=4)
@@ -70,7 +71,7 @@ def test_attention_scores_match_numpy_reference_from_real_queries(model, method,
         k = mx.array(keys[:, :, t : t + 1])
         cache.update_and_fetch(k, k)
         q = mx.array(queries[:, :, :, t : t + 1].reshape(B, H * G, 1, D))
-        _exact_mask(cache, q, None)
+        cache.prepare_attention(q, D**-0.5, None)
     for b in range(B):
         for h in range(H):
             want = reference_kept(
@@ -104,9 +105,13 @@ def test_attention_scoring_requires_attach():
         plain(PROMPT[:, :4], cache=caches)
 
 
+def _llama_hook_users() -> int:
+    gc.collect()  # models that died in earlier tests release the module
+    return len(hooks._MODELS.get(llama.__name__, {}))
+
+
 def test_other_caches_fall_through_and_detach_restores():
     model = morphkv.detach(tiny_llama(seed=2))
-    original = llama.scaled_dot_product_attention
 
     def logits():
         out = [model(PROMPT[:, :40], cache=(c := mlx_cache.make_prompt_cache(model)))]
@@ -116,14 +121,44 @@ def test_other_caches_fall_through_and_detach_restores():
 
     before = logits()
     morphkv.attach(model)
-    assert llama.scaled_dot_product_attention is not original
+    assert hooks.is_installed(model)
+    assert hasattr(llama.scaled_dot_product_attention, "morphkv_original")
     during = logits()
     morphkv.detach(model)
-    assert llama.scaled_dot_product_attention is original
+    assert not hooks.is_installed(model)
+    if _llama_hook_users() == 0:  # no other attached llama model alive in this process
+        assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
     after = logits()
     for x, y, z in zip(before, during, after, strict=True):
         np.testing.assert_array_equal(x, y)
         np.testing.assert_array_equal(x, z)
+
+
+def test_detach_affects_only_the_model_given():
+    """Two models of one family: detaching A leaves B hooked (exact chunks, real queries)."""
+    a, b = tiny_llama(seed=1), tiny_llama(seed=2)
+    config = KVCacheConfig(method="morphkv", scoring="attention", **CONFIG)
+    KVCacheBuilder.for_model(a, config)
+    want, want_caches = run(b, config, 1)
+    morphkv.detach(a)
+    assert not hooks.is_installed(a) and hooks.is_installed(b)
+    got, caches = run(b, config, 16)
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+    for x, y in zip(caches, want_caches, strict=True):
+        np.testing.assert_array_equal(x.kept_positions, y.kept_positions)
+    users = _llama_hook_users()
+    morphkv.detach(b)
+    assert _llama_hook_users() == users - 1
+
+
+def test_a_dropped_model_releases_the_module():
+    users = _llama_hook_users()
+    model = morphkv.attach(tiny_llama(seed=3))
+    assert _llama_hook_users() == users + 1
+    del model
+    assert _llama_hook_users() == users
+    if users == 0:
+        assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
 
 
 def test_unsupported_model_names_its_module():

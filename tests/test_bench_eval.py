@@ -12,6 +12,10 @@ from morphkv.bench import fidelity as F
 from morphkv.bench import generation as G
 from morphkv.bench import texts as T
 from morphkv.bench._util import tiny_llama
+from morphkv.bench.arms import Arm, grid_specs
+from morphkv.bench.equal_bytes import budget_for_bytes, measure_bytes
+from morphkv.bench.metrics import distinct, repetition_rate
+from morphkv.bench.runner import Feeder
 
 
 class ByteTokenizer:
@@ -57,7 +61,7 @@ def test_feeding_modes_agree_with_token_by_token(tiny):
     arms = ["streaming_llm", "h2o", "morphkv:mean:8", "random", "morphkv:max:8:attn"]
     out = {}
     for mode in ("step", "stacked", "chunked"):
-        res = F.run_fidelity(tiny, {"t": toks}, arms, [24], feeder=F.Feeder(mode, 32), quiet=True)
+        res = F.run_fidelity(tiny, {"t": toks}, arms, [24], feeder=Feeder(mode, 32), quiet=True)
         out[mode] = [(r["arm"], r["kl"], r["top1"], r["positions"]) for r in res["rows"]]
     for mode in ("stacked", "chunked"):
         for a, b in zip(out["step"], out[mode], strict=True):
@@ -68,12 +72,56 @@ def test_feeding_modes_agree_with_token_by_token(tiny):
 
 
 def test_arm_parsing():
-    arm = F.Arm.parse("morphkv:max:32:attn")
+    arm = Arm.parse("morphkv:max:32:attn")
     assert (arm.method, arm.fusion, arm.window, arm.scoring) == ("morphkv", "max", 32, "attention")
     assert arm.name == "morphkv_max_w32_attn"
-    assert F.Arm.parse("h2o").name == "h2o_w8"
-    with pytest.raises(ValueError):
-        F.Arm.parse("morphkv:bogus")
+    assert Arm.parse("morphkv:fusion=max:window=32:scoring=attention").name == arm.name
+    assert Arm.parse("h2o").name == "h2o_w8"
+    with pytest.raises(ValueError, match="bogus"):
+        Arm.parse("morphkv:bogus")
+
+
+def test_arm_options_map_onto_any_config_field():
+    arm = Arm.parse("morphkv:window=32:sinks=2:seed=7", scoring="proxy")
+    cfg = arm.config(128)
+    assert (cfg.morphkv_window, cfg.morphkv_n_sink, cfg.seed, cfg.scoring) == (32, 2, 7, "proxy")
+    assert cfg.morphkv_budget == 128 and arm.name == "morphkv_mean_w32_n_sink2_seed7"
+    grid = grid_specs("morphkv", window=[8, 32], scoring=["attention"])
+    assert grid == ["morphkv:window=8:scoring=attention", "morphkv:window=32:scoring=attention"]
+    assert [Arm.parse(g).name for g in grid] == ["morphkv_mean_w8_attn", "morphkv_mean_w32_attn"]
+    with pytest.raises(ValueError, match="no KVCacheConfig field"):
+        Arm.parse("morphkv:nonsense=3")
+    with pytest.raises(ValueError, match="unknown method"):
+        Arm.parse("lru")
+    with pytest.raises(ValueError, match="morphkv_budget must exceed"):
+        Arm.parse("morphkv:window=32").config(16)
+    with pytest.raises(ValueError, match="morphkv_fusion"):
+        Arm.parse("morphkv:fusion=median").config(128)
+
+
+def test_equal_bytes_budget_is_measured(tiny):
+    ref = Arm.parse("streaming_llm")
+    target = measure_bytes(tiny, ref, 96)
+    budget, held = budget_for_bytes(tiny, ref, target)
+    assert budget == 96 and held == target  # the reference maps onto itself
+    morph = Arm.parse("morphkv:attn")
+    budget, held = budget_for_bytes(tiny, morph, target)
+    assert held <= target < measure_bytes(tiny, morph, budget + 1)
+    assert budget < 96  # today the selection engine holds more than the keys it ranks
+    with pytest.raises(ValueError, match="smallest budget"):
+        budget_for_bytes(tiny, morph, 10)
+
+
+def test_fidelity_equal_bytes_rows(tiny):
+    toks = [int(x) for x in np.random.default_rng(1).integers(0, 256, 120)]
+    res = F.run_fidelity(tiny, {"t": toks}, ["streaming_llm", "morphkv:attn"], [96],
+                         quiet=True, equal_bytes="streaming_llm")
+    rows = {r["arm"]: r for r in res["rows"] if r["arm"] != "full"}
+    assert rows["streaming_llm_w8"]["arm_budget"] == 96
+    assert rows["morphkv_mean_w8_attn"]["arm_budget"] < 96
+    morph, stream = rows["morphkv_mean_w8_attn"], rows["streaming_llm_w8"]
+    assert morph["bytes_measured"] <= stream["bytes_target"]
+    assert res["settings"]["equal_bytes"] == "streaming_llm_w8"
 
 
 def test_generation_quick_writes_json_and_png(tiny, tmp_path):
@@ -88,11 +136,11 @@ def test_generation_quick_writes_json_and_png(tiny, tmp_path):
 
 
 def test_degeneration_measures():
-    assert G.repetition_rate(list(range(30)), 10) == 0.0
+    assert repetition_rate(list(range(30)), 10) == 0.0
     loop = [1, 2, 3] * 10  # 21 ten-grams, only 3 distinct
-    assert G.repetition_rate(loop, 10) == pytest.approx(18 / 21)
-    assert G.distinct([1, 1, 2, 2], 1) == 0.5
-    assert G.distinct([1, 2, 1, 2], 2) == pytest.approx(2 / 3)
+    assert repetition_rate(loop, 10) == pytest.approx(18 / 21)
+    assert distinct([1, 1, 2, 2], 1) == 0.5
+    assert distinct([1, 2, 1, 2], 2) == pytest.approx(2 / 3)
 
 
 def test_texts_are_available_without_download():

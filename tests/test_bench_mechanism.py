@@ -67,9 +67,9 @@ def test_stable_control_keeps_the_same_fraction_for_everybody():
 
 def test_commands_follow_the_cli_contract(tmp_path):
     """run(args) returns an int (the CLI does ``int(rc or 0)``); help is the docstring."""
-    from morphkv.bench import fidelity, generation, report
+    from morphkv.bench import blas, fidelity, generation, layer, overhead, report, speed
 
-    for module in (M, fidelity, generation, report):
+    for module in (M, fidelity, generation, report, speed, layer, overhead, blas):
         assert callable(module.add_arguments) and callable(module.run)
         assert (module.__doc__ or "").strip().splitlines()[0]
     parser = argparse.ArgumentParser()
@@ -80,3 +80,40 @@ def test_commands_follow_the_cli_contract(tmp_path):
     args = parser.parse_args(["--results", str(tmp_path.parent), "--docs", str(tmp_path / "docs")])
     assert report.run(args) == 0
     assert (tmp_path / "docs" / "results.md").read_text().startswith("# Results")
+
+
+def test_report_renders_every_committed_figure(tmp_path):
+    """docs/figures holds JSON of every benchmark kind: each one gets its section."""
+    from pathlib import Path
+
+    from morphkv.bench import report
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    found = report.load_results(tmp_path / "none", docs)
+    text = report.build_report(found)
+    for name in found:
+        assert name in text
+    assert "`morphkv bench layer`" in text and "`morphkv eval fidelity`" in text
+
+
+def test_missing_matplotlib_is_one_line_before_any_work(tmp_path, monkeypatch):
+    import sys
+
+    from morphkv.bench import fidelity
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    parser = argparse.ArgumentParser()
+    fidelity.add_arguments(parser)
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[bench\]'"):
+        fidelity.execute(parser.parse_args(["--quick", "--out", str(tmp_path)]), model=object())
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_lists_the_bench_commands(capsys):
+    from morphkv.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for name in ("mechanism", "speed", "layer", "overhead", "blas"):
+        assert name in out

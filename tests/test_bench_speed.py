@@ -78,12 +78,35 @@ def test_quick_sampled_full_arm_stops_early(tmp_path):
     assert all(r["timed_tokens"] == 10 for r in result["records"]["morphkv"])
 
 
-def test_quick_micro(tmp_path):
+def test_quick_micro_is_the_layer_grid(tmp_path):
     assert speed.run(_args("--micro", "--quick", "--out", str(tmp_path))) == 0
-    result = json.loads((tmp_path / "micro_quick.json").read_text())
-    data = json.loads((tmp_path / "micro_quick.json").read_text())
-    kinds = {r["kind"] for r in data["rows"]}
-    assert {"rotating", "morphkv"} <= kinds
-    assert all(r["decode_ms"] > 0 and r["chunk_ms"] > 0 for r in data["rows"])
-    assert (tmp_path / "micro.png").stat().st_size > 1000
-    assert result["rows"] == data["rows"]
+    data = json.loads((tmp_path / "layer_quick.json").read_text())
+    assert data["grid"] and {"morphkv", "h2o"} <= {r["method"] for r in data["rows"]}
+    for r in data["rows"]:
+        assert r["decode_us"] > 0 and r["rotating_us"] > 0 and r["chunk_ms"] > 0
+    assert (tmp_path / "layer.png").stat().st_size > 1000
+
+
+def test_layer_overhead_blas_quick(tmp_path):
+    from morphkv.bench import blas, layer, overhead
+
+    def parse(module, *argv):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        return parser.parse_args(list(argv))
+
+    specs = "morphkv:window=4,streaming_llm"
+    args = parse(layer, "--quick", "--methods", specs, "--out", str(tmp_path))
+    result = layer.execute(args)
+    assert [r["method"] for r in result["rows"]] == ["morphkv:window=4", "streaming_llm"]
+    assert [r["window"] for r in result["rows"]] == [4, 8]  # the spec's option over --window
+    assert (tmp_path / "layer.png").stat().st_size > 1000
+    assert overhead.run(parse(overhead, "--quick", "--out", str(tmp_path))) == 0
+    data = json.loads((tmp_path / "overhead_quick.json").read_text())
+    assert set(data["median"]) == {"kvcache", "rotating", "morphkv", "proxy"}
+    assert all(m["decode_ms"] > 0 for m in data["median"].values())
+    rc = blas.run(parse(blas, "--quick", "--out", str(tmp_path)))
+    if rc == 0:  # OpenBLAS installed: both runs happened
+        data = json.loads((tmp_path / "blas_quick.json").read_text())
+        assert set(data["speedup"]) == {"matmul_1024_f32", "forward_256_tokens", "prompt_tps",
+                                        "generation_tps"}

@@ -48,7 +48,8 @@ def test_device_steps_keep_state_in_mlx_and_chunks_return_to_the_host(monkeypatc
         cache.update_and_fetch(keys[:, :, t : t + 1], keys[:, :, t : t + 1])
         engine = cache.engine
         assert engine.on_device
-        assert isinstance(engine.dead, mx.array) and isinstance(engine.ring_weights, mx.array)
+        assert isinstance(engine.dead, mx.array)
+        assert isinstance(engine.attention.ring_weights, mx.array)
     cache.update_and_fetch(keys[:, :, 60:], keys[:, :, 60:])  # a new chunk: back on the host
     assert not cache.engine.on_device
     np.testing.assert_array_equal(cache.kept_positions, reference.kept_positions)

@@ -131,7 +131,7 @@ def test_window_one_morphkv_is_tova_even_when_the_newest_scores_lowest():
             cache.update_and_fetch(k, k)
             if t == 30:  # check the construction: the newest token's own score is the lowest
                 assert cache.tokens_kept == 8  # reading the cache runs the pending step
-                probs = cache.engine.newest_probs()[0, 0]
+                probs = cache.engine.newest_probs()[0]
                 assert probs.argmin() == cache.engine.positions[0].tolist().index(30)
         caches[method] = cache.kept_positions
     np.testing.assert_array_equal(caches["morphkv"], caches["tova"])

@@ -1,4 +1,4 @@
-"""Small helpers shared by the evidence benchmarks (progress, output, tables, entry points)."""
+"""Small helpers shared by every benchmark: progress, output files, tables, tiny models."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+BENCH_EXTRA = "pip install -e '.[bench]'"
+RANDOM_TINY = "random-tiny"  # a tiny random-weight llama built in-process (tests, no download)
 
 
 class Progress:
@@ -19,9 +21,7 @@ class Progress:
 
     def __init__(self, total: int, label: str = "", quiet: bool = False, every: float = 2.0):
         self.total = max(int(total), 1)
-        self.label = label
-        self.quiet = quiet
-        self.every = every
+        self.label, self.quiet, self.every = label, quiet, every
         self.done = 0
         self.start = time.perf_counter()
         self._last = 0.0
@@ -34,11 +34,12 @@ class Progress:
         self._last = now
         elapsed = now - self.start
         eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
-        msg = (
+        print(
             f"[{self.label}] {self.done}/{self.total} ({100 * self.done / self.total:.0f}%) "
-            f"elapsed {_fmt(elapsed)} eta {_fmt(eta)} {note}"
+            f"elapsed {_fmt(elapsed)} eta {_fmt(eta)} {note}",
+            file=sys.stderr,
+            flush=True,
         )
-        print(msg, file=sys.stderr, flush=True)
 
     @property
     def elapsed(self) -> float:
@@ -52,11 +53,27 @@ def _fmt(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s"
 
 
-def track(items: Iterable, total: int, label: str, quiet: bool = False) -> Iterator:
-    bar = Progress(total, label, quiet)
-    for item in items:
-        yield item
-        bar.update()
+def require_matplotlib(args: argparse.Namespace | None = None) -> None:
+    """Stop before any work, in one line, when the plots cannot be drawn."""
+    if args is not None and getattr(args, "no_plot", False):
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            f"morphkv: error: the benchmarks draw PNGs with matplotlib, which is not installed: "
+            f"{BENCH_EXTRA} (or pass --no-plot where offered)"
+        ) from None
+
+
+def plt():
+    """matplotlib.pyplot with a non-interactive backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
 
 
 def out_dir(args: argparse.Namespace, name: str) -> Path:
@@ -68,17 +85,12 @@ def out_dir(args: argparse.Namespace, name: str) -> Path:
 def environment() -> dict:
     """Versions and machine facts stored with every result."""
     import mlx.core as mx
+    import mlx_lm
 
-    try:
-        import mlx_lm
-
-        mlx_lm_version = getattr(mlx_lm, "__version__", "?")
-    except Exception:  # pragma: no cover
-        mlx_lm_version = "?"
     return {
         "python": platform.python_version(),
         "mlx": getattr(mx, "__version__", "?"),
-        "mlx_lm": mlx_lm_version,
+        "mlx_lm": getattr(mlx_lm, "__version__", "?"),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
@@ -86,8 +98,8 @@ def environment() -> dict:
     }
 
 
-def write_json(path: Path, obj: Any) -> Path:
-    path.write_text(json.dumps(obj, indent=1, sort_keys=False, default=_jsonable) + "\n")
+def write_json(path: Path, obj: Any, indent: int = 1) -> Path:
+    path.write_text(json.dumps(obj, indent=indent, default=_jsonable) + "\n")
     return path
 
 
@@ -116,56 +128,46 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def plt():
-    """matplotlib.pyplot with a non-interactive backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as pyplot
-
-    return pyplot
+def pivot(rows: list[dict], keys: list[str], column: str, value: str, columns=None):
+    """(headers, body): one line per distinct ``keys`` tuple, one column per ``column`` value,
+    cells ``value`` (NaN where missing)."""
+    columns = columns if columns is not None else list(dict.fromkeys(r[column] for r in rows))
+    lines: dict[tuple, dict] = {}
+    for r in rows:
+        lines.setdefault(tuple(r[k] for k in keys), {})[r[column]] = r[value]
+    body = [[*k] + [cells.get(c, float("nan")) for c in columns] for k, cells in lines.items()]
+    return [*keys, *[str(c) for c in columns]], body
 
 
 def peak_memory() -> int:
-    """Peak MLX memory in bytes (0 when unavailable)."""
+    """Peak MLX memory in bytes."""
     import mlx.core as mx
 
-    for fn in ("get_peak_memory",):
-        f = getattr(mx, fn, None) or getattr(getattr(mx, "metal", None), fn, None)
-        if f is not None:
-            try:
-                return int(f())
-            except Exception:  # pragma: no cover
-                pass
-    return 0
+    return int(mx.get_peak_memory())
 
 
 def reset_peak_memory() -> None:
     import mlx.core as mx
 
-    f = getattr(mx, "reset_peak_memory", None)
-    if f is not None:
-        try:
-            f()
-        except Exception:  # pragma: no cover
-            pass
+    mx.reset_peak_memory()
 
 
-def max_rss() -> int:
-    """Peak resident set size of this process in bytes."""
-    try:
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-    except Exception:  # pragma: no cover
-        return 0
-
-
-def main(add_arguments, run, description: str, argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=description)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0
+def add_flags(parser: argparse.ArgumentParser, flags) -> None:
+    """Add ``(flag, default, help[, choices])`` flags; the type follows the default (False: a
+    switch; a list: comma separated; None: a string) and the help shows the default."""
+    for flag, default, text, *choices in flags:
+        kw: dict[str, Any] = {"default": default, "help": text}
+        if default is False:
+            kw = {"action": "store_true", "help": text}
+        elif isinstance(default, list):
+            kw["type"] = csv_ints if default and isinstance(default[0], int) else csv_strs
+            kw["help"] += f" (default {','.join(map(str, default))})"
+        elif default is not None:
+            kw["type"] = type(default)
+            kw["help"] += f" (default {default})"
+        if choices:
+            kw["choices"] = choices[0]
+        parser.add_argument(flag, **kw)
 
 
 def csv_ints(text: str) -> list[int]:
@@ -174,6 +176,15 @@ def csv_ints(text: str) -> list[int]:
 
 def csv_strs(text: str) -> list[str]:
     return [x.strip() for x in str(text).split(",") if x.strip()]
+
+
+def load_model(name: str | None):
+    """(model, tokenizer or None): the embedded model by default, ``random-tiny`` for tests."""
+    if name == RANDOM_TINY:
+        return tiny_llama(), None
+    from ..model import load
+
+    return load(name)
 
 
 def tiny_llama(seed: int = 0):

@@ -1,13 +1,11 @@
 """Free generation of long answers under each cache: degeneration, speed and memory.
 
-Greedy decoding (``make_sampler(0.0)``) of a fixed prompt set (``texts.GENERATION_PROMPTS``)
-through ``mlx_lm.stream_generate`` with ``prompt_cache=KVCacheBuilder.for_model(model, cfg)``
-(mlx_lm's own ``KVCache`` for the full-cache reference). Per method, budget and prompt:
-
-- 10-gram repetition rate: fraction of the answer's 10-grams (token ids) that already occurred
-  earlier in the answer (the paper's degeneration measure; lower is better);
-- distinct-1 / distinct-2: unique n-grams over all n-grams of the answer;
-- tokens generated (generation stops at EOS), decode tokens/s, peak MLX memory, KV bytes.
+Greedy decoding (``make_sampler(0.0)``) of a fixed prompt set (``GENERATION_PROMPTS``) through
+``mlx_lm.stream_generate`` with each arm's caches (arm ``full``: mlx_lm's own ``KVCache``). Per
+arm, budget and prompt: the 10-gram repetition rate (fraction of the answer's 10-grams already
+seen earlier in it; the paper's degeneration measure, lower is better), distinct-1/-2 (unique
+n-grams over all n-grams), tokens generated (stops at EOS), decode tokens/s, peak MLX memory,
+KV bytes.
 """
 
 from __future__ import annotations
@@ -17,24 +15,28 @@ import time
 
 import mlx.core as mx
 
-from .. import KVCacheBuilder
-from . import texts as T
+from . import plots
 from ._util import (
     Progress,
+    add_flags,
     csv_ints,
-    csv_strs,
     environment,
-    main,
+    load_model,
     markdown_table,
     out_dir,
     peak_memory,
-    plt,
+    require_matplotlib,
     reset_peak_memory,
     write_json,
 )
-from .fidelity import N_SINK, Arm, kv_bytes
+from .arms import check_specs, parse_arms
+from .conversations import GENERATION_PROMPTS
+from .fidelity import ARM_DEFAULTS, N_SINK
+from .metrics import distinct, kv_bytes, repetition_rate
+from .texts import chat_prompt
 
 NAME = "generation"
+FULL = {"full": "kvcache"}  # here ``full`` is mlx_lm's KVCache
 DEFAULT_ARMS = (
     "full",
     "streaming_llm",
@@ -45,61 +47,48 @@ DEFAULT_ARMS = (
     "morphkv:mean:8:attn",
     "morphkv:max:32:attn",
 )
-
-
-def repetition_rate(tokens: list[int], n: int = 10) -> float:
-    """Fraction of n-grams that already occurred earlier in the sequence."""
-    seen, repeated, total = set(), 0, 0
-    for i in range(len(tokens) - n + 1):
-        gram = tuple(tokens[i : i + n])
-        total += 1
-        repeated += gram in seen
-        seen.add(gram)
-    return repeated / total if total else 0.0
-
-
-def distinct(tokens: list[int], n: int) -> float:
-    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else 0.0
-
-
-def _is_wrapper(tokenizer) -> bool:
-    return hasattr(tokenizer, "detokenizer") and hasattr(tokenizer, "eos_token_ids")
+COLUMNS = {  # summary column -> (row key, scale)
+    "tokens": ("generated", 1),
+    "10-gram rep.": ("rep10", 1),
+    "distinct-1": ("distinct1", 1),
+    "distinct-2": ("distinct2", 1),
+    "tok/s": ("tokens_per_s", 1),
+    "peak MiB": ("peak_memory", 2**-20),
+    "KV kept MiB": ("kv_bytes_kept", 2**-20),
+}
 
 
 def generate(model, tokenizer, prompt: list[int], caches, max_tokens: int) -> dict:
     """Greedy answer: token ids, text (when a tokenizer wrapper is given), speed."""
+    from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
     sampler = make_sampler(0.0)
-    tokens, text = [], ""
+    tokens, text, t_first = [], "", None
     reset_peak_memory()
     t0 = time.perf_counter()
-    t_first = None
-    if _is_wrapper(tokenizer):
+    if hasattr(tokenizer, "detokenizer") and hasattr(tokenizer, "eos_token_ids"):
         import mlx_lm
 
-        for resp in mlx_lm.stream_generate(
+        steps = mlx_lm.stream_generate(
             model,
             tokenizer,
             mx.array(prompt),
             max_tokens=max_tokens,
             prompt_cache=caches,
             sampler=sampler,
-        ):
-            if t_first is None:
-                t_first = time.perf_counter()
+        )
+        for resp in steps:
+            t_first = t_first or time.perf_counter()
             text += resp.text
             if resp.finish_reason != "stop" or resp.token not in tokenizer.eos_token_ids:
                 tokens.append(int(resp.token))
     else:  # a bare token-id stand-in (tests): mlx_lm's generate_step, no EOS
-        from mlx_lm.generate import generate_step
-
-        for tok, _ in generate_step(
+        steps = generate_step(
             mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler, prompt_cache=caches
-        ):
-            if t_first is None:
-                t_first = time.perf_counter()
+        )
+        for tok, _ in steps:
+            t_first = t_first or time.perf_counter()
             tokens.append(int(tok))
     end = time.perf_counter()
     decode_s = end - (t_first or end)
@@ -112,60 +101,33 @@ def generate(model, tokenizer, prompt: list[int], caches, max_tokens: int) -> di
     }
 
 
-def make_caches(model, arm: Arm, budget: int, n_sink: int):
-    if arm.method == "full":
-        from mlx_lm.models.cache import KVCache
-
-        return [KVCache() for _ in model.layers]
-    cfg = arm.config(max(budget, n_sink + arm.window + 1), n_sink)
-    return KVCacheBuilder.for_model(model, cfg)
-
-
 def run_generation(
-    model,
-    tokenizer,
-    prompts: list[list[int]],
-    arms,
-    budgets,
-    max_tokens: int,
-    n_sink: int = N_SINK,
-    quiet: bool = False,
+    model, tokenizer, prompts, arms, budgets, max_tokens: int, n_sink=N_SINK, quiet=False
 ) -> dict:
     """Core entry point: (model, tokenizer or None, prompt token ids) -> result dict."""
-    arms = [Arm.parse(a) if isinstance(a, str) else a for a in arms]
+    arms = parse_arms(arms, FULL, **ARM_DEFAULTS)
     plan = []
     for arm in arms:
-        for b in [None] if arm.method == "full" else budgets:
-            if b is not None and b <= n_sink + arm.window:
-                continue
-            plan.extend((arm, b, p) for p in range(len(prompts)))
+        for b in [None] if arm.method == "kvcache" else budgets:
+            if b is None or b > n_sink + arm.window:
+                plan.extend((arm, b, p) for p in range(len(prompts)))
     bar = Progress(len(plan) * max_tokens, NAME, quiet)
     rows = []
     t_start = time.perf_counter()
     for arm, b, p in plan:
-        caches = make_caches(model, arm, b or 0, n_sink)
+        caches = arm.caches(model, max(b or 0, n_sink + arm.window + 1), n_sink)
         out = generate(model, tokenizer, prompts[p], caches, max_tokens)
         toks = out.pop("tokens")
-        rows.append(
-            {
-                "arm": arm.name,
-                "budget": b,
-                "prompt": p,
-                "prompt_tokens": len(prompts[p]),
-                "generated": len(toks),
-                "rep10": repetition_rate(toks, 10),
-                "distinct1": distinct(toks, 1),
-                "distinct2": distinct(toks, 2),
-                "sample": out.pop("text")[:600],
-                **out,
-                **kv_bytes(caches),
-            }
-        )
+        row = {"arm": "full" if arm.method == "kvcache" else arm.name, "budget": b, "prompt": p}
+        row.update(prompt_tokens=len(prompts[p]), generated=len(toks))
+        row.update(rep10=repetition_rate(toks, 10), distinct1=distinct(toks, 1))
+        row.update(distinct2=distinct(toks, 2), sample=out.pop("text")[:600])
+        rows.append({**row, **out, **kv_bytes(caches)})
         bar.update(max_tokens, f"{arm.name} b{b} p{p}")
     return {
         "benchmark": NAME,
         "settings": {
-            "arms": [a.name for a in arms],
+            "arms": ["full" if a.method == "kvcache" else a.name for a in arms],
             "budgets": list(budgets),
             "max_tokens": max_tokens,
             "n_sink": n_sink,
@@ -180,74 +142,28 @@ def run_generation(
 
 def summary(result: dict) -> tuple[list[str], list[list]]:
     """Mean over prompts per arm and budget."""
-    keys = []
+    groups: dict[tuple, list] = {}
     for r in result["rows"]:
-        if (r["arm"], r["budget"]) not in keys:
-            keys.append((r["arm"], r["budget"]))
+        groups.setdefault((r["arm"], r["budget"]), []).append(r)
     body = []
-    for arm, b in keys:
-        rs = [r for r in result["rows"] if r["arm"] == arm and r["budget"] == b]
-
-        def mean(k, rs=rs):
-            return sum(r[k] for r in rs) / len(rs)
-
-        body.append(
-            [
-                arm,
-                b if b is not None else "-",
-                mean("generated"),
-                mean("rep10"),
-                mean("distinct1"),
-                mean("distinct2"),
-                mean("tokens_per_s"),
-                mean("peak_memory") / 2**20,
-                mean("kv_bytes_kept") / 2**20,
-            ]
-        )
-    headers = [
-        "arm",
-        "budget",
-        "tokens",
-        "10-gram rep.",
-        "distinct-1",
-        "distinct-2",
-        "tok/s",
-        "peak MiB",
-        "KV kept MiB",
-    ]
-    return headers, body
-
-
-def plot(result: dict, path) -> None:
-    pyplot = plt()
-    headers, body = summary(result)
-    labels = [f"{r[0]} b{r[1]}" for r in body]
-    fig, axes = pyplot.subplots(1, 2, figsize=(11, 4))
-    axes[0].barh(labels, [r[3] for r in body])
-    axes[0].set_title("10-gram repetition rate (lower is better)")
-    axes[1].barh(labels, [r[5] for r in body])
-    axes[1].set_title("distinct-2 (higher is more varied)")
-    for ax in axes:
-        ax.tick_params(labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    pyplot.close(fig)
+    for (arm, b), rs in groups.items():
+        means = [sum(r[k] for r in rs) / len(rs) * scale for k, scale in COLUMNS.values()]
+        body.append([arm, b if b is not None else "-", *means])
+    return ["arm", "budget", *COLUMNS], body
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (seconds)")
-    parser.add_argument("--out", default=None, help="output folder (default results/generation)")
-    parser.add_argument(
-        "--model", default=None, help="mlx_lm model or .gguf (default: embedded SmolLM2)"
-    )
-    parser.add_argument("--budgets", type=csv_ints, default=[128, 256])
-    parser.add_argument("--arms", type=csv_strs, default=list(DEFAULT_ARMS))
-    parser.add_argument("--max-tokens", type=int, default=1000)
-    parser.add_argument(
-        "--prompts", type=csv_ints, default=None, help="indices into the prompt set (default all)"
-    )
-    parser.add_argument("--n-sink", type=int, default=N_SINK)
-    parser.add_argument("--quiet", action="store_true")
+    add_flags(parser, [
+        ("--quick", False, "tiny smoke run (seconds)"),
+        ("--out", None, "output folder (default results/generation)"),
+        ("--model", None, "mlx_lm model or .gguf (default: the embedded SmolLM2)"),
+        ("--budgets", [128, 256], "budgets in tokens per KV head"),
+        ("--arms", list(DEFAULT_ARMS), "arm specs as in eval fidelity; full: mlx_lm's KVCache"),
+        ("--max-tokens", 1000, "tokens to generate per answer"),
+        ("--prompts", None, "indices into the prompt set, comma separated (default all)"),
+        ("--n-sink", N_SINK, "protected first tokens"),
+        ("--quiet", False, "no progress lines"),
+    ])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -258,17 +174,19 @@ def run(args: argparse.Namespace) -> int:
 
 def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     """Run with the command-line settings; ``model``/``tokenizer`` bypass loading (tests)."""
+    require_matplotlib()
+    if isinstance(args.prompts, str):
+        args.prompts = csv_ints(args.prompts)
     if args.quick:
         args.max_tokens, args.budgets = 40, [24]
         args.arms = ["full", "streaming_llm", "morphkv:mean:8"]
         args.prompts = args.prompts or [0]
+    check_specs(args.arms, FULL)
     if model is None:
-        from ..model import load
-
-        model, tokenizer = load(args.model)
+        model, tokenizer = load_model(args.model)
     mx.random.seed(0)
-    chosen = args.prompts if args.prompts is not None else range(len(T.GENERATION_PROMPTS))
-    prompts = [T.chat_prompt(tokenizer, T.GENERATION_PROMPTS[i]) for i in chosen]
+    chosen = args.prompts if args.prompts is not None else range(len(GENERATION_PROMPTS))
+    prompts = [chat_prompt(tokenizer, GENERATION_PROMPTS[i]) for i in chosen]
     result = run_generation(
         model, tokenizer, prompts, args.arms, args.budgets, args.max_tokens, args.n_sink, args.quiet
     )
@@ -277,11 +195,9 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     result["settings"]["prompt_ids"] = list(chosen)
     folder = out_dir(args, NAME)
     write_json(folder / f"{NAME}.json", result)
-    plot(result, folder / f"{NAME}.png")
+    plots.bars(summary(result), ["10-gram rep.", "distinct-2"], folder / f"{NAME}.png")
+    print("10-gram rep.: fraction of the answer's 10-grams seen earlier in it (lower: less "
+          "looping); distinct-n: unique n-grams / all n-grams; KV kept: bytes of kept K+V")
     print(markdown_table(*summary(result)))
     print(f"\nwrote {folder}/{NAME}.json and {NAME}.png ({result['elapsed_s']:.0f} s)")
     return result
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(add_arguments, run, __doc__.splitlines()[0]))

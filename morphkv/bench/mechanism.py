@@ -42,34 +42,36 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from .. import KVCacheBuilder, KVCacheConfig
+from .. import KVCacheBuilder
+from . import plots
 from ._util import (
     Progress,
-    csv_ints,
-    csv_strs,
+    add_flags,
     environment,
-    main,
     markdown_table,
     out_dir,
-    plt,
+    pivot,
+    require_matplotlib,
     write_json,
 )
+from .arms import Arm, check_specs
 
 NAME = "mechanism"
 HEAD_DIM = 32
 N_HEADS = 4
 N_SINK = 2
 SCENARIOS = ("topic_shift", "stable", "recall")
-ARMS = {
-    "morphkv_mean": dict(method="morphkv", morphkv_fusion="mean"),
-    "morphkv_max": dict(method="morphkv", morphkv_fusion="max"),
-    "tova": dict(method="tova"),
-    "h2o": dict(method="h2o"),
-    "streaming_llm": dict(method="streaming_llm"),
-    "random": dict(method="random"),
+ARMS = {  # name -> arm spec (any spec works in --arms; its name is then the spec itself)
+    "morphkv_mean": "morphkv:mean",
+    "morphkv_max": "morphkv:max",
+    "tova": "tova",
+    "h2o": "h2o",
+    "streaming_llm": "streaming_llm",
+    "random": "random",
 }
 STRONG, WEAK, NOISE, SMALL_NOISE = 6.0, 4.0, 1.0, 0.5
 RECALL_TAIL = 16
+GRID = ("length", "budget", "window")
 
 
 def _axes(rng: np.random.Generator, n: int = 2) -> np.ndarray:
@@ -135,15 +137,10 @@ def run_point(scenario, length, budget, window, arm, seed) -> dict:
     rng = np.random.default_rng([seed, length, budget, SCENARIOS.index(scenario)])
     keys, relevant, probes = make_stream(scenario, length, budget, rng)
     values = rng.standard_normal((N_HEADS, length, HEAD_DIM))
-    cfg = KVCacheConfig(
-        morphkv_budget=budget,
-        morphkv_n_sink=N_SINK,
-        morphkv_window=window,
-        seed=seed,
-        scoring="proxy",
-        **ARMS[arm],
+    spec = Arm.parse(ARMS.get(arm, arm))
+    cache = KVCacheBuilder.build(
+        spec.config(budget, n_sink=N_SINK, window=window, seed=seed, scoring="proxy")
     )
-    cache = KVCacheBuilder.build(cfg)
     k = mx.array(keys[None].astype(np.float32))
     cache.update_and_fetch(k, mx.array(values[None].astype(np.float32)))
     kept = cache.kept_positions[0]  # (H, n_kept)
@@ -156,16 +153,10 @@ def grid(args) -> tuple[list[tuple], list[dict]]:
     points, skipped = [], []
     for length, budget, window in itertools.product(args.lengths, args.budgets, args.windows):
         if budget <= N_SINK + window:
-            skipped.append(
-                {
-                    "length": length,
-                    "budget": budget,
-                    "window": window,
-                    "why": f"budget {budget} <= sinks {N_SINK} + window {window}",
-                }
-            )
-            continue
-        points.append((length, budget, window))
+            why = f"budget {budget} <= sinks {N_SINK} + window {window}"
+            skipped.append({"length": length, "budget": budget, "window": window, "why": why})
+        else:
+            points.append((length, budget, window))
     return points, skipped
 
 
@@ -178,10 +169,10 @@ def run_benchmark(
     seeds=5,
     quiet=False,
 ) -> dict:
+    check_specs([ARMS.get(arm, arm) for arm in arms])
     ns = argparse.Namespace(lengths=list(lengths), budgets=list(budgets), windows=list(windows))
     points, skipped = grid(ns)
-    total = len(scenarios) * len(points) * len(arms) * seeds
-    bar = Progress(total, NAME, quiet)
+    bar = Progress(len(scenarios) * len(points) * len(arms) * seeds, NAME, quiet)
     rows = []
     for scenario in scenarios:
         for length, budget, window in points:
@@ -190,37 +181,20 @@ def run_benchmark(
                     run_point(scenario, length, budget, window, arm, s) for s in range(seeds)
                 ]
                 bar.update(seeds)
-                row = {
-                    "scenario": scenario,
-                    "length": length,
-                    "budget": budget,
-                    "window": window,
-                    "arm": arm,
-                    "seeds": seeds,
-                }
+                row = dict(scenario=scenario, length=length, budget=budget, window=window)
+                row.update(arm=arm, seeds=seeds)
                 for key in ("kept", "mass", "err"):
                     vals = np.array([p[key] for p in per_seed])
                     row[key] = float(vals.mean())
                     row[key + "_std"] = float(vals.std())
                 rows.append(row)
+    settings = dict(scenarios=list(scenarios), lengths=list(lengths), budgets=list(budgets))
+    settings.update(windows=list(windows), arms=list(arms), seeds=seeds, n_sink=N_SINK)
+    settings.update(head_dim=HEAD_DIM, heads=N_HEADS, strong=STRONG, weak=WEAK, noise=NOISE)
+    settings.update(small_noise=SMALL_NOISE, recall_tail=RECALL_TAIL)
     return {
         "benchmark": NAME,
-        "settings": {
-            "scenarios": list(scenarios),
-            "lengths": list(lengths),
-            "budgets": list(budgets),
-            "windows": list(windows),
-            "arms": list(arms),
-            "seeds": seeds,
-            "n_sink": N_SINK,
-            "head_dim": HEAD_DIM,
-            "heads": N_HEADS,
-            "strong": STRONG,
-            "weak": WEAK,
-            "noise": NOISE,
-            "small_noise": SMALL_NOISE,
-            "recall_tail": RECALL_TAIL,
-        },
+        "settings": settings,
         "skipped": skipped,
         "rows": rows,
         "elapsed_s": bar.elapsed,
@@ -229,68 +203,47 @@ def run_benchmark(
 
 
 def table(result: dict, scenario: str | None = None, metric: str = "kept") -> str:
-    """Markdown table: one line per grid point, one column per arm."""
+    """Markdown tables: one line per grid point, one column per arm."""
     arms = result["settings"]["arms"]
-    scenarios = [scenario] if scenario else result["settings"]["scenarios"]
-    lines = []
-    for sc in scenarios:
-        rows = [r for r in result["rows"] if r["scenario"] == sc]
-        keys = sorted({(r["length"], r["budget"], r["window"]) for r in rows})
-        body = []
-        for key in keys:
-            cells = {r["arm"]: r for r in rows if (r["length"], r["budget"], r["window"]) == key}
-            body.append(
-                [sc, *key] + [cells[a][metric] if a in cells else float("nan") for a in arms]
-            )
-        lines.append(markdown_table(["scenario", "length", "budget", "window", *arms], body))
-    return "\n\n".join(lines)
+    out = []
+    for sc in [scenario] if scenario else result["settings"]["scenarios"]:
+        rows = sorted((r for r in result["rows"] if r["scenario"] == sc), key=_point)
+        out.append(markdown_table(*pivot(rows, ["scenario", *GRID], "arm", metric, arms)))
+    return "\n\n".join(out)
 
 
-def plot(result: dict, path) -> None:
-    pyplot = plt()
-    arms = result["settings"]["arms"]
-    scenarios = result["settings"]["scenarios"]
-    metrics = [("kept", "relevant region kept"), ("err", "probe output rel. L2 error")]
-    fig, axes = pyplot.subplots(
-        len(scenarios), 2, figsize=(13, 3.2 * len(scenarios)), squeeze=False
-    )
+def _point(row: dict) -> tuple:
+    return tuple(row[k] for k in GRID)
+
+
+def plot(result: dict, path) -> str:
+    arms, scenarios = result["settings"]["arms"], result["settings"]["scenarios"]
+    metrics = {"kept": "relevant region kept", "err": "probe output rel. L2 error"}
+    fig, axes = plots.panels(2, 6.5, 3.2, rows=len(scenarios))
     for i, sc in enumerate(scenarios):
-        rows = [r for r in result["rows"] if r["scenario"] == sc]
-        keys = sorted({(r["length"], r["budget"], r["window"]) for r in rows})
-        labels = [f"L{k[0]} b{k[1]} w{k[2]}" for k in keys]
-        x = np.arange(len(keys))
-        for j, (metric, title) in enumerate(metrics):
-            ax = axes[i, j]
-            width = 0.8 / len(arms)
-            for a, arm in enumerate(arms):
-                vals = []
-                for key in keys:
-                    match = [
-                        r[metric]
-                        for r in rows
-                        if r["arm"] == arm and (r["length"], r["budget"], r["window"]) == key
-                    ]
-                    vals.append(match[0] if match else np.nan)
-                ax.bar(x + (a - len(arms) / 2 + 0.5) * width, vals, width, label=arm)
-            ax.set_xticks(x, labels, rotation=45, ha="right", fontsize=7)
-            ax.set_title(f"{sc}: {title}", fontsize=9)
-            if i == 0 and j == 0:
-                ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    pyplot.close(fig)
+        rows = sorted((r for r in result["rows"] if r["scenario"] == sc), key=_point)
+        headers, body = pivot(rows, list(GRID), "arm", "kept", arms)
+        labels = [f"L{k[0]} b{k[1]} w{k[2]}" for k in body]
+        for j, (metric, title) in enumerate(metrics.items()):
+            body = pivot(rows, list(GRID), "arm", metric, arms)[1]
+            series = {a: [line[3 + n] for line in body] for n, a in enumerate(arms)}
+            plots.grouped_bars(axes[i, j], labels, series, f"{sc}: {title}")
+    axes[0, 0].legend(fontsize=7, ncol=3)
+    return plots.save(fig, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="tiny smoke grid (seconds)")
-    parser.add_argument("--out", default=None, help="output folder (default results/mechanism)")
-    parser.add_argument("--scenarios", type=csv_strs, default=list(SCENARIOS))
-    parser.add_argument("--lengths", type=csv_ints, default=[256, 512])
-    parser.add_argument("--budgets", type=csv_ints, default=[32, 64])
-    parser.add_argument("--windows", type=csv_ints, default=[1, 8, 32])
-    parser.add_argument("--arms", type=csv_strs, default=list(ARMS))
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_flags(parser, [
+        ("--quick", False, "tiny smoke grid (seconds)"),
+        ("--out", None, "output folder (default results/mechanism)"),
+        ("--scenarios", list(SCENARIOS), "scenarios"),
+        ("--lengths", [256, 512], "stream lengths"),
+        ("--budgets", [32, 64], "budgets"),
+        ("--windows", [1, 8, 32], "protected recent windows"),
+        ("--arms", list(ARMS), "arm names or arm specs"),
+        ("--seeds", 5, "seeds per grid point"),
+        ("--quiet", False, "no progress lines"),
+    ])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -300,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def execute(args: argparse.Namespace) -> dict:
+    require_matplotlib()
     if args.quick:
         args.lengths, args.budgets, args.windows, args.seeds = [160], [32], [1, 8], 2
     result = run_benchmark(
@@ -309,14 +263,14 @@ def execute(args: argparse.Namespace) -> dict:
     folder = out_dir(args, NAME)
     write_json(folder / f"{NAME}.json", result)
     plot(result, folder / f"{NAME}.png")
-    for metric in ("kept", "err"):
-        print(f"\n## {metric} (mean over {args.seeds} seeds)\n")
+    legend = {
+        "kept": "fraction of the relevant tokens still stored at the end",
+        "err": "relative L2 error of a probe query's attention output, kept set vs full set",
+    }
+    for metric, meaning in legend.items():
+        print(f"\n## {metric}: {meaning} (mean over {args.seeds} seeds)\n")
         print(table(result, metric=metric))
     for s in result["skipped"]:
         print(f"skipped L{s['length']} budget {s['budget']} window {s['window']}: {s['why']}")
     print(f"\nwrote {folder}/{NAME}.json and {NAME}.png ({result['elapsed_s']:.1f} s)")
     return result
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(add_arguments, run, __doc__.splitlines()[0]))

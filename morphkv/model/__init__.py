@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .gguf_header import GGUFError
 from .resolve import DEFAULT_MODEL_NAME, ModelUnavailableError, resolve_default_gguf
+
+# What a command line should catch around ``load``: one line, exit 2, no traceback.
+MODEL_ERRORS = (GGUFError, ModelUnavailableError, FileNotFoundError)
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "GGUFError",
+    "MODEL_ERRORS",
     "ModelUnavailableError",
     "load",
     "load_gguf_model",
@@ -21,7 +27,10 @@ def load_gguf_model(path: str | Path, *, rope_traditional: bool = True):
     from .tokenizer import build_tokenizer
 
     model, meta = load_gguf(path, rope_traditional=rope_traditional)
-    return model, build_tokenizer(meta)
+    try:
+        return model, build_tokenizer(meta)
+    except GGUFError as e:
+        raise GGUFError(f"{path}: {e}") from None
 
 
 def load(model: str | None = None, *, rope_traditional: bool = True):

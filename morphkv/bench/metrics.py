@@ -1,0 +1,68 @@
+"""Metrics: next-token agreement with the full cache, degeneration, and bytes held.
+
+A new metric is one function here and one column where a command records it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+TOKEN_STATS = ("kl", "agree", "nll", "nll_full", "n")
+
+
+def token_stats(lp: mx.array, ref: mx.array, targets: mx.array) -> mx.array:
+    """Sums over positions of KL(ref || lp), top-1 agreement, NLL of the targets under both,
+    and the count (``TOKEN_STATS``); ``lp``/``ref`` are (n, V) log-probabilities."""
+    kl = (mx.exp(ref) * (ref - lp)).sum(axis=-1)
+    agree = (lp.argmax(axis=-1) == ref.argmax(axis=-1)).astype(mx.float32)
+    nll = -mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+    nll_full = -mx.take_along_axis(ref, targets[:, None], axis=-1)[:, 0]
+    n = mx.array(float(lp.shape[0]))
+    return mx.stack([kl.sum(), agree.sum(), nll.sum(), nll_full.sum(), n])
+
+
+def repetition_rate(tokens: list[int], n: int = 10) -> float:
+    """Fraction of n-grams that already occurred earlier in the sequence."""
+    seen, repeated, total = set(), 0, 0
+    for i in range(len(tokens) - n + 1):
+        gram = tuple(tokens[i : i + n])
+        total += 1
+        repeated += gram in seen
+        seen.add(gram)
+    return repeated / total if total else 0.0
+
+
+def distinct(tokens: list[int], n: int) -> float:
+    """Unique n-grams over all n-grams."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def _storage(cache) -> int:
+    total = 0
+    for x in (getattr(cache, "keys", None), getattr(cache, "values", None)):
+        parts = x if isinstance(x, (tuple, list)) else [x]
+        total += sum(int(getattr(p, "nbytes", 0)) for p in parts if p is not None)
+    return total
+
+
+def held_bytes(cache) -> int:
+    """Everything one cache holds: ``nbytes``, plus the selection engine's state
+    (``engine_nbytes``) while ``nbytes`` counts the stored keys and values only."""
+    n = int(getattr(cache, "nbytes", 0) or 0)
+    if n > _storage(cache):  # nbytes already counts more than the storage: the engine too
+        return n
+    return n + int(getattr(cache, "engine_nbytes", 0) or 0)
+
+
+def kv_bytes(caches) -> dict:
+    """Stored bytes (``nbytes``), kept K+V bytes and everything held, summed over layers."""
+    storage = sum(int(getattr(c, "nbytes", 0)) for c in caches)
+    kept = 0
+    for c in caches:
+        if hasattr(c, "morphkv_kept_bytes") and c.keys is not None:
+            kept += int(c.morphkv_kept_bytes) * int(c.keys.shape[0] * c.keys.shape[1])
+        else:
+            kept += int(getattr(c, "nbytes", 0))
+    held = sum(held_bytes(c) for c in caches)
+    return {"kv_bytes_storage": storage, "kv_bytes_kept": kept, "kv_bytes_held": held}

@@ -1,0 +1,81 @@
+"""Plots: a few chart shapes every benchmark draws its PNG with (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._util import plt
+
+
+def _save(fig, path, dpi: int = 80) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt().close(fig)
+    return str(path)
+
+
+def by_budget(result: dict, summary, path) -> str:
+    """Mean KL and top-1 agreement per arm against the budget (``summary(result, metric)``)."""
+    budgets = result["settings"]["budgets"]
+    fig, axes = plt().subplots(1, 2, figsize=(11, 4))
+    for metric, ax, title in (
+        ("kl", axes[0], "mean KL(full || method)"),
+        ("top1", axes[1], "top-1 agreement"),
+    ):
+        for line in summary(result, metric)[1]:
+            ax.plot(budgets, line[1:], marker="o", label=line[0])
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_xlabel(f"budget ({result['settings'].get('budget_unit', 'tokens per KV head')})")
+        ax.set_title(title)
+    full = [r for r in result["rows"] if r["arm"] == "full"]
+    if full:
+        axes[0].axhline(np.mean([r["kl"] for r in full]), color="k", ls=":", label="full (ref)")
+    axes[0].legend(fontsize=7)
+    return _save(fig, path)
+
+
+def bars(table: tuple[list[str], list[list]], columns: list[str], path) -> str:
+    """One horizontal bar panel per named column; one bar per table line ("arm b<budget>")."""
+    headers, body = table
+    labels = [f"{r[0]} b{r[1]}" for r in body]
+    fig, axes = plt().subplots(1, len(columns), figsize=(5.5 * len(columns), 4), squeeze=False)
+    for ax, col in zip(axes[0], columns, strict=True):
+        ax.barh(labels, [r[headers.index(col)] for r in body])
+        ax.set_title(col)
+        ax.tick_params(labelsize=7)
+    return _save(fig, path)
+
+
+def grouped_bars(ax, groups: list[str], series: dict[str, list[float]], title: str) -> None:
+    """Bars side by side: one group per x label, one bar per series."""
+    x = np.arange(len(groups))
+    width = 0.8 / max(len(series), 1)
+    for a, (name, vals) in enumerate(series.items()):
+        ax.bar(x + (a - len(series) / 2 + 0.5) * width, vals, width, label=name)
+    ax.set_xticks(x, groups, rotation=45, ha="right", fontsize=7)
+    ax.set_title(title, fontsize=9)
+
+
+def lines(
+    ax, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, title: str, log=False
+):
+    """One line per series {label: (xs, ys)}."""
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, "-o" if log else "-", label=label, markersize=3)
+    if log:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def panels(n: int, width: float = 5.5, height: float = 4.5, rows: int = 1):
+    """(figure, flat list of axes) for ``rows`` x ``n`` panels."""
+    fig, axes = plt().subplots(rows, n, figsize=(width * n, height * rows), squeeze=False)
+    return fig, axes
+
+
+def save(fig, path, dpi: int = 80) -> str:
+    return _save(fig, path, dpi)

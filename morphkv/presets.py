@@ -1,0 +1,43 @@
+"""Named settings: the recommended one (chosen on evidence, see docs/results.md) and the paper's.
+
+``recommended(budget)`` is what ``morphkv generate`` and ``morphkv serve`` use by default:
+MorphKV's real-query ranking of the older tokens, plus a recency floor (the newest half of the
+budget is always kept: on self-generated text recency is what matters) and value-weighted
+scores (a token whose value vector is small adds little to the output). ``paper(budget)`` is
+the rule exactly as published (recent region = query window).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .config import KVCacheConfig
+
+N_SINK = 4
+WINDOW = 16
+
+
+def recommended(budget: int = 512, **overrides) -> KVCacheConfig:
+    """The recommended MorphKV setting for ``budget`` tokens per sequence and KV head;
+    keyword arguments override any ``KVCacheConfig`` field."""
+    window = overrides.get("morphkv_window", WINDOW)
+    fields = dict(
+        method="morphkv",
+        morphkv_budget=budget,
+        morphkv_n_sink=N_SINK,
+        morphkv_window=window,
+        morphkv_recent=max(window, budget // 2),
+        morphkv_value=True,
+    )
+    fields.update(overrides)
+    return KVCacheConfig(**fields).validate()
+
+
+def paper(budget: int = 512, **overrides) -> KVCacheConfig:
+    """MorphKV as published: window 8 of real queries, mean fusion, nothing else protected."""
+    fields = dict(method="morphkv", morphkv_budget=budget, morphkv_n_sink=N_SINK)
+    fields.update(overrides)
+    return KVCacheConfig(**fields).validate()
+
+
+PRESETS: dict[str, Callable[..., KVCacheConfig]] = {"recommended": recommended, "paper": paper}

@@ -1,0 +1,114 @@
+"""The quality knobs against the NumPy reference: a recency floor (``morphkv_recent``) and
+value-weighted scores (``morphkv_value``), with both scorings and any chunking."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import reference_kept
+
+from morphkv import KVCacheBuilder, KVCacheConfig
+from morphkv.hooks import queries_by_hand
+
+
+@st.composite
+def knob_streams(draw):
+    method = draw(st.sampled_from(["morphkv", "tova", "h2o"]))
+    window = draw(st.integers(1, 4))
+    recent = draw(st.integers(window, window + 6))
+    n_sink = draw(st.integers(0, 2))
+    budget = draw(st.integers(n_sink + recent + 1, n_sink + recent + 8))
+    config = KVCacheConfig(
+        method=method,
+        morphkv_budget=budget,
+        morphkv_n_sink=n_sink,
+        morphkv_window=window,
+        morphkv_recent=recent,
+        morphkv_value=draw(st.booleans()),
+        morphkv_fusion=draw(st.sampled_from(["mean", "max"])),
+        scoring=draw(st.sampled_from(["proxy", "attention"])),
+    )
+    T = draw(st.integers(budget, 3 * budget + 4))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    keys = rng.standard_normal((1, 2, T, 8)).astype(np.float32)
+    queries = rng.standard_normal((1, 2, 2, T, 8)).astype(np.float32)  # 2 query heads per KV
+    cuts = sorted(draw(st.lists(st.integers(1, T - 1), max_size=3)))
+    return config, keys, queries, cuts
+
+
+@pytest.fixture(autouse=True)
+def hook_present():
+    """Attention scoring asks for the model hook; these tests hand the queries in directly."""
+    with queries_by_hand():
+        yield
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(knob_streams())
+def test_knobs_match_reference_for_any_chunking(case):
+    config, keys, queries, cuts = case
+    B, H, T, D = keys.shape
+    cache = KVCacheBuilder.build(config)
+    start = 0
+    for end in [*cuts, T]:
+        if end <= start:
+            continue
+        k = mx.array(keys[:, :, start:end])
+        cache.update_and_fetch(k, k + 1)
+        if config.scoring == "attention":
+            q = queries[:, :, :, start:end].reshape(B, H * 2, end - start, D)
+            cache.prepare_attention(mx.array(q), D**-0.5, None)
+        start = end
+    real = config.scoring == "attention"
+    for h in range(H):
+        want = reference_kept(
+            keys[0, h],
+            config.method,
+            config.budget,
+            config.morphkv_n_sink,
+            config.window,
+            config.morphkv_fusion,
+            queries=queries[0, h].transpose(1, 0, 2) if real else None,
+            recent=config.recent,
+            values=keys[0, h] + 1 if config.morphkv_value else None,
+        )
+        assert cache.kept_positions[0, h].tolist() == want
+
+
+def test_recent_protects_the_newest_tokens():
+    rng = np.random.default_rng(1)
+    keys = mx.array(rng.standard_normal((1, 1, 200, 8)).astype(np.float32))
+    config = KVCacheConfig(morphkv_budget=48, morphkv_window=4, morphkv_recent=32)
+    cache = KVCacheBuilder.build(config)
+    cache.update_and_fetch(keys, keys)
+    kept = cache.kept_positions[0, 0]
+    assert set(range(168, 200)) <= set(kept.tolist()) and len(kept) == 48
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(morphkv_window=8, morphkv_recent=4), "morphkv_recent must be >= morphkv_window"),
+        (dict(morphkv_budget=40, morphkv_recent=40), r"n_sink \+ recent"),
+        (dict(method="streaming_llm", morphkv_value=True), "has none"),
+        (dict(morphkv_value=1), "True or False"),
+    ],
+)
+def test_bad_knobs_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        KVCacheConfig(**kwargs).validate()
+
+
+def test_recommended_preset_is_valid_and_overridable():
+    from morphkv import PRESETS, recommended
+
+    config = recommended(128)
+    assert config.method == "morphkv" and config.budget == 128
+    assert config.recent == 64 and config.morphkv_value
+    assert recommended(256, morphkv_window=8).window == 8
+    assert PRESETS["paper"](128).recent == PRESETS["paper"](128).window == 8
+    with pytest.raises(ValueError, match="morphkv_budget must exceed"):
+        recommended(16)
