@@ -137,6 +137,11 @@ def _main(argv: list[str] | None) -> int:
     except (ModelUnavailableError, UsageError) as e:
         print(f"morphkv: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # a command's SystemExit("message"): one line, status 2
+        if not isinstance(e.code, str):
+            raise
+        print(_one_line(SystemExit(e.code)), file=sys.stderr)
+        return 2
     except ModuleNotFoundError as e:
         extra = OPTIONAL_EXTRAS.get((e.name or "").split(".")[0])
         if extra is None:
