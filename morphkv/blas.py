@@ -5,15 +5,23 @@ The Linux ``mlx[cpu]`` wheel links a slow reference BLAS (a 1024x1024 float32 ma
 through ``LD_PRELOAD`` makes MLX's matmuls ~40x faster. ``LD_PRELOAD`` only works at process
 start, so the CLI re-executes itself once with it set.
 
+A library cannot do that for the script that imports it (re-executing someone else's process,
+a notebook kernel or a server is not a library's call), so ``import morphkv`` in a plain
+``python`` process on a Linux CPU without the preload warns once (``SlowBLASWarning``) with
+the exact ``LD_PRELOAD=... python`` line to use instead.
+
 Environment:
     ``MORPHKV_BLAS=/path/libblas.so.3``  use this library;
-    ``MORPHKV_NO_BLAS_PRELOAD=1``       never preload / re-execute.
+    ``MORPHKV_NO_BLAS_PRELOAD=1``       never preload / re-execute, and no warning.
 """
 
 from __future__ import annotations
 
 import os
+import platform
+import signal
 import sys
+import warnings
 from pathlib import Path
 
 ENV_BLAS = "MORPHKV_BLAS"
@@ -94,9 +102,70 @@ def ensure_blas_preloaded() -> None:
         return
     env = blas_env()
     env[_ENV_GUARD] = "1"
+    # Ctrl-C during the new interpreter's start-up stays pending (a blocked signal survives
+    # execve) until morphkv unblocks it with its quiet handler in place (morphkv._program).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, _command_line(), env)
     except OSError:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         return  # keep running with the slow BLAS
+
+
+class SlowBLASWarning(UserWarning):
+    """MLX runs on its slow reference BLAS in this process (Linux CPU, no preload)."""
+
+
+def _preloads_a_blas(env: dict) -> bool:
+    entries = env.get("LD_PRELOAD", "").replace(":", " ").split()
+    return any(k in Path(e).name.lower() for e in entries for k in ("blas", "mkl", "blis"))
+
+
+def slow_blas_advice(env: dict | None = None) -> str | None:
+    """One line on how to get the fast BLAS, or None (not Linux, disabled, already preloaded)."""
+    env = os.environ if env is None else env
+    if not sys.platform.startswith("linux") or _disabled(env) or _preloads_a_blas(env):
+        return None
+    lib = find_blas(env)
+    if lib is not None:
+        how = f"start Python as `LD_PRELOAD={lib} python ...`"
+    else:
+        arch = platform.machine() or "x86_64"
+        how = (
+            "install Debian's OpenBLAS (`apt-get install libopenblas0-pthread`) and start "
+            f"Python as `LD_PRELOAD=/usr/lib/{arch}-linux-gnu/openblas-pthread/libblas.so.3 "
+            "python ...`"
+        )
+    return (
+        f"MLX is using its slow reference BLAS: for ~20x faster matmuls {how} (the morphkv "
+        f"command does this itself; {ENV_DISABLE}=1 hides this warning)"
+    )
+
+
+def _first_frame_outside_morphkv() -> int:
+    """The ``stacklevel`` that points a warning at the user's ``import`` line."""
+    here = str(Path(__file__).resolve().parent)
+    frame, level = sys._getframe(2), 2  # level 1 is warn_if_slow, 2 its caller
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:
+            frame = frame.f_back  # warnings.warn skips these frames when counting too
+            continue
+        if not name.startswith(here):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+
+
+def warn_if_slow() -> None:
+    """Warn once (``SlowBLASWarning``) when MLX computes on the CPU with the reference BLAS."""
+    advice = slow_blas_advice()
+    if advice is None:
+        return
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return
+    warnings.warn(advice, SlowBLASWarning, stacklevel=_first_frame_outside_morphkv())

@@ -5,146 +5,152 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
 
-DEFAULT_MAX_TOKENS = 256
+from .argtypes import Number, UsageError, add_number, flag_names, model_ref
+from .config import FUSIONS, SCORINGS, KVCacheConfig
+from .gen_stats import CacheStats, blas_status, cache_stats, format_stats  # noqa: F401 (API)
+from .presets import paper
+
+# The command's cache settings: PRESET(budget, **flags) builds them and every flag's default is
+# read from PRESET(DEFAULT_BUDGET), so switching preset (e.g. to presets.recommended) is the
+# one line below. The budget is demo-sized: the README's first command evicts within seconds.
+PRESET = paper
+DEFAULT_BUDGET = 64
+DEFAULTS: KVCacheConfig = PRESET(DEFAULT_BUDGET)
+DEFAULT_MAX_TOKENS = 128
+SEED_MAX = 2**32 - 1
+
+# KVCacheConfig field names as the user typed them (for error messages)
+FLAGS = {
+    "morphkv_budget": "--budget",
+    "budget": "--budget",
+    "morphkv_n_sink": "--sinks",
+    "n_sink": "--sinks",
+    "morphkv_window": "--window",
+    "window": "--window",
+    "morphkv_fusion": "--fusion",
+    "method": "--method",
+    "scoring": "--scoring",
+    "seed": "--seed",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .config import SCORINGS
     from .rules import METHODS
 
+    d = DEFAULTS
     parser.add_argument(
-        "--prompt", "-p", default=None, help="Prompt text; read from stdin when absent or '-'."
+        "--prompt", "-p", default=None,
+        help="Prompt text (\\n and \\t are unescaped; default: read from stdin, as with '-'). "
+        "An empty prompt is an error unless --allow-empty-prompt.",
     )
     parser.add_argument(
-        "--model",
-        default=None,
-        help="A .gguf file (Llama family), an mlx_lm model path / Hugging Face repo, "
-        "or nothing for the embedded SmolLM2-135M-Instruct.",
-    )
-    parser.add_argument("--method", default="morphkv", choices=sorted(METHODS))
-    parser.add_argument(
-        "--budget", type=int, default=512, help="Tokens kept per sequence and KV head."
+        "--allow-empty-prompt", action="store_true",
+        help="Accept an empty prompt (the chat template alone, if any).",
     )
     parser.add_argument(
-        "--window", type=int, default=8, help="Recent tokens protected / scoring queries."
+        "--model", type=model_ref, default=None,
+        help="A .gguf file (Llama family), an mlx_lm model folder or Hugging Face repo id; "
+        "default: the embedded SmolLM2-135M-Instruct (fetched once, 93 MB).",
     )
-    parser.add_argument("--sinks", type=int, default=4, help="First tokens never evicted.")
-    parser.add_argument("--fusion", default="mean", choices=["mean", "max"])
-    parser.add_argument("--scoring", default="auto", choices=list(SCORINGS))
     parser.add_argument(
-        "--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS, help="Tokens to generate."
+        "--method", default=d.method, choices=sorted(METHODS), metavar="METHOD",
+        help=f"Eviction rule, one of {', '.join(sorted(METHODS))} (default %(default)s).",
     )
-    parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0: greedy).")
-    parser.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling threshold.")
-    parser.add_argument("--top-k", type=int, default=0, help="Top-k sampling (0: off).")
-    parser.add_argument("--min-p", type=float, default=0.0, help="Min-p sampling (0: off).")
-    parser.add_argument("--seed", type=int, default=None, help="PRNG seed (sampling, 'random').")
+    int_ = Number(int, lo=2)
+    add_number(parser, "--budget", kind=int_, default=d.morphkv_budget,
+               help="Tokens kept per sequence and KV head; must exceed --sinks + --window")
+    add_number(parser, "--window", kind=Number(int, lo=1), default=d.morphkv_window,
+               help="Recent tokens protected; for morphkv also the queries that rank the rest")
+    add_number(parser, "--sinks", kind=Number(int, lo=0), default=d.morphkv_n_sink,
+               help="First tokens never evicted (none for sliding_window)")
     parser.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=None,
+        "--fusion", default=d.morphkv_fusion, choices=list(FUSIONS),
+        help="How morphkv fuses the window's attention rows (default %(default)s).",
+    )
+    parser.add_argument(
+        "--scoring", default=d.scoring, choices=list(SCORINGS),
+        help="attention: the model's real queries; proxy: stored keys stand in for queries; "
+        "auto: attention where the model is supported (default %(default)s).",
+    )
+    add_number(parser, "--max-tokens", "-m", kind=Number(int, lo=1),
+               default=DEFAULT_MAX_TOKENS, help="Most tokens to generate")
+    add_number(parser, "--temp", kind=Number(float, lo=0), default=0.0,
+               help="Sampling temperature, 0: greedy")
+    add_number(parser, "--top-p", kind=Number(float, lo=0, hi=1, lo_open=True), default=1.0,
+               help="Nucleus sampling threshold, 1: off")
+    add_number(parser, "--top-k", kind=Number(int, lo=0), default=0,
+               help="Top-k sampling, 0: off")
+    add_number(parser, "--min-p", kind=Number(float, lo=0, hi=1), default=0.0,
+               help="Min-p sampling, 0: off")
+    parser.add_argument(
+        "--seed", type=Number(int, lo=0, hi=SEED_MAX), default=None,
+        help=f"PRNG seed for sampling and the random rule ({Number(int, 0, SEED_MAX).describe()};"
+        " default: unseeded sampling, random rule seed 0).",
+    )
+    parser.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=None,
         help="Wrap the prompt in the chat template (default: when the tokenizer has one).",
     )
     parser.add_argument(
-        "--ignore-chat-template",
-        dest="chat",
-        action="store_false",
+        "--ignore-chat-template", dest="chat", action="store_false",
         help="Same as --no-chat (mlx_lm.generate's flag).",
     )
-    parser.add_argument("--system-prompt", default=None, help="System message (chat mode).")
-    parser.add_argument(
-        "--prefill-step-size", type=int, default=2048, help="Prompt tokens per prefill chunk."
-    )
+    parser.add_argument("--system-prompt", default=None,
+                        help="System message in chat mode (default: the template's own).")
+    add_number(parser, "--prefill-step-size", kind=Number(int, lo=1), default=2048,
+               help="Prompt tokens per prefill chunk")
     parser.add_argument("--no-stats", action="store_true", help="Do not print the stats block.")
 
 
-@dataclass
-class CacheStats:
-    layers: int
-    batch: int
-    kv_heads: int
-    tokens_seen: int  # per sequence and KV head
-    tokens_kept: int  # per sequence and KV head (mean over layers)
-    kept_bytes: int  # K+V bytes kept, summed over layers, batch and KV heads
-    full_bytes: int  # K+V bytes a full cache would hold, same sum
-    storage_bytes: int  # allocated K/V storage (nbytes), summed over layers
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.full_bytes / self.kept_bytes if self.kept_bytes else 1.0
-
-
-def cache_stats(caches) -> CacheStats:
-    """Totals over the per-layer caches (their counters are per sequence per KV head)."""
-    kept_bytes = full_bytes = storage = kept_sum = 0
-    seen = batch = heads = 0
-    for c in caches:
-        keys = getattr(c, "keys", None)
-        b, h = (keys.shape[0], keys.shape[1]) if keys is not None else (0, 0)
-        batch, heads = max(batch, b), max(heads, h)
-        kept_bytes += c.morphkv_kept_bytes * b * h
-        full_bytes += c.full_seq_bytes * b * h
-        storage += c.nbytes
-        kept_sum += c.tokens_kept
-        seen = max(seen, c.tokens_seen)
-    n = len(caches)
-    return CacheStats(
-        layers=n,
-        batch=batch,
-        kv_heads=heads,
-        tokens_seen=seen,
-        tokens_kept=round(kept_sum / n) if n else 0,
-        kept_bytes=kept_bytes,
-        full_bytes=full_bytes,
-        storage_bytes=storage,
-    )
+def config_from_args(args) -> KVCacheConfig:
+    """The cache settings the flags ask for; errors name the flags, not the config fields."""
+    try:
+        return PRESET(
+            args.budget,
+            method=args.method,
+            morphkv_n_sink=args.sinks,
+            morphkv_window=args.window,
+            morphkv_fusion=args.fusion,
+            scoring=args.scoring,
+            seed=args.seed if args.seed is not None else DEFAULTS.seed,
+        ).validate()
+    except ValueError as e:
+        raise UsageError(flag_names(str(e), FLAGS)) from None
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
+def _decode_stdin() -> str:
+    stream = sys.stdin
+    data = stream.buffer.read() if hasattr(stream, "buffer") else stream.read()
+    if isinstance(data, str):
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"stdin is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
+        ) from None
 
 
-def format_stats(resp, stats: CacheStats, peak_gb: float, method: str, budget: int) -> str:
-    lines = [
-        "==========",
-        f"Prompt:      {resp.prompt_tokens} tokens, {resp.prompt_tps:.3f} tokens-per-sec",
-        f"Generation:  {resp.generation_tokens} tokens, {resp.generation_tps:.3f} tokens-per-sec",
-        f"KV cache:    method={method} budget={budget if method != 'full' else 'none'} "
-        f"({stats.layers} layers x batch {stats.batch} x {stats.kv_heads} KV heads)",
-        f"Tokens:      seen {stats.tokens_seen}, kept {stats.tokens_kept} "
-        "(per sequence per KV head)",
-        f"KV bytes:    kept {_fmt_bytes(stats.kept_bytes)} vs full cache "
-        f"{_fmt_bytes(stats.full_bytes)} (K+V, summed over layers, batch and KV heads)",
-        f"Compression: {stats.compression_ratio:.2f}x",
-        f"Peak memory: {peak_gb:.3f} GB",
-    ]
-    return "\n".join(lines)
-
-
-def blas_status() -> str:
-    """Whether MLX runs with the preloaded OpenBLAS (Linux CPU) in this process."""
-    from .blas import find_blas, is_preloaded
-
-    if not sys.platform.startswith("linux"):
-        return "platform default"
-    lib = find_blas()
-    if lib is None:
-        return "MLX default (no OpenBLAS found or preload disabled; see morphkv.blas)"
-    return f"preloaded {lib}" if is_preloaded(lib) else f"not preloaded ({lib} available)"
-
-
-def _read_prompt(args) -> str:
+def read_prompt(args) -> str:
+    """The prompt text (from --prompt or stdin), checked: UTF-8, non-empty unless allowed."""
     if args.prompt is None or args.prompt == "-":
         if args.prompt is None and sys.stdin.isatty():
             print("morphkv: reading the prompt from stdin (end with Ctrl-D)", file=sys.stderr)
-        return sys.stdin.read()
-    return args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+        text = _decode_stdin()
+    else:
+        text = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("--prompt is not valid UTF-8 text") from None
+    if not text.strip() and not args.allow_empty_prompt:
+        where = "stdin" if args.prompt in (None, "-") else "--prompt"
+        raise UsageError(
+            f"the prompt is empty ({where}): give --prompt TEXT or pipe text on stdin "
+            "(--allow-empty-prompt to generate from the chat template alone)"
+        )
+    return text
 
 
 def build_prompt(tokenizer, text: str, chat: bool | None, system_prompt: str | None = None):
@@ -152,7 +158,7 @@ def build_prompt(tokenizer, text: str, chat: bool | None, system_prompt: str | N
     use_chat = tokenizer.has_chat_template if chat is None else chat
     if use_chat:
         if not tokenizer.has_chat_template:
-            raise SystemExit("morphkv: error: --chat given but the tokenizer has no chat template")
+            raise UsageError("--chat given but the tokenizer has no chat template")
         messages = []
         if system_prompt:
             messages.append({"role": "system", "content": system_prompt})
@@ -161,67 +167,53 @@ def build_prompt(tokenizer, text: str, chat: bool | None, system_prompt: str | N
     return tokenizer.encode(text)
 
 
+def load_model(name: str | None):
+    """``morphkv.model.load``; a file or repo that cannot be loaded is one line (UsageError)."""
+    from .model import load
+
+    try:
+        return load(name)
+    except (ValueError, OSError) as e:  # GGUFError is a ValueError; missing files are OSErrors
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first if len(first) <= 300 else first[:300] + "..."
+        raise UsageError(f"cannot load --model {name}: {first}") from None
+
+
 def run(args) -> int:
+    config = config_from_args(args)
+    text = read_prompt(args)
+
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
     from .builder import KVCacheBuilder
-    from .config import KVCacheConfig
-    from .model import load
 
-    config = KVCacheConfig(
-        method=args.method,
-        morphkv_budget=args.budget,
-        morphkv_n_sink=args.sinks,
-        morphkv_window=args.window,
-        morphkv_fusion=args.fusion,
-        scoring=args.scoring,
-        seed=args.seed if args.seed is not None else 0,
-    )
-    try:
-        config.validate()
-    except ValueError as e:
-        print(f"morphkv: error: {e}", file=sys.stderr)
-        return 2
-    if args.max_tokens == 0:
-        print("morphkv: error: --max-tokens must be non-zero", file=sys.stderr)
-        return 2
-
-    text = _read_prompt(args)
     if args.seed is not None:
         mx.random.seed(args.seed)
-
     t0 = time.perf_counter()
-    model, tokenizer = load(args.model)
+    model, tokenizer = load_model(args.model)
     from .shard import shard_if_launched  # under mlx.launch: tensor-parallel, rank 0 prints
 
     shard_if_launched(model)
     load_s = time.perf_counter() - t0
     prompt = build_prompt(tokenizer, text, args.chat, args.system_prompt)
     if not prompt:
-        print("morphkv: error: the prompt is empty", file=sys.stderr)
-        return 2
+        raise UsageError("the prompt has no tokens (use --chat, or give a non-empty prompt)")
 
     caches = KVCacheBuilder.for_model(model, config)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     mx.reset_peak_memory()
     resp = None
     for resp in mlx_lm.stream_generate(
-        model,
-        tokenizer,
-        prompt,
-        max_tokens=args.max_tokens,
-        sampler=sampler,
-        prompt_cache=caches,
-        prefill_step_size=args.prefill_step_size,
+        model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=sampler,
+        prompt_cache=caches, prefill_step_size=args.prefill_step_size,
     ):
         print(resp.text, end="", flush=True)
     print(flush=True)
     if resp is not None and not args.no_stats:
         stats = cache_stats(caches)
-        peak = mx.get_peak_memory() / 1e9
-        print(format_stats(resp, stats, peak, args.method, args.budget))
+        print(format_stats(resp, stats, mx.get_peak_memory() / 1e9, config))
         print(f"Load:        {load_s:.2f} s")
         print(f"BLAS:        {blas_status()}")
     return 0

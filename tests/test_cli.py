@@ -33,9 +33,12 @@ def test_registry_modules_expose_the_interface():
 
 
 def test_generate_defaults():
+    from morphkv.generate import DEFAULT_MAX_TOKENS, DEFAULTS
+
     args = build_parser().parse_args(["generate"])
-    assert args.method == "morphkv" and args.budget == 512 and args.window == 8
-    assert args.sinks == 4 and args.max_tokens == 256 and args.temp == 0.0
+    assert args.method == DEFAULTS.method and args.budget == DEFAULTS.morphkv_budget
+    assert args.window == DEFAULTS.morphkv_window and args.sinks == DEFAULTS.morphkv_n_sink
+    assert args.max_tokens == DEFAULT_MAX_TOKENS and args.temp == 0.0
     assert args.chat is None and args.model is None and args.prompt is None
     assert build_parser().parse_args(["generate", "--no-chat"]).chat is False
     assert build_parser().parse_args(["generate", "--ignore-chat-template"]).chat is False
@@ -54,7 +57,8 @@ def test_invalid_config_is_one_line_exit_2(capsys, monkeypatch):
     rc = main(["generate", "--prompt", "x", "--budget", "4", "--sinks", "4", "--window", "8"])
     assert rc == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("morphkv: error:") and "\n" not in err and "budget" in err
+    assert err.startswith("morphkv: error:") and "\n" not in err
+    assert "--budget must exceed --sinks + --window" in err  # the flags typed, not the fields
 
 
 def test_model_unavailable_is_one_line_exit_2(capsys, monkeypatch):
@@ -217,8 +221,9 @@ def test_generate_every_method_in_process(monkeypatch, capsys, shared_model, met
     assert seen >= 12
     if method == "full":
         assert kept == seen and "Compression: 1.00x" in out.out
+        assert "Note:        method=full never evicts" in out.out
     else:
-        assert kept == 8
+        assert kept == 8 and "Note:" not in out.out
     assert f"method={method}" in out.out
     assert "(30 layers x batch 1 x 3 KV heads)" in out.out
 

@@ -1,0 +1,112 @@
+"""The stats block ``morphkv generate`` prints after its answer: what the cache saw and kept."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+RULE = "=========="
+
+
+@dataclass
+class CacheStats:
+    layers: int
+    batch: int
+    kv_heads: int
+    tokens_seen: int  # per sequence and KV head
+    tokens_kept: int  # per sequence and KV head (mean over layers)
+    kept_bytes: int  # K+V bytes kept, summed over layers, batch and KV heads
+    full_bytes: int  # K+V bytes a full cache would hold, same sum
+    storage_bytes: int  # allocated K/V storage (nbytes), summed over layers
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.full_bytes / self.kept_bytes if self.kept_bytes else 1.0
+
+    @property
+    def evicted(self) -> int:
+        return max(self.tokens_seen - self.tokens_kept, 0)
+
+
+def cache_stats(caches) -> CacheStats:
+    """Totals over the per-layer caches (their counters are per sequence per KV head)."""
+    kept_bytes = full_bytes = storage = kept_sum = 0
+    seen = batch = heads = 0
+    for c in caches:
+        keys = getattr(c, "keys", None)
+        b, h = (keys.shape[0], keys.shape[1]) if keys is not None else (0, 0)
+        batch, heads = max(batch, b), max(heads, h)
+        kept_bytes += c.morphkv_kept_bytes * b * h
+        full_bytes += c.full_seq_bytes * b * h
+        storage += c.nbytes
+        kept_sum += c.tokens_kept
+        seen = max(seen, c.tokens_seen)
+    n = len(caches)
+    return CacheStats(
+        layers=n,
+        batch=batch,
+        kv_heads=heads,
+        tokens_seen=seen,
+        tokens_kept=round(kept_sum / n) if n else 0,
+        kept_bytes=kept_bytes,
+        full_bytes=full_bytes,
+        storage_bytes=storage,
+    )
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def eviction_note(stats: CacheStats, config) -> str | None:
+    """One line saying why nothing was evicted, or None when the cache did evict."""
+    if config.method == "full":
+        return "method=full never evicts (the reference the other methods are measured against)"
+    if stats.evicted:
+        return None
+    return (
+        f"nothing evicted yet: all {stats.tokens_seen} tokens fit in the budget of "
+        f"{config.budget}; eviction starts at token {config.budget + 1} (use a smaller --budget "
+        "or a longer answer, --max-tokens)"
+    )
+
+
+def format_stats(resp, stats: CacheStats, peak_gb: float, config) -> str:
+    """The block printed after the answer; ``resp`` is mlx_lm's last GenerationResponse."""
+    budget = "none" if config.method == "full" else config.budget
+    kept_share = stats.kept_bytes / stats.full_bytes if stats.full_bytes else 1.0
+    lines = [
+        RULE,
+        f"Prompt:      {resp.prompt_tokens} tokens, {resp.prompt_tps:.3f} tokens-per-sec",
+        f"Generation:  {resp.generation_tokens} tokens, {resp.generation_tps:.3f} tokens-per-sec",
+        f"KV cache:    method={config.method} budget={budget} sinks={config.n_sink} "
+        f"window={config.window} ({stats.layers} layers x batch {stats.batch} x "
+        f"{stats.kv_heads} KV heads)",
+        f"Tokens:      seen {stats.tokens_seen}, kept {stats.tokens_kept}, evicted "
+        f"{stats.evicted} (per sequence per KV head)",
+        f"KV bytes:    kept {fmt_bytes(stats.kept_bytes)} vs full cache "
+        f"{fmt_bytes(stats.full_bytes)} (K+V, summed over layers, batch and KV heads)",
+        f"Compression: {stats.compression_ratio:.2f}x (the cache holds {100 * kept_share:.0f}% "
+        "of a full cache's K+V)",
+    ]
+    note = eviction_note(stats, config)
+    if note:
+        lines.append(f"Note:        {note}")
+    lines.append(f"Peak memory: {peak_gb:.3f} GB")
+    return "\n".join(lines)
+
+
+def blas_status() -> str:
+    """Whether MLX runs with the preloaded OpenBLAS (Linux CPU) in this process."""
+    from .blas import find_blas, is_preloaded
+
+    if not sys.platform.startswith("linux"):
+        return "platform default"
+    lib = find_blas()
+    if lib is None:
+        return "MLX default (no OpenBLAS found or preload disabled; see morphkv.blas)"
+    return f"preloaded {lib}" if is_preloaded(lib) else f"not preloaded ({lib} available)"
