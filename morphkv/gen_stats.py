@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from .cache_flags import describe
+
 RULE = "=========="
 
 
@@ -17,7 +19,8 @@ class CacheStats:
     tokens_kept: int  # per sequence and KV head (mean over layers)
     kept_bytes: int  # K+V bytes kept, summed over layers, batch and KV heads
     full_bytes: int  # K+V bytes a full cache would hold, same sum
-    storage_bytes: int  # allocated K/V storage (nbytes), summed over layers
+    storage_bytes: int  # allocated K/V storage, summed over layers
+    engine_bytes: int = 0  # selection state, summed over layers
 
     @property
     def compression_ratio(self) -> float:
@@ -30,7 +33,7 @@ class CacheStats:
 
 def cache_stats(caches) -> CacheStats:
     """Totals over the per-layer caches (their counters are per sequence per KV head)."""
-    kept_bytes = full_bytes = storage = kept_sum = 0
+    kept_bytes = full_bytes = storage = engine = kept_sum = 0
     seen = batch = heads = 0
     for c in caches:
         keys = getattr(c, "keys", None)
@@ -38,7 +41,8 @@ def cache_stats(caches) -> CacheStats:
         batch, heads = max(batch, b), max(heads, h)
         kept_bytes += c.morphkv_kept_bytes * b * h
         full_bytes += c.full_seq_bytes * b * h
-        storage += c.nbytes
+        storage += getattr(c, "storage_nbytes", c.nbytes)
+        engine += getattr(c, "engine_nbytes", 0)
         kept_sum += c.tokens_kept
         seen = max(seen, c.tokens_seen)
     n = len(caches)
@@ -51,6 +55,7 @@ def cache_stats(caches) -> CacheStats:
         kept_bytes=kept_bytes,
         full_bytes=full_bytes,
         storage_bytes=storage,
+        engine_bytes=engine,
     )
 
 
@@ -77,14 +82,12 @@ def eviction_note(stats: CacheStats, config) -> str | None:
 
 def format_stats(resp, stats: CacheStats, peak_gb: float, config) -> str:
     """The block printed after the answer; ``resp`` is mlx_lm's last GenerationResponse."""
-    budget = "none" if config.method == "full" else config.budget
     kept_share = stats.kept_bytes / stats.full_bytes if stats.full_bytes else 1.0
     lines = [
         RULE,
         f"Prompt:      {resp.prompt_tokens} tokens, {resp.prompt_tps:.3f} tokens-per-sec",
         f"Generation:  {resp.generation_tokens} tokens, {resp.generation_tps:.3f} tokens-per-sec",
-        f"KV cache:    method={config.method} budget={budget} sinks={config.n_sink} "
-        f"window={config.window} ({stats.layers} layers x batch {stats.batch} x "
+        f"KV cache:    {describe(config)} ({stats.layers} layers x batch {stats.batch} x "
         f"{stats.kv_heads} KV heads)",
         f"Tokens:      seen {stats.tokens_seen}, kept {stats.tokens_kept}, evicted "
         f"{stats.evicted} (per sequence per KV head)",
@@ -92,6 +95,8 @@ def format_stats(resp, stats: CacheStats, peak_gb: float, config) -> str:
         f"{fmt_bytes(stats.full_bytes)} (K+V, summed over layers, batch and KV heads)",
         f"Compression: {stats.compression_ratio:.2f}x (the cache holds {100 * kept_share:.0f}% "
         "of a full cache's K+V)",
+        f"Cache memory: {fmt_bytes(stats.storage_bytes + stats.engine_bytes)} held = K/V storage "
+        f"{fmt_bytes(stats.storage_bytes)} + selection state {fmt_bytes(stats.engine_bytes)}",
     ]
     note = eviction_note(stats, config)
     if note:

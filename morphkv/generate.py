@@ -6,39 +6,17 @@ import argparse
 import sys
 import time
 
-from .argtypes import Number, UsageError, add_number, flag_names, model_ref
-from .config import FUSIONS, SCORINGS, KVCacheConfig
+from .argtypes import Number, UsageError, add_number, model_ref
+from .cache_flags import add_cache_flags, config_from_flags
+from .config import KVCacheConfig
 from .gen_stats import CacheStats, blas_status, cache_stats, format_stats  # noqa: F401 (API)
-from .presets import paper
 
-# The command's cache settings: PRESET(budget, **flags) builds them and every flag's default is
-# read from PRESET(DEFAULT_BUDGET), so switching preset (e.g. to presets.recommended) is the
-# one line below. The budget is demo-sized: the README's first command evicts within seconds.
-PRESET = paper
-DEFAULT_BUDGET = 64
-DEFAULTS: KVCacheConfig = PRESET(DEFAULT_BUDGET)
+DEFAULT_BUDGET = 64  # demo-sized: the README's first command evicts within seconds
 DEFAULT_MAX_TOKENS = 128
 SEED_MAX = 2**32 - 1
 
-# KVCacheConfig field names as the user typed them (for error messages)
-FLAGS = {
-    "morphkv_budget": "--budget",
-    "budget": "--budget",
-    "morphkv_n_sink": "--sinks",
-    "n_sink": "--sinks",
-    "morphkv_window": "--window",
-    "window": "--window",
-    "morphkv_fusion": "--fusion",
-    "method": "--method",
-    "scoring": "--scoring",
-    "seed": "--seed",
-}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .rules import METHODS
-
-    d = DEFAULTS
     parser.add_argument(
         "--prompt", "-p", default=None,
         help="Prompt text (\\n and \\t are unescaped; default: read from stdin, as with '-'). "
@@ -53,26 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="A .gguf file (Llama family), an mlx_lm model folder or Hugging Face repo id; "
         "default: the embedded SmolLM2-135M-Instruct (fetched once, 93 MB).",
     )
-    parser.add_argument(
-        "--method", default=d.method, choices=sorted(METHODS), metavar="METHOD",
-        help=f"Eviction rule, one of {', '.join(sorted(METHODS))} (default %(default)s).",
-    )
-    int_ = Number(int, lo=2)
-    add_number(parser, "--budget", kind=int_, default=d.morphkv_budget,
-               help="Tokens kept per sequence and KV head; must exceed --sinks + --window")
-    add_number(parser, "--window", kind=Number(int, lo=1), default=d.morphkv_window,
-               help="Recent tokens protected; for morphkv also the queries that rank the rest")
-    add_number(parser, "--sinks", kind=Number(int, lo=0), default=d.morphkv_n_sink,
-               help="First tokens never evicted (none for sliding_window)")
-    parser.add_argument(
-        "--fusion", default=d.morphkv_fusion, choices=list(FUSIONS),
-        help="How morphkv fuses the window's attention rows (default %(default)s).",
-    )
-    parser.add_argument(
-        "--scoring", default=d.scoring, choices=list(SCORINGS),
-        help="attention: the model's real queries; proxy: stored keys stand in for queries; "
-        "auto: attention where the model is supported (default %(default)s).",
-    )
+    add_cache_flags(parser, DEFAULT_BUDGET)
     add_number(parser, "--max-tokens", "-m", kind=Number(int, lo=1),
                default=DEFAULT_MAX_TOKENS, help="Most tokens to generate")
     add_number(parser, "--temp", kind=Number(float, lo=0), default=0.0,
@@ -105,18 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args) -> KVCacheConfig:
     """The cache settings the flags ask for; errors name the flags, not the config fields."""
-    try:
-        return PRESET(
-            args.budget,
-            method=args.method,
-            morphkv_n_sink=args.sinks,
-            morphkv_window=args.window,
-            morphkv_fusion=args.fusion,
-            scoring=args.scoring,
-            seed=args.seed if args.seed is not None else DEFAULTS.seed,
-        ).validate()
-    except ValueError as e:
-        raise UsageError(flag_names(str(e), FLAGS)) from None
+    return config_from_flags(args, seed=args.seed if args.seed is not None else 0)
 
 
 def _decode_stdin() -> str:
@@ -188,6 +136,7 @@ def run(args) -> int:
     from mlx_lm.sample_utils import make_sampler
 
     from .builder import KVCacheBuilder
+    from .layout import morph_caches
 
     if args.seed is not None:
         mx.random.seed(args.seed)
@@ -212,7 +161,7 @@ def run(args) -> int:
         print(resp.text, end="", flush=True)
     print(flush=True)
     if resp is not None and not args.no_stats:
-        stats = cache_stats(caches)
+        stats = cache_stats(morph_caches(caches))
         print(format_stats(resp, stats, mx.get_peak_memory() / 1e9, config))
         print(f"Load:        {load_s:.2f} s")
         print(f"BLAS:        {blas_status()}")

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .cache_flags import add_cache_flags, config_from_flags, describe
+
 # mlx_lm.server reads these too; morphkv serve keeps them fixed at mlx_lm's defaults: adapters
 # and draft models (a draft model turns batching off), --kv-bits (quantized caches turn batching
 # off and do not combine with a morphkv cache), --pipeline (distributed runs).
@@ -32,9 +34,6 @@ _FIXED = dict(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mlx_lm.utils import _parse_size
-
-    from .config import SCORINGS
-    from .rules import METHODS
 
     a = parser.add_argument
     a(
@@ -71,14 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Most bytes of KV caches kept for reuse (e.g. 500M, 2G).",
     )
-    g = parser.add_argument_group("KV cache (as in morphkv generate)")
-    g.add_argument("--method", default="morphkv", choices=sorted(METHODS))
-    g.add_argument("--budget", type=int, default=512, help="Tokens kept per sequence and KV head.")
-    g.add_argument("--window", type=int, default=8, help="Recent tokens protected / scoring.")
-    g.add_argument("--sinks", type=int, default=4, help="First tokens never evicted.")
-    g.add_argument("--fusion", default="mean", choices=["mean", "max"])
-    g.add_argument("--scoring", default="auto", choices=list(SCORINGS))
-    g.add_argument("--seed", type=int, default=0, help="Seed of the 'random' rule.")
+    add_cache_flags(parser, budget=512)
+    a("--seed", type=int, default=0, help="Seed of the 'random' rule.")
 
 
 @dataclass
@@ -93,17 +86,7 @@ class ServedModel:
 
 
 def cache_config(args):
-    from .config import KVCacheConfig
-
-    return KVCacheConfig(
-        method=args.method,
-        morphkv_budget=args.budget,
-        morphkv_n_sink=args.sinks,
-        morphkv_window=args.window,
-        morphkv_fusion=args.fusion,
-        scoring=args.scoring,
-        seed=args.seed,
-    ).validate()
+    return config_from_flags(args, seed=args.seed)
 
 
 def load_served(args, config) -> ServedModel:
@@ -167,10 +150,7 @@ def _fmt(n: float) -> str:
 def startup_line(served: ServedModel, config, bound: int | None) -> str:
     if config is None:
         return f"morphkv serve: {served.path}; KV cache mlx_lm's default; KV memory unbounded"
-    setting = (
-        f"method={config.method} budget={config.budget} window={config.window} "
-        f"sinks={config.n_sink} fusion={config.morphkv_fusion} scoring={config.scoring}"
-    )
+    setting = f"{describe(config)} scoring={config.scoring}"
     memory = (
         "unbounded (method=full)"
         if bound is None

@@ -33,11 +33,17 @@ def test_registry_modules_expose_the_interface():
 
 
 def test_generate_defaults():
-    from morphkv.generate import DEFAULT_MAX_TOKENS, DEFAULTS
+    from morphkv import recommended
+    from morphkv.generate import DEFAULT_BUDGET, DEFAULT_MAX_TOKENS, config_from_args
 
     args = build_parser().parse_args(["generate"])
-    assert args.method == DEFAULTS.method and args.budget == DEFAULTS.morphkv_budget
-    assert args.window == DEFAULTS.morphkv_window and args.sinks == DEFAULTS.morphkv_n_sink
+    assert args.preset == "recommended" and args.budget == DEFAULT_BUDGET
+    assert args.method is None and args.window is None and args.sinks is None
+    assert config_from_args(args) == recommended(DEFAULT_BUDGET)
+    paper = build_parser().parse_args(["generate", "--preset", "paper", "--window", "4"])
+    assert config_from_args(paper).recent == 4 and not config_from_args(paper).morphkv_value
+    other = build_parser().parse_args(["generate", "--method", "streaming_llm"])
+    assert config_from_args(other).method == "streaming_llm"
     assert args.max_tokens == DEFAULT_MAX_TOKENS and args.temp == 0.0
     assert args.chat is None and args.model is None and args.prompt is None
     assert build_parser().parse_args(["generate", "--no-chat"]).chat is False
@@ -58,7 +64,7 @@ def test_invalid_config_is_one_line_exit_2(capsys, monkeypatch):
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("morphkv: error:") and "\n" not in err
-    assert "--budget must exceed --sinks + --window" in err  # the flags typed, not the fields
+    assert "--budget must exceed --sinks + --recent" in err  # the flags, not the fields
 
 
 def test_model_unavailable_is_one_line_exit_2(capsys, monkeypatch):

@@ -1,0 +1,105 @@
+"""The cache flags shared by ``morphkv generate`` and ``morphkv serve``.
+
+``--preset`` picks a named setting (``morphkv.PRESETS``; default ``recommended``) whose values
+scale with ``--budget``; every other flag left unset keeps the preset's value, and a flag that
+is set overrides it. ``--method`` other than morphkv starts from the plain defaults instead
+(the presets' knobs are morphkv's). Errors name the flags, not the config fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .argtypes import Number, UsageError, add_number, flag_names
+from .config import FUSIONS, SCORINGS, KVCacheConfig
+from .presets import PRESETS
+
+DEFAULT_PRESET = "recommended"
+FLAGS = {  # KVCacheConfig field -> the flag that sets it (also for error messages)
+    "method": "--method",
+    "morphkv_budget": "--budget",
+    "budget": "--budget",
+    "morphkv_window": "--window",
+    "window": "--window",
+    "morphkv_recent": "--recent",
+    "recent": "--recent",
+    "morphkv_value": "--value",
+    "morphkv_n_sink": "--sinks",
+    "n_sink": "--sinks",
+    "morphkv_fusion": "--fusion",
+    "scoring": "--scoring",
+    "seed": "--seed",
+}
+OVERRIDES = {  # argparse dest -> KVCacheConfig field
+    "method": "method",
+    "window": "morphkv_window",
+    "recent": "morphkv_recent",
+    "value": "morphkv_value",
+    "sinks": "morphkv_n_sink",
+    "fusion": "morphkv_fusion",
+    "scoring": "scoring",
+}
+
+
+def add_cache_flags(parser, budget: int) -> None:
+    """The cache flags, in their own help group; ``budget`` is the command's default."""
+    from .rules import METHODS
+
+    g = parser.add_argument_group("KV cache")
+    g.add_argument(
+        "--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS),
+        help="Named setting: recommended (morphkv with real queries, window 16, the newest "
+        "half of the budget always kept, value-weighted scores), paper (the published rule: "
+        "window 8, nothing else protected) (default %(default)s).",
+    )
+    g.add_argument(
+        "--method", default=None, choices=sorted(METHODS), metavar="METHOD",
+        help=f"Eviction rule, one of {', '.join(sorted(METHODS))} (default: the preset's, "
+        "morphkv).",
+    )
+    add_number(g, "--budget", kind=Number(int, lo=2), default=budget,
+               help="Tokens kept per sequence and KV head; must exceed --sinks + --recent")
+    g.add_argument("--window", type=Number(int, lo=1), default=None,
+                   help="Recent tokens whose queries rank the rest (an integer >= 1; default: "
+                   "the preset's, 16 for recommended, 8 for paper).")
+    g.add_argument("--recent", type=Number(int, lo=1), default=None,
+                   help="Newest tokens never evicted, >= --window (an integer >= 1; default: "
+                   "the preset's, half the budget for recommended, the window for paper).")
+    g.add_argument("--value", action=argparse.BooleanOptionalAction, default=None,
+                   help="Weight attention scores by the value vectors' norms (default: the "
+                   "preset's, on for recommended).")
+    g.add_argument("--sinks", type=Number(int, lo=0), default=None,
+                   help="First tokens never evicted (an integer >= 0; default: 4; none for "
+                   "sliding_window).")
+    g.add_argument("--fusion", default=None, choices=list(FUSIONS),
+                   help="How morphkv fuses the window's attention rows (default: mean).")
+    g.add_argument(
+        "--scoring", default=None, choices=list(SCORINGS),
+        help="attention: the model's real queries; proxy: stored keys stand in for queries; "
+        "auto: attention where the model is supported (default: auto).",
+    )
+
+
+def config_from_flags(args, seed: int = 0) -> KVCacheConfig:
+    """The config the flags ask for (``UsageError`` naming the flags when it is invalid)."""
+    fields = {f: getattr(args, a) for a, f in OVERRIDES.items() if getattr(args, a) is not None}
+    preset = args.preset if fields.get("method", "morphkv") == "morphkv" else "paper"
+    if preset == "paper" and fields.get("method") not in (None, "morphkv"):
+        fields.setdefault("morphkv_value", False)
+    try:
+        return PRESETS[preset](args.budget, seed=seed, **fields)
+    except ValueError as e:
+        raise UsageError(flag_names(str(e), FLAGS)) from None
+
+
+def describe(config: KVCacheConfig) -> str:
+    """One line: the setting as flags would spell it."""
+    if config.method == "full":
+        return "method=full (no bound)"
+    text = f"method={config.method} budget={config.budget} sinks={config.n_sink}"
+    if config.method in ("morphkv", "tova", "h2o"):
+        text += f" window={config.window}"
+    text += f" recent={config.recent}"
+    if config.morphkv_value:
+        text += " value-weighted"
+    return text
