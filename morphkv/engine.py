@@ -210,11 +210,12 @@ class Engine:
         r = self.row_index
         slot_keys = np.zeros((R, max(self.capacity, self.config.budget + 1, self.slots + C), D))
         slot_keys[:, : self.slots] = stored[:, : self.slots]
+        needed = self._first_row_needed(C)
         for start in range(0, C, BLOCK):
             end = min(C, start + BLOCK)
             n0 = self.slots
             flat = None
-            if self.attention is not None:
+            if self.attention is not None and end > needed:
                 columns = np.concatenate([slot_keys[:, :n0], keys[:, start:end]], axis=1)
                 logits = self._logits(queries[:, start:end], columns)  # (R, b, G, N)
                 _, b, G, N = logits.shape
@@ -229,11 +230,22 @@ class Engine:
                 step_logits = None
                 if flat is not None:
                     slot_column[r, slot] = n0 + i - start
+                if flat is not None and i >= needed:
                     at = index + slot_column[:, None, : self.slots] + (i - start) * G * N
                     step_logits = flat.take(at)
                 self._step(step_logits, slot, None if norms is None else norms[:, i])
                 if self.dead is not None:
                     evicted[:, i] = self.positions[r, self.dead]
+
+    def _first_row_needed(self, C: int) -> int:
+        """Index of the first token of a C-token chunk whose attention row can ever be read.
+        Real-query rows are read only by evicting steps, from the last ``window`` rows: before
+        the budget fills, only the rows of the last ``window`` steps before it matter (h2o and
+        proxy rows need every step)."""
+        if not isinstance(self.attention, CausalRows) or self.rule.observes:
+            return 0
+        first_evicting = 0 if self.dead is not None else self.config.budget - self.slots
+        return max(0, min(first_evicting, C) - self.config.window + 1)
 
     def _place(self):
         """Slot of the next token: the dead one, else a new one."""
@@ -252,7 +264,8 @@ class Engine:
             self.value_norms[r, slot] = norm
         if self.attention is not None:
             self.head = (self.head + 1) % self.config.window
-            self.attention.add(logits, slot, self.head)
+            if logits is not None:  # None: a row no step will read (see _first_row_needed)
+                self.attention.add(logits, slot, self.head)
         if self.accumulated is not None:
             self.accumulated[r, slot] = 0.0
         self.seen += 1

@@ -59,10 +59,10 @@ class CausalRows:
         e, xp = self.engine, self.engine.xp
         if not e.finite:
             logits = _clean(xp, logits, e.top)
-        weights = xp.exp(logits - _peak(xp, logits, e.finite)[..., None])
-        total = _nonzero(xp, weights.sum(axis=-1, keepdims=True), e.finite)
-        n = logits.shape[-1]
-        self.ring[:, head, :n] = (weights / total).sum(axis=1).astype(self.dtype)
+        weights = xp.exp(logits - _peak(xp, logits, e.finite)[..., None])  # (rows, G, n)
+        total = _nonzero(xp, weights.sum(axis=-1), e.finite)  # (rows, G)
+        row = ((1.0 / total)[:, None, :] @ weights)[:, 0]  # probabilities summed over G
+        self.ring[:, head, : logits.shape[-1]] = row.astype(self.dtype)
 
     def window_probs(self):
         """(rows, window, slots) attention rows of the last ``window`` tokens."""
