@@ -148,6 +148,9 @@ class Engine:
     def newest_probs(self):
         return self.attention.newest_probs()
 
+    def window_mean(self):
+        return self.attention.window_mean()
+
     # ---- feeding -------------------------------------------------------------------------
     def _grow(self, needed: int) -> None:
         """Widen the slot arrays (below the budget only: at the budget slots are reused)."""

@@ -68,6 +68,13 @@ class CausalRows:
         """(rows, window, slots) attention rows of the last ``window`` tokens."""
         return self.ring[..., : self.engine.slots]
 
+    def window_mean(self):
+        """(rows, slots) mean of the window's rows (float16 sums are exact in float64)."""
+        e, probs = self.engine, self.window_probs()
+        if e.xp is np:
+            return probs.sum(axis=1, dtype=e.float) / probs.shape[1]
+        return probs.astype(e.float).sum(axis=1) / probs.shape[1]
+
     def newest_probs(self):
         """(rows, slots) attention of the newest token."""
         return self.ring[:, self.engine.head, : self.engine.slots]
@@ -95,7 +102,8 @@ class ProxyRows:
             logits = _clean(xp, logits, e.top)
         r, n = e.row_index, logits.shape[-1]
         # the column: the window's keys against the new key, replacing the slot's old column
-        column = xp.take_along_axis(logits, self.ring_slot, axis=1) - self.ring_shift
+        flat = r[:, None] * n + self.ring_slot
+        column = xp.take(logits.reshape(-1), flat) - self.ring_shift
         column = xp.exp(xp.minimum(column, e.max_exponent))
         self.ring_total = self.ring_total - self.ring_weights[r, :, slot] + column
         self.ring_weights[r, :, slot] = column
@@ -105,14 +113,25 @@ class ProxyRows:
         self.ring_weights[:, head, :n] = weights = xp.exp(logits - shift[:, None])
         self.ring_total[:, head] = weights.sum(axis=-1)
 
-    def window_probs(self):
+    def _window(self):
+        """Numerators (rows, window, slots) and sums (rows, window) of the valid ring rows."""
         e, xp = self.engine, self.engine.xp
         weights, total = self.ring_weights[..., : e.slots], self.ring_total
         rows = min(e.seen, e.config.window)
         if rows < e.config.window:  # the ring is not full yet
             ring = xp.array([(e.head - i) % e.config.window for i in range(rows)])
             weights, total = weights[:, ring], total[:, ring]
-        return weights / _nonzero(xp, total, e.finite)[..., None]
+        return weights, _nonzero(xp, total, e.finite)
+
+    def window_probs(self):
+        weights, total = self._window()
+        return weights / total[..., None]
+
+    def window_mean(self):
+        """(rows, slots) mean probability over the window: one matvec, no division of the
+        whole ring."""
+        weights, total = self._window()
+        return ((1.0 / total)[:, None, :] @ weights)[:, 0] / total.shape[1]
 
     def newest_probs(self):
         e = self.engine

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 Array = Any  # numpy.ndarray or mlx.core.array
 
 
@@ -79,12 +77,9 @@ class WindowAttention(Rule):
     def score(self, engine) -> Array:
         if self.newest_only:
             return engine.newest_probs().astype(engine.float)
-        probs = engine.window_probs()  # (rows, window, slots), GQA: summed over the group
-        if self.fusion == "max":
-            return probs.max(axis=1).astype(engine.float)
-        if engine.xp is not np:
-            return probs.astype(engine.float).sum(axis=1) / probs.shape[1]
-        return probs.sum(axis=1, dtype=engine.float) / probs.shape[1]
+        if self.fusion == "max":  # rows (rows, window, slots), GQA: summed over the group
+            return engine.window_probs().max(axis=1).astype(engine.float)
+        return engine.window_mean()
 
 
 class Cumulative(Rule):
