@@ -62,6 +62,7 @@ def test_soak_50k_single_token_updates():
     )
     kept_at: dict[int, np.ndarray] = {}
     nbytes_at: dict[int, int] = {}
+    storage_at: dict[int, int] = {}
     active_at: dict[int, int] = {}
     t0 = time.perf_counter()
     for i in range(STEPS):
@@ -76,15 +77,17 @@ def test_soak_50k_single_token_updates():
             del k, v
             kept_at[n] = cache.kept_positions.copy()
             nbytes_at[n] = cache.nbytes
+            storage_at[n] = cache.storage_nbytes
             active_at[n] = mx.get_active_memory()
             assert cache.tokens_seen == n
     elapsed = time.perf_counter() - t0
     assert elapsed < 60, f"50k single-token updates took {elapsed:.1f}s"
 
-    # no growth in stored bytes once the budget is reached (budget + 1 rows: one awaits reuse)
+    # no growth in held bytes once the budget is reached (budget + 1 rows: one awaits reuse)
     full = [n for n in nbytes_at if n > BUDGET]
     assert len({nbytes_at[n] for n in full}) == 1, nbytes_at
-    assert nbytes_at[full[0]] == 2 * B * H * (BUDGET + 1) * D * 2
+    assert storage_at[full[0]] == 2 * B * H * (BUDGET + 1) * D * 2
+    assert nbytes_at[full[0]] == cache.nbytes_bound
     # no growth in MLX active memory after warm-up
     steady = [active_at[n] for n in sorted(active_at) if n >= 1_000]
     assert max(steady) - steady[0] <= MEMORY_SLACK, active_at
