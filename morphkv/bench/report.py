@@ -23,6 +23,7 @@ SOURCES = {  # name -> JSON file names, newest spelling first
     "generation": ("generation.json",), "speed": ("speed.json",),
     "layer": ("layer.json", "cache_speed.json"), "blas": ("blas.json", "blas_speed.json"),
     "overhead": ("overhead.json", "model_overhead.json"),
+    "sweep_tune": ("sweep_tune.json",), "sweep_heldout": ("sweep_heldout.json",),
 }
 BASELINE = "streaming_llm_w8"
 MIB_KEYS = {"kv_bytes_kept": "kept", "kv_bytes_held": "held"}
@@ -253,6 +254,8 @@ SECTIONS = {  # name -> section builder (a callable, or "module:function")
     "layer": layer_section,
     "overhead": overhead_section,
     "blas": blas_section,
+    "sweep_tune": "morphkv.bench.sweep:section",
+    "sweep_heldout": "morphkv.bench.sweep:section",
 }
 
 

@@ -114,3 +114,41 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     plots.save(fig, folder / f"{stem}.png")
     print(f"wrote {folder}/{stem}.json and {stem}.png")
     return result
+
+
+def section(result: dict) -> str:
+    """The report's section (``morphkv report``): ratios per text, and the raw KL."""
+    from ._util import pivot
+
+    s, table = result["settings"], result["ratios"]
+    names = sorted({k for e in table for k in e} - {"arm", "budget", "mean_ratio", "worst_ratio"})
+    headers = ["arm", "budget", *names, "mean_ratio", "worst_ratio"]
+    cells = [[e.get(h, float("nan")) for h in headers] for e in table]
+    ratio_table = markdown_table(headers, cells)
+    rows = [{**r, "kl_at": f"{r['text']}"} for r in result["rows"]]
+    kl_table = markdown_table(*pivot(rows, ["arm", "budget"], "kl_at", "kl"))
+    sized = ", ".join(
+        f"{r['arm']} b{r['budget']} -> {r['arm_budget']} tokens"
+        for r in result["rows"] if "arm_budget" in r and r["arm_budget"] != r["budget"]
+        and r["text"] == result["rows"][0]["text"]
+    )
+    notes = []
+    for e in table:
+        if e["arm"].startswith(BASELINE):
+            continue
+        wins = "never worse than StreamingLLM" if e["worst_ratio"] <= 1 else (
+            f"worse than StreamingLLM on {sum(v > 1 for k, v in e.items() if k in names)} text(s)")
+        notes.append(f"- {e['arm']} at budget {e['budget']}: mean ratio {e['mean_ratio']:.3f}, "
+                     f"{wins}.")
+    texts = ", ".join(f"{k} {v}" for k, v in s["texts"].items())
+    intro = (
+        f"`morphkv eval sweep --split {s['split']}`: teacher-forced KL(full || arm) per token past "
+        f"the budget on the {s['split']} texts ({texts} tokens), as a ratio to StreamingLLM's at "
+        "the same budget"
+        + (f"; at equal total bytes (every arm sized to StreamingLLM's bytes: {sized})"
+           if s.get("equal_bytes") else "") + "."
+    )
+    body = [ratio_table, "", "KL per text:", "", kl_table, ""]
+    lines = [f"## Sweep, {s['split']} texts (`morphkv eval sweep`)", "", intro, "", *body]
+    lines += ["Notes (computed from the numbers):", "", *notes, ""]
+    return "\n".join(lines)
