@@ -1,0 +1,59 @@
+"""Memory: the selection state is small next to the KV it manages, and ``nbytes`` counts it.
+
+Issue targets, checked on synthetic streams with real-query scoring: engine state <= 10% of the
+kept K+V bytes at window 8 (float16 and float32 keys, 3 and 4 query heads per KV head), and a
+whole cache (storage + engine) <= 1.15x mlx_lm's RotatingKVCache of the same budget."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import RotatingKVCache
+
+from morphkv import KVCacheBuilder, KVCacheConfig, recommended
+from morphkv.hooks import queries_by_hand
+
+H, D = 3, 64
+
+
+@pytest.fixture(autouse=True)
+def hook_present():
+    with queries_by_hand():
+        yield
+
+
+def full_cache(config, dtype, groups):
+    rng = np.random.default_rng(0)
+    T = config.budget + 40
+    keys = mx.array(rng.standard_normal((1, H, T, D)).astype(np.float32)).astype(dtype)
+    queries = mx.array(rng.standard_normal((1, H * groups, T, D)).astype(np.float32))
+    cache = KVCacheBuilder.build(config)
+    cache.update_and_fetch(keys[:, :, :-1], keys[:, :, :-1])
+    cache.prepare_attention(queries[:, :, :-1], D**-0.5, None)
+    cache.update_and_fetch(keys[:, :, -1:], keys[:, :, -1:])  # a decode step
+    cache.prepare_attention(queries[:, :, -1:], D**-0.5, None)
+    rotating = RotatingKVCache(max_size=config.budget, keep=config.n_sink)
+    rotating.update_and_fetch(keys, keys)
+    return cache, rotating
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+@pytest.mark.parametrize("groups", [3, 4])
+@pytest.mark.parametrize("budget", [128, 512])
+def test_engine_is_small_and_counted(dtype, groups, budget):
+    config = KVCacheConfig(morphkv_budget=budget, scoring="attention")
+    cache, rotating = full_cache(config, dtype, groups)
+    kept = cache.morphkv_kept_bytes * H
+    assert cache.engine_nbytes <= 0.10 * kept
+    assert cache.nbytes == cache.storage_nbytes + cache.engine_nbytes
+    assert cache.nbytes <= 1.15 * rotating.nbytes
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+def test_recommended_setting_holds_a_little_more(dtype):
+    """Window 16 and value norms: 38 bytes per slot, 14.8% of float16 K+V (7.4% of float32)."""
+    cache, rotating = full_cache(recommended(128, scoring="attention"), dtype, 3)
+    per_slot = 4 + 2 * 16 + 2
+    assert cache.engine_nbytes == H * (128 + 1) * per_slot
+    assert cache.nbytes <= (1.16 if dtype == mx.float16 else 1.09) * rotating.nbytes
