@@ -19,6 +19,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("bench speed", "morphkv.bench.speed"),
     ("eval fidelity", "morphkv.bench.fidelity"),
     ("eval generation", "morphkv.bench.generation"),
+    ("eval recall", "morphkv.bench.recall"),
     ("report", "morphkv.bench.report"),
 ]
 
