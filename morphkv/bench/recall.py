@@ -40,52 +40,66 @@ class Fact:
 
     kind: str
     values: tuple[str, ...]
-    statement: str
-    ack: str
+    statement: str  # after "Please remember this: "
+    ack: str  # after "I will remember it. "
+    topic: str  # "Earlier I asked you to remember {topic}."
     question: str
-    lead_in: str
+    lead_in: str  # the start of the assistant's answer, ending the prompt
+
+    def turns(self, value: str) -> tuple[str, str, str]:
+        """(statement, acknowledgement, question) for ``value``."""
+        return (
+            "Please remember this: " + self.statement.format(v=value),
+            "I will remember it. " + self.ack.format(v=value),
+            f"Earlier I asked you to remember {self.topic}. {self.question}",
+        )
 
 
 FACTS = (
     Fact(
         "name",
         ("Alice", "Oliver", "Sophia", "Lucas", "Emma", "Noah", "Mia", "Leo", "Clara", "Hugo"),
-        "My name is {v}.",
-        "Nice to meet you! Your name is {v}.",
+        "my name is {v}.",
+        "Your name is {v}.",
+        "my name",
         "What is my name?",
         "Your name is",
     ),
     Fact(
         "city",
         ("Paris", "Tokyo", "Madrid", "Berlin", "Cairo", "Lima", "Oslo", "Rome", "Dublin"),
-        "I live in {v}.",
-        "How nice! You live in {v}.",
+        "I live in the city of {v}.",
+        "You live in the city of {v}.",
+        "my city",
         "Which city do I live in?",
-        "You live in",
+        "You live in the city of",
     ),
     Fact(
         "colour",
         ("green", "purple", "orange", "yellow", "blue", "red", "pink", "brown"),
-        "My favourite colour is {v}.",
-        "Good choice! Your favourite colour is {v}.",
+        "my favourite colour is {v}.",
+        "Your favourite colour is {v}.",
+        "my favourite colour",
         "What is my favourite colour?",
         "Your favourite colour is",
     ),
     Fact(
         "number",
         tuple(str(n) for n in range(12, 99)),
-        "My lucky number is {v}.",
-        "Got it! Your lucky number is {v}.",
+        "my lucky number is {v}.",
+        "Your lucky number is {v}.",
+        "my lucky number",
         "What is my lucky number?",
         "Your lucky number is",
     ),
     Fact(
         "pet",
         ("Biscuit", "Pepper", "Shadow", "Ziggy", "Mango", "Rocky", "Luna", "Oscar"),
-        "My dog is called {v}.",
-        "How sweet! Your dog is called {v}.",
-        "What is my dog called?",
-        "Your dog is called",
+        "my dog's name is {v}.",
+        "Your dog's name is {v}.",
+        "my dog's name",
+        "What is my dog's name?",
+        "Your dog's name is",
     ),
 )
 
@@ -145,12 +159,10 @@ def build_item(tok, seed: int, split: str, index: int, distance: int) -> Item:
     rng = random.Random(f"recall:{seed}:{split}:{index}")
     fact = rng.choice(FACTS)
     value = rng.choice(fact.values)
-    head = [
-        {"role": "user", "content": fact.statement.format(v=value)},
-        {"role": "assistant", "content": fact.ack.format(v=value)},
-    ]
+    statement, ack, ask = fact.turns(value)
+    head = [{"role": "user", "content": statement}, {"role": "assistant", "content": ack}]
     fact_end = len(_encode(tok, head, None))
-    question = [{"role": "user", "content": fact.question}]
+    question = [{"role": "user", "content": ask}]
     fillers: list[dict] = []
     deck: list[tuple[str, str]] = []
     while True:
@@ -243,7 +255,7 @@ def parse_arms(text: str) -> list[Arm]:
 
 
 def answer(model, tok, item: Item, config: KVCacheConfig, max_tokens: int, chunk: int):
-    """(greedy continuation, KV bytes summed over layers) of one item through fresh caches."""
+    """(greedy continuation, KV bytes) of one item through fresh caches."""
     from mlx_lm import generate
 
     from ..builder import KVCacheBuilder
@@ -258,7 +270,14 @@ def answer(model, tok, item: Item, config: KVCacheConfig, max_tokens: int, chunk
         prefill_step_size=chunk,
         verbose=False,
     )
-    return text, int(sum(c.nbytes for c in caches))
+    return text, _bytes(caches)
+
+
+def _bytes(caches) -> dict:
+    """Storage bytes (``cache.nbytes``: the full cache grows in steps of 256 rows) and the
+    bytes of the tokens actually kept, each summed over layers."""
+    kept = sum(c.morphkv_kept_bytes * c.keys.shape[0] * c.keys.shape[1] for c in caches)
+    return {"nbytes": int(sum(c.nbytes for c in caches)), "kept_bytes": int(kept)}
 
 
 class Progress:
@@ -307,7 +326,7 @@ def evaluate(model, tok, args, arms: list[Arm]) -> dict:
             "tokens": len(item.ids),
             "distance": item.distance,
             "turns": item.turns,
-            "full": {"answer": text, "correct": ok, "nbytes": nbytes},
+            "full": {"answer": text, "correct": ok, **nbytes},
             "arms": {},
         }
         bar.step(1, 0 if ok else len(cells), f"item {index}: full {'ok' if ok else 'wrong'}")
@@ -317,7 +336,7 @@ def evaluate(model, tok, args, arms: list[Arm]) -> dict:
             rec["arms"][f"{arm.label}@{budget}"] = {
                 "answer": text,
                 "correct": is_correct(text, item.value),
-                "nbytes": nbytes,
+                **nbytes,
             }
             bar.step(1, 0, f"item {index}: {arm.label} @ {budget}")
         records.append(rec)
@@ -339,6 +358,7 @@ def summarize(records: list[dict], full: Arm, cells: list[tuple[Arm, int]]) -> d
                 "n": len(runs),
                 "accuracy": correct / len(runs) if runs else None,
                 "nbytes": mean([x["nbytes"] for x in runs]),
+                "kept_bytes": mean([x["kept_bytes"] for x in runs]),
             }
         )
     return {
@@ -346,6 +366,7 @@ def summarize(records: list[dict], full: Arm, cells: list[tuple[Arm, int]]) -> d
         "full_correct": len(kept),
         "full_arm": full.label,
         "full_nbytes": mean([r["full"]["nbytes"] for r in records]),
+        "full_kept_bytes": mean([r["full"]["kept_bytes"] for r in records]),
         "mean_tokens": mean([r["tokens"] for r in records]),
         "mean_distance": mean([r["distance"] for r in records]),
         "rows": rows,
@@ -380,7 +401,8 @@ def table(summary: dict, budgets: list[int]) -> str:
         f"correctly; prompts {summary['mean_tokens'] or 0:.0f} tokens on average, the fact "
         f"{summary['mean_distance'] or 0:.0f} tokens before the answer.",
         "Legend: accuracy over the items the full cache answers correctly (correct/counted), "
-        "then the KV cache bytes (sum of cache.nbytes over layers, mean over items). "
+        "then the KV cache bytes (sum of cache.nbytes over layers, mean over items; the full "
+        "cache's storage grows in steps of 256 rows, its kept tokens are in the JSON). "
         "budget = tokens kept per layer and KV head.",
     ]
     return "\n".join(lines)
