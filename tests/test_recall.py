@@ -65,7 +65,8 @@ def test_items_are_deterministic_split_apart_and_long_enough():
     test = [R.build_item(tok, 0, "test", i, 200) for i in range(4)]
     assert [x.ids for x in a] != [x.ids for x in test]
     for item in a + test:
-        assert item.distance >= 200 and item.turns >= 3
+        assert item.distance >= 200 and item.turns >= 3 and len(item.fact_positions) >= 2
+        assert max(item.fact_positions) < item.fact_end
         text = tok.decode(list(item.ids))
         assert item.value in text.split("<|im_start|>user")[1]  # stated in the first user turn
         assert text.count(item.value) == 2  # the statement and its acknowledgement, not later
@@ -93,3 +94,6 @@ def test_quick_run_writes_table_json_and_png(tmp_path, capsys):
     # equal budget, equal bytes; both below the full cache, which keeps the whole prompt
     assert rows["streaming_llm"]["nbytes"] == rows["morphkv"]["nbytes"]
     assert rows["morphkv"]["nbytes"] < summary["full_nbytes"]
+    # the fact lies past the budget: recency keeps none of it, the full cache all of it
+    assert rows["streaming_llm"]["fact_kept"] == 0
+    assert all(r["full"]["fact_kept"] == 1 for r in result["items"])

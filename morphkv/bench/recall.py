@@ -141,6 +141,7 @@ class Item:
     ids: tuple[int, ...]
     fact_end: int  # tokens up to the end of the assistant's acknowledgement of the fact
     turns: int  # filler question/answer pairs
+    fact_positions: tuple[int, ...] = ()  # tokens of the value in the statement and the ack
 
     @property
     def distance(self) -> int:
@@ -161,19 +162,28 @@ def build_item(tok, seed: int, split: str, index: int, distance: int) -> Item:
     value = rng.choice(fact.values)
     statement, ack, ask = fact.turns(value)
     head = [{"role": "user", "content": statement}, {"role": "assistant", "content": ack}]
-    fact_end = len(_encode(tok, head, None))
+    head_ids = _encode(tok, head, None)
+    fact_end, spots = len(head_ids), tuple(_value_positions(tok, head_ids, value))
     question = [{"role": "user", "content": ask}]
     fillers: list[dict] = []
     deck: list[tuple[str, str]] = []
     while True:
         ids = _encode(tok, head + fillers + question, fact.lead_in)
         if len(ids) - fact_end >= distance:
-            return Item(index, fact.kind, value, tuple(ids), fact_end, len(fillers) // 2)
+            return Item(index, fact.kind, value, tuple(ids), fact_end, len(fillers) // 2, spots)
         if not deck:
             deck = list(FILLERS)
             rng.shuffle(deck)
         user, reply = deck.pop()
         fillers += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+
+
+def _value_positions(tok, ids: list[int], value: str):
+    """Positions whose token is part of the value (a digit, or 2+ letters inside it)."""
+    for i, t in enumerate(ids):
+        piece = tok.decode([t]).strip().lower()
+        if (piece.isdigit() or len(piece) >= 2) and piece in value.lower():
+            yield i
 
 
 def words(text: str) -> list[str]:
@@ -270,7 +280,17 @@ def answer(model, tok, item: Item, config: KVCacheConfig, max_tokens: int, chunk
         prefill_step_size=chunk,
         verbose=False,
     )
-    return text, _bytes(caches)
+    return text, _bytes(caches) | {"fact_kept": fact_kept(caches, item.fact_positions)}
+
+
+def fact_kept(caches, positions: tuple[int, ...]) -> float | None:
+    """Fraction of (layer, KV head) caches still holding a token of the fact's value."""
+    import numpy as np
+
+    if not positions:
+        return None
+    held = [np.isin(c.kept_positions[0], positions).any(axis=-1) for c in caches]
+    return float(np.mean(held))
 
 
 def _bytes(caches) -> dict:
@@ -345,7 +365,10 @@ def evaluate(model, tok, args, arms: list[Arm]) -> dict:
 
 def summarize(records: list[dict], full: Arm, cells: list[tuple[Arm, int]]) -> dict:
     kept = [r for r in records if r["full"]["correct"]]
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    def mean(xs):
+        xs = [x for x in xs if x is not None]
+        return sum(xs) / len(xs) if xs else None
+
     rows = []
     for arm, budget in cells:
         runs = [r["arms"][f"{arm.label}@{budget}"] for r in kept]
@@ -359,6 +382,7 @@ def summarize(records: list[dict], full: Arm, cells: list[tuple[Arm, int]]) -> d
                 "accuracy": correct / len(runs) if runs else None,
                 "nbytes": mean([x["nbytes"] for x in runs]),
                 "kept_bytes": mean([x["kept_bytes"] for x in runs]),
+                "fact_kept": mean([x["fact_kept"] for x in runs]),
             }
         )
     return {
@@ -379,8 +403,9 @@ def summarize(records: list[dict], full: Arm, cells: list[tuple[Arm, int]]) -> d
 def _cell(row: dict) -> str:
     if row["accuracy"] is None:
         return "-"
-    mib = row["nbytes"] / 2**20
-    return f"{100 * row['accuracy']:.0f}% ({row['correct']}/{row['n']}) {mib:.2f} MiB"
+    mib, kept = row["nbytes"] / 2**20, row["fact_kept"]
+    kept = "-" if kept is None else f"{100 * kept:.0f}%"
+    return f"{100 * row['accuracy']:.0f}% ({row['correct']}/{row['n']}), {kept}, {mib:.2f} MiB"
 
 
 def table(summary: dict, budgets: list[int]) -> str:
@@ -390,7 +415,7 @@ def table(summary: dict, budgets: list[int]) -> str:
     lines = ["| arm | " + " | ".join(f"budget {b}" for b in budgets) + " |"]
     lines.append("|---|" + "---|" * len(budgets))
     mib, k = (summary["full_nbytes"] or 0) / 2**20, summary["full_correct"]
-    full = f"100% ({k}/{k}) {mib:.2f} MiB"
+    full = f"100% ({k}/{k}), 100%, {mib:.2f} MiB"
     row = " | ".join([full] * len(budgets))
     lines.append(f"| {summary['full_arm']} (no eviction) | {row} |")
     for arm in arms:
@@ -400,10 +425,11 @@ def table(summary: dict, budgets: list[int]) -> str:
         f"Items: {summary['built']} built, the full cache answers {summary['full_correct']} "
         f"correctly; prompts {summary['mean_tokens'] or 0:.0f} tokens on average, the fact "
         f"{summary['mean_distance'] or 0:.0f} tokens before the answer.",
-        "Legend: accuracy over the items the full cache answers correctly (correct/counted), "
-        "then the KV cache bytes (sum of cache.nbytes over layers, mean over items; the full "
-        "cache's storage grows in steps of 256 rows, its kept tokens are in the JSON). "
-        "budget = tokens kept per layer and KV head.",
+        "Legend: each cell is the accuracy over the items the full cache answers correctly "
+        "(correct/counted); the fact kept: share of (layer, KV head) caches still holding a "
+        "token of the fact's value after the answer; KV cache bytes: sum of cache.nbytes over "
+        "layers, mean over items (the full cache's storage grows in steps of 256 rows; the "
+        "bytes of the tokens kept are in the JSON). Budget: tokens kept per layer and KV head.",
     ]
     return "\n".join(lines)
 
