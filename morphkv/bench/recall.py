@@ -304,8 +304,9 @@ class Progress:
     """done/total runs on stderr with elapsed time and an ETA; the total shrinks when an item
     the full cache gets wrong skips its other arms."""
 
-    def __init__(self, total: int, quiet: bool) -> None:
+    def __init__(self, total: int, quiet: bool, max_minutes: float = 0) -> None:
         self.total, self.done, self.quiet = total, 0, quiet
+        self.cap = f" (no new item after {max_minutes:g} min)" if max_minutes else ""
         self.start = self._last = time.perf_counter()
 
     def step(self, done: int = 1, skipped: int = 0, note: str = "") -> None:
@@ -318,7 +319,8 @@ class Progress:
         spent = now - self.start
         eta = spent / max(self.done, 1) * (self.total - self.done)
         print(
-            f"[recall] {self.done}/{self.total} runs, {spent:.0f}s elapsed, eta {eta:.0f}s {note}",
+            f"[recall] {self.done}/{self.total} runs, {spent:.0f}s elapsed, eta {eta:.0f}s"
+            f"{self.cap}: {note}",
             file=sys.stderr,
             flush=True,
         )
@@ -330,7 +332,7 @@ def evaluate(model, tok, args, arms: list[Arm]) -> dict:
     others = [a for a in arms if not a.is_full]
     cells = [(a, b) for a in others for b in args.budgets]
     full_config = full.config(max(args.budgets), args.n_sink)
-    bar = Progress(args.items * (1 + len(cells)), args.quiet)
+    bar = Progress(args.items * (1 + len(cells)), args.quiet, args.max_minutes)
     records, start = [], time.perf_counter()
     for index in range(args.items):
         if args.max_minutes and time.perf_counter() - start > 60 * args.max_minutes:
