@@ -334,9 +334,9 @@ def evaluate(model, tok, args, arms: list[Arm]) -> dict:
     full_config = full.config(max(args.budgets), args.n_sink)
     bar = Progress(args.items * (1 + len(cells)), args.quiet, args.max_minutes)
     records, start = [], time.perf_counter()
-    for index in range(args.items):
+    for index in range(args.first, args.first + args.items):
         if args.max_minutes and time.perf_counter() - start > 60 * args.max_minutes:
-            print(f"[recall] --max-minutes reached after {index} items", file=sys.stderr)
+            print(f"[recall] --max-minutes reached before item {index}", file=sys.stderr)
             break
         item = build_item(tok, args.seed, args.split, index, args.distance)
         text, nbytes = answer(model, tok, item, full_config, args.max_tokens, args.chunk)
@@ -484,6 +484,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--budgets", default="64,128,256", help="comma-separated budgets")
     parser.add_argument("--items", type=int, default=40, help="items to build")
+    parser.add_argument("--first", type=int, default=0, help="index of the first item")
     parser.add_argument("--max-minutes", type=float, default=0, help="stop adding items after")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--split", choices=("tune", "test"), default="test")
