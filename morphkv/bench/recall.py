@@ -459,7 +459,7 @@ def plot(summary: dict, budgets: list[int], path: Path) -> None:
         ax.set_ylabel("recall accuracy (%)")
         ax.set_ylim(-5, 105)
         ax.grid(alpha=0.3)
-    left.legend(fontsize=8)
+    right.legend(fontsize=8, loc="center right")
     fig.suptitle(
         f"Recall of an early fact: {summary['full_correct']} of {summary['built']} items "
         f"answered by the full cache, fact ~{summary['mean_distance'] or 0:.0f} tokens back"
@@ -518,8 +518,8 @@ def _settings(args: argparse.Namespace) -> tuple[list[Arm], list[int]]:
                 raise ValueError(f"arm {arm.label!r} at budget {budget}: {e}") from None
     args.budgets = budgets
     args.distance = args.distance or int(1.5 * max(budgets))
-    if args.items < 1:
-        raise ValueError(f"--items must be >= 1, got {args.items}")
+    if args.items < 1 or args.first < 0:
+        raise ValueError(f"need --items >= 1 and --first >= 0, got {args.items}, {args.first}")
     return arms, budgets
 
 
