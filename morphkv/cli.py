@@ -26,6 +26,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("eval fidelity", "morphkv.bench.fidelity"),
     ("eval generation", "morphkv.bench.generation"),
     ("eval sweep", "morphkv.bench.sweep"),
+    ("eval recall", "morphkv.bench.recall"),
     ("report", "morphkv.bench.report"),
 ]
 
