@@ -18,7 +18,6 @@ accuracy, so arms are compared at equal bytes.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import random
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import KVCacheConfig
+from .arms import Arm as SpecArm
 
 NAME = "recall"
 DEFAULT_ARMS = "full,streaming_llm,morphkv,morphkv:window=32,tova,h2o"
@@ -201,51 +201,36 @@ def is_correct(answer: str, value: str) -> bool:
 
 @dataclass(frozen=True)
 class Arm:
-    """One cache setting, budget aside: ``label`` as given on the command line."""
+    """One cache setting, budget aside: ``label`` as given on the command line, parsed by the
+    bench's arm parser (``morphkv.bench.arms``: any config field, presets)."""
 
     label: str
-    method: str
-    overrides: tuple[tuple[str, object], ...] = ()
+    spec: SpecArm
+
+    @property
+    def method(self) -> str:
+        return self.spec.method
 
     @property
     def is_full(self) -> bool:
-        return self.method == "full"
+        return self.spec.method == "full"
 
     def config(self, budget: int, n_sink: int) -> KVCacheConfig:
-        kw = {"morphkv_n_sink": n_sink, **dict(self.overrides)}
-        return KVCacheConfig(method=self.method, morphkv_budget=budget, **kw).validate()
-
-
-def _value(text: str) -> object:
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
+        return self.spec.config(budget, n_sink=n_sink)  # the spec's own sinks win
 
 
 def parse_arm(spec: str) -> Arm:
-    """``method`` or ``method:field=value,...`` with ``KVCacheConfig`` fields; the
-    ``morphkv_`` prefix may be left out (``morphkv:window=32``)."""
-    from ..rules import METHODS
-
+    """``method`` or ``method:field=value,...`` with ``KVCacheConfig`` fields (the
+    ``morphkv_`` prefix may be left out: ``morphkv:window=32``), or a preset name."""
     method, _, rest = spec.strip().partition(":")
-    if method not in METHODS:
-        raise ValueError(f"arm {spec!r}: unknown method {method!r}; valid: {sorted(METHODS)}")
-    fields = {f.name for f in dataclasses.fields(KVCacheConfig)} - set(FIXED_FIELDS)
-    overrides = []
-    for part in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = part.partition("=")
-        key = key.strip()
-        name = key if key in fields else f"morphkv_{key}"
-        if not eq or name not in fields:
-            raise ValueError(
-                f"arm {spec!r}: {part!r} is not field=value with a KVCacheConfig field; "
-                f"valid fields: {sorted(fields)} (the budget comes from --budgets)"
-            )
-        overrides.append((name, _value(value.strip())))
-    return Arm(spec.strip(), method, tuple(overrides))
+    parts = [p.strip() for p in rest.split(",") if p.strip()]
+    for part in parts:
+        key = part.partition("=")[0].strip()
+        if "=" not in part:
+            raise ValueError(f"arm {spec!r}: {part!r} is not field=value")
+        if key in FIXED_FIELDS or f"morphkv_{key}" in FIXED_FIELDS:
+            raise ValueError(f"arm {spec!r}: {key} is set by the command (the budget by --budgets)")
+    return Arm(spec.strip(), SpecArm.parse(":".join([method, *parts])))
 
 
 def parse_arms(text: str) -> list[Arm]:
