@@ -131,7 +131,9 @@ class MorphKVCache(mlx_cache._BaseCache):
         if self.engine is not None:
             self.engine.scale = float(scale)
         if self.config.scoring == "attention" and not chunk.fed:
-            chunk.queries = queries
+            # a new array object: mlx_lm's quantized attention scales its queries in place
+            # (``queries *= scale``), which would change the ones kept for the engine
+            chunk.queries = mx.stop_gradient(queries) if self.config.kv_bits else queries
         B, n_heads, C, _ = queries.shape
         if C == 1:
             return mask
