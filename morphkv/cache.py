@@ -47,7 +47,7 @@ def _to_numpy(x: mx.array) -> np.ndarray:
 class _Chunk:
     """One update: what the engine must see, and what exact attention needs to know."""
 
-    keys: mx.array | None  # (B, n_kv_heads, C, head_dim), until fed
+    keys: mx.array | None  # (B, n_kv_heads, C, head_dim) as stored, until fed
     values: mx.array | None  # the same for values (read by the engine with morphkv_value)
     dead: np.ndarray | None  # slot per row that the first new token overwrote
     before: int  # slots in use before the update
@@ -103,8 +103,8 @@ class MorphKVCache(mlx_cache._BaseCache):
         device = self.decode_on_device
         on_device = C == 1 and (mx.default_device() == mx.gpu if device is None else device)
         engine = self.engine.to(mx if on_device else np)
-        if self.config.kv_bits is not None:  # the engine sees the keys (values) as stored
-            keys, values = self._float(stored_keys), self._float(stored_values)
+        if self.config.kv_bits is not None:  # the engine reads the keys (values) as stored
+            keys, values = stored_keys, stored_values
         chunk = _Chunk(
             keys=keys,
             values=values if self.config.morphkv_value else None,
@@ -158,12 +158,15 @@ class MorphKVCache(mlx_cache._BaseCache):
             return chunk
         if chunk.queries is None and self.config.scoring == "attention":
             raise RuntimeError("attention scoring: the cache was read before its queries came")
-        B, H, C, D = chunk.keys.shape
+        B, H, C = quant.dims(chunk.keys)
+        D = quant.head_dim(chunk.keys, self.config.kv_group_size)
         keys, queries, values = chunk.keys, chunk.queries, chunk.values
-        stored = self._float(chunk.fetched[0])
+        stored = chunk.fetched[0]
+        # float arrays for the engine: quantized storage dequantized (on the host: NumPy)
+        read = self._host if self.engine.xp is np else self._float
+        keys, stored = read(keys), read(stored)
+        values = None if values is None else read(values)
         if self.engine.xp is np:  # reshape on the host: no extra MLX op to evaluate
-            keys, stored = _to_numpy(keys), _to_numpy(stored)
-            values = None if values is None else _to_numpy(values)
             queries = None if queries is None else _to_numpy(queries)
         if values is not None:
             values = values.reshape(B * H, C, -1)
@@ -239,6 +242,12 @@ class MorphKVCache(mlx_cache._BaseCache):
         if self.config.kv_bits is None:
             return x
         return quant.quantize(x, self.config.kv_group_size, self.config.kv_bits)
+
+    def _host(self, x: quant.Storage) -> np.ndarray:
+        """Stored keys or values as a host float array (dequantized when quantized)."""
+        if self.config.kv_bits is None:
+            return _to_numpy(x)
+        return quant.host_dequantize(x, self.config.kv_group_size, self.config.kv_bits)
 
     def _float(self, x: quant.Storage) -> mx.array:
         """Stored keys or values as a float array (dequantized when quantized)."""
