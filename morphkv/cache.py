@@ -6,6 +6,11 @@ written into the slot its row evicted one step earlier. Attention does not care 
 order of stored keys, and with a multi-token update the new tokens are returned after the
 stored ones, so mlx_lm's bottom-right-aligned "causal" mask stays right.
 
+With ``kv_bits`` set, keys and values are stored quantized (``morphkv.quant``: mlx_lm's
+``QuantizedKVCache`` layout, one token row per slot, so slot reuse stays in place), the cache
+exposes ``bits`` and ``group_size``, and mlx_lm's attention takes its quantized path. The
+selection engine scores the keys as stored (dequantized), new tokens included.
+
 Semantics of one update of C tokens (C = 1 when decoding): the returned keys and values are
 [tokens kept before the update + all C new tokens]; then, token by token, each new token is
 appended and, while more than ``budget`` tokens are stored, the rule evicts one. The kept set
@@ -14,6 +19,7 @@ is therefore the same for any chunking of a stream, and at most ``budget`` token
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -23,7 +29,7 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
-from . import saved
+from . import quant, saved
 from .config import KVCacheConfig
 from .engine import Engine
 from .hooks import hooks_attached
@@ -41,7 +47,7 @@ def _to_numpy(x: mx.array) -> np.ndarray:
 class _Chunk:
     """One update: what the engine must see, and what exact attention needs to know."""
 
-    keys: mx.array | None  # (B, n_kv_heads, C, head_dim), until fed
+    keys: mx.array | None  # (B, n_kv_heads, C, head_dim) as stored, until fed
     values: mx.array | None  # the same for values (read by the engine with morphkv_value)
     dead: np.ndarray | None  # slot per row that the first new token overwrote
     before: int  # slots in use before the update
@@ -82,8 +88,11 @@ class MorphKVCache(mlx_cache._BaseCache):
         self._check(keys, values)
         self._flush()
         B, H, C, D = keys.shape
+        if C == 0 and self.keys is not None:
+            return self._fetch_live()
+        stored_keys, stored_values = self._store_form(keys), self._store_form(values)
         if C == 0:
-            return self._fetch_live() if self.keys is not None else (keys, values)
+            return stored_keys, stored_values
         if self.config.scoring == "attention" and not hooks_attached():
             raise RuntimeError(
                 "scoring='attention' ranks tokens by the model's real queries, which reach the "
@@ -94,6 +103,8 @@ class MorphKVCache(mlx_cache._BaseCache):
         device = self.decode_on_device
         on_device = C == 1 and (mx.default_device() == mx.gpu if device is None else device)
         engine = self.engine.to(mx if on_device else np)
+        if self.config.kv_bits is not None:  # the engine reads the keys (values) as stored
+            keys, values = stored_keys, stored_values
         chunk = _Chunk(
             keys=keys,
             values=values if self.config.morphkv_value else None,
@@ -102,7 +113,7 @@ class MorphKVCache(mlx_cache._BaseCache):
             first=engine.seen,
             old_positions=engine.stored_positions.copy() if C > 1 else None,
         )
-        chunk.rows = self._place(keys, values, engine.dead)
+        chunk.rows = self._place(stored_keys, stored_values, engine.dead)
         chunk.fetched = fetched = self._fetch(chunk.rows)
         self._chunk = chunk  # the engine sees it later: see _flush
         self.offset += C
@@ -120,13 +131,17 @@ class MorphKVCache(mlx_cache._BaseCache):
         if self.engine is not None:
             self.engine.scale = float(scale)
         if self.config.scoring == "attention" and not chunk.fed:
-            chunk.queries = queries
+            # a new array object: mlx_lm's quantized attention scales its queries in place
+            # (``queries *= scale``), which would change the ones kept for the engine
+            chunk.queries = mx.stop_gradient(queries) if self.config.kv_bits else queries
         B, n_heads, C, _ = queries.shape
         if C == 1:
             return mask
-        H = self.keys.shape[1]
+        H = self.engine.rows // B
         visible = mx.array(liveness(self._flush(), C))  # (B*H, C, rows)
         rows = visible.shape[-1]
+        if self.config.kv_bits is not None:  # mlx_lm's quantized attention adds the group axis
+            return visible.reshape(B, H, C, rows)
         visible = mx.broadcast_to(visible.reshape(B, H, 1, C, rows), (B, H, n_heads // H, C, rows))
         return visible.reshape(B, n_heads, C, rows)
 
@@ -143,11 +158,15 @@ class MorphKVCache(mlx_cache._BaseCache):
             return chunk
         if chunk.queries is None and self.config.scoring == "attention":
             raise RuntimeError("attention scoring: the cache was read before its queries came")
-        B, H, C, D = chunk.keys.shape
-        keys, queries, stored, values = chunk.keys, chunk.queries, chunk.fetched[0], chunk.values
+        B, H, C = quant.dims(chunk.keys)
+        D = quant.head_dim(chunk.keys, self.config.kv_group_size)
+        keys, queries, values = chunk.keys, chunk.queries, chunk.values
+        stored = chunk.fetched[0]
+        # float arrays for the engine: quantized storage dequantized (on the host: NumPy)
+        read = self._host if self.engine.xp is np else self._float
+        keys, stored = read(keys), read(stored)
+        values = None if values is None else read(values)
         if self.engine.xp is np:  # reshape on the host: no extra MLX op to evaluate
-            keys, stored = _to_numpy(keys), _to_numpy(stored)
-            values = None if values is None else _to_numpy(values)
             queries = None if queries is None else _to_numpy(queries)
         if values is not None:
             values = values.reshape(B * H, C, -1)
@@ -166,7 +185,7 @@ class MorphKVCache(mlx_cache._BaseCache):
     def _place(self, keys: mx.array, values: mx.array, dead: np.ndarray | None) -> int:
         """Write the new tokens: the first into the dead slot (if any), the rest appended.
         Returns the number of rows that now hold tokens."""
-        B, H, C, _ = keys.shape
+        B, H, C = quant.dims(keys)
         start = self.engine.slots
         if dead is not None:
             if isinstance(dead, mx.array):  # device decode: no host sync
@@ -174,20 +193,24 @@ class MorphKVCache(mlx_cache._BaseCache):
             else:
                 slot = mx.array(dead.reshape(B, H, 1, 1).astype(np.int32, copy=False))
             if C > 1:
-                first_k, first_v = keys[:, :, :1], values[:, :, :1]
-                keys, values = keys[:, :, 1:], values[:, :, 1:]
+                first_k, first_v = (quant.apply(lambda p: p[:, :, :1], x) for x in (keys, values))
+                keys, values = (quant.apply(lambda p: p[:, :, 1:], x) for x in (keys, values))
             else:
                 first_k, first_v = keys, values
-            self.keys = mx.put_along_axis(self.keys, slot, first_k, axis=2)
-            self.values = mx.put_along_axis(self.values, slot, first_v, axis=2)
+
+            def put(stored, new):
+                return mx.put_along_axis(stored, slot, new, axis=2)
+
+            self.keys = quant.apply(put, self.keys, first_k)
+            self.values = quant.apply(put, self.values, first_v)
             C -= 1
             if C == 0:
                 return start
         end = start + C
-        if self.keys is None or end > self.keys.shape[2]:
+        if self.keys is None or end > quant.dims(self.keys)[2]:
             self._reserve(end, keys, values)
-        self.keys[:, :, start:end] = keys
-        self.values[:, :, start:end] = values
+        quant.assign(self.keys, start, end, keys)
+        quant.assign(self.values, start, end, values)
         return end
 
     def _reserve(self, rows: int, keys: mx.array, values: mx.array) -> None:
@@ -197,37 +220,60 @@ class MorphKVCache(mlx_cache._BaseCache):
         capacity = -(-rows // step) * step
         if self.config.method != "full":
             capacity = max(rows, min(capacity, self.config.budget + 1))
-        B, H, _, _ = keys.shape
         used = 0 if self.keys is None else self.engine.slots
+
+        def grow(old, fresh):
+            return mx.concatenate([old[:, :, :used], fresh], 2)
+
         grown = []
         for old, new in ((self.keys, keys), (self.values, values)):
-            fresh = mx.zeros((B, H, capacity - used, new.shape[3]), new.dtype)
-            grown.append(fresh if old is None else mx.concatenate([old[:, :, :used], fresh], 2))
+            fresh = quant.zeros(new, capacity - used)
+            grown.append(fresh if old is None else quant.apply(grow, old, fresh))
         self.keys, self.values = grown
 
     def _fetch(self, rows: int | None = None) -> tuple[mx.array, mx.array]:
         rows = self.engine.slots if rows is None else rows
-        if rows == self.keys.shape[2]:
+        if rows == quant.dims(self.keys)[2]:
             return self.keys, self.values
-        return self.keys[:, :, :rows], self.values[:, :, :rows]
+        return tuple(quant.apply(lambda p: p[:, :, :rows], x) for x in (self.keys, self.values))
+
+    def _store_form(self, x: mx.array) -> quant.Storage:
+        """New keys or values as the storage holds them."""
+        if self.config.kv_bits is None:
+            return x
+        return quant.quantize(x, self.config.kv_group_size, self.config.kv_bits)
+
+    def _host(self, x: quant.Storage) -> np.ndarray:
+        """Stored keys or values as a host float array (dequantized when quantized)."""
+        if self.config.kv_bits is None:
+            return _to_numpy(x)
+        return quant.host_dequantize(x, self.config.kv_group_size, self.config.kv_bits)
+
+    def _float(self, x: quant.Storage) -> mx.array:
+        """Stored keys or values as a float array (dequantized when quantized)."""
+        return quant.dequantize(x, self.config.kv_group_size, self.config.kv_bits)
+
+    def _gather(self, source: mx.array, keys: quant.Storage, values: quant.Storage) -> tuple:
+        def take(x):
+            return mx.take_along_axis(x, source, axis=2)
+
+        return quant.apply(take, keys), quant.apply(take, values)
 
     def _fetch_live(self) -> tuple[mx.array, mx.array]:
         """Stored keys/values without the slot awaiting reuse."""
         if self.engine.dead is None:
             return self._fetch()
         self.engine.to(np)
-        B, H = self.keys.shape[:2]
+        B, H, _ = quant.dims(self.keys)
         live = np.ones((B * H, self.engine.slots), bool)
         live[np.arange(B * H), self.engine.dead] = False
         index = np.nonzero(live)[1].reshape(B, H, -1, 1).astype(np.int32)
-        index = mx.array(index)
-        k, v = self._fetch()
-        return mx.take_along_axis(k, index, axis=2), mx.take_along_axis(v, index, axis=2)
+        return self._gather(mx.array(index), *self._fetch())
 
     def _compact(self, fetched, dead, before: int, first: int) -> None:
         """Gather the engine's slot layout out of [old rows + chunk rows]."""
         engine = self.engine
-        B, H = self.keys.shape[:2]
+        B, H, _ = quant.dims(self.keys)
         chunk_index = engine.positions[:, : engine.slots] - first  # < 0: stored before
         had_dead = dead is not None
         row = before + chunk_index - had_dead
@@ -235,9 +281,7 @@ class MorphKVCache(mlx_cache._BaseCache):
             row = np.where(chunk_index == 0, dead[:, None], row)
         slot = np.arange(engine.slots)[None, :]
         source = np.where(chunk_index < 0, slot, row).reshape(B, H, -1, 1).astype(np.int32)
-        source = mx.array(source)
-        self.keys = mx.take_along_axis(fetched[0], source, axis=2)
-        self.values = mx.take_along_axis(fetched[1], source, axis=2)
+        self.keys, self.values = self._gather(mx.array(source), *fetched)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for N new queries against [stored + N new] keys, as mlx_lm expects."""
@@ -274,17 +318,28 @@ class MorphKVCache(mlx_cache._BaseCache):
         head_dim = self.config.head_dim
         if head_dim is not None and keys.shape[3] != head_dim:
             raise ValueError(f"keys have head_dim {keys.shape[3]} but config.head_dim={head_dim}")
+        group_size = self.config.kv_group_size
+        if self.config.kv_bits is not None and (
+            keys.shape[3] % group_size or values.shape[3] % group_size
+        ):
+            raise ValueError(
+                f"kv_group_size={group_size} must divide the head dims of keys "
+                f"{keys.shape[3]} and values {values.shape[3]}"
+            )
         if self.keys is None:
             return
         for name, new, old in (("keys", keys, self.keys), ("values", values, self.values)):
-            B, H, _, D = old.shape
+            B, H, _ = quant.dims(old)
+            D = quant.head_dim(old, group_size)
             if (new.shape[0], new.shape[1], new.shape[3]) != (B, H, D):
                 raise ValueError(
                     f"{name} of shape {tuple(new.shape)} do not match the cache: expected "
                     f"batch {B}, n_kv_heads {H}, head_dim {D}"
                 )
-            if new.dtype != old.dtype:
-                raise ValueError(f"{name} dtype {new.dtype} differs from the stored {old.dtype}")
+            if new.dtype != quant.dtype(old):
+                raise ValueError(
+                    f"{name} dtype {new.dtype} differs from the stored {quant.dtype(old)}"
+                )
 
     # ---- accounting (per sequence, per KV head) ------------------------------------------
     @property
@@ -296,20 +351,27 @@ class MorphKVCache(mlx_cache._BaseCache):
         self._flush()
         return 0 if self.engine is None else self.engine.kept
 
-    def _bytes_per_token(self) -> int:
+    def _bytes_per_token(self, bits: int | None) -> int:
+        """K+V bytes of one token stored with ``bits`` (None: the arriving dtype)."""
         if self.keys is None:
             return 0
-        return (self.keys.shape[3] + self.values.shape[3]) * self.keys.dtype.size
+        size, group_size = quant.dtype(self.keys).size, self.config.kv_group_size
+        return sum(
+            quant.row_bytes(quant.head_dim(x, group_size), size, bits, group_size)
+            for x in (self.keys, self.values)
+        )
 
     @property
     def morphkv_kept_bytes(self) -> int:
-        """K+V bytes of the tokens kept, per sequence and KV head."""
-        return self.tokens_kept * self._bytes_per_token()
+        """K+V bytes of the tokens kept as stored (quantized: packed bits, scales and biases),
+        per sequence and KV head."""
+        return self.tokens_kept * self._bytes_per_token(self.config.kv_bits)
 
     @property
     def full_seq_bytes(self) -> int:
-        """K+V bytes a full cache would hold, per sequence and KV head."""
-        return self.tokens_seen * self._bytes_per_token()
+        """K+V bytes a full unquantized cache (mlx_lm's ``KVCache``, in the dtype the keys
+        arrive in) would hold, per sequence and KV head."""
+        return self.tokens_seen * self._bytes_per_token(None)
 
     @property
     def compression_ratio(self) -> float:
@@ -321,7 +383,7 @@ class MorphKVCache(mlx_cache._BaseCache):
         self._flush()
         if self.engine is None:
             return np.zeros((0, 0, 0), np.int64)
-        B, H = self.keys.shape[:2]
+        B, H, _ = quant.dims(self.keys)
         positions = self.engine.to(np).stored_positions.astype(np.int64)
         if self.engine.dead is not None:
             positions[np.arange(B * H), self.engine.dead] = np.iinfo(np.int64).max
@@ -332,7 +394,7 @@ class MorphKVCache(mlx_cache._BaseCache):
     def storage_nbytes(self) -> int:
         """Bytes of the K/V storage (budget + 1 rows once full: one slot awaits reuse)."""
         self._flush()  # a pending chunk is compacted first
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return 0 if self.keys is None else quant.nbytes(self.keys) + quant.nbytes(self.values)
 
     @property
     def engine_nbytes(self) -> int:
@@ -384,27 +446,33 @@ class MorphKVCache(mlx_cache._BaseCache):
     @property
     def state(self) -> list:
         """[config JSON] when empty, else [config JSON, keys, values, array spec, arrays...]
-        (the engine's state, see ``morphkv.saved``)."""
+        (the engine's state, see ``morphkv.saved``); quantized keys and values are three
+        arrays each (packed, scales, biases)."""
         self._flush()
         if self.engine is None:
             return [self.config.to_json()]
         keys, values = self._fetch()
         spec, arrays = saved.pack(saved.snapshot(self.engine))
-        return [self.config.to_json(), keys, values, spec, *arrays]
+        storage = [keys, values] if self.config.kv_bits is None else [*keys, *values]
+        return [self.config.to_json(), *storage, spec, *arrays]
 
     @state.setter
     def state(self, state: list) -> None:
         """Restore from ``state``; an inconsistent or edited state raises ``ValueError`` and
         leaves this cache as it was."""
         config = KVCacheConfig.from_json(state[0]).validate()
+        n = 1 if config.kv_bits is None else 3  # arrays per stored keys (values)
         if len(state) == 1:
             engine = keys = values = None
-        elif len(state) < 4 or not isinstance(state[3], str):
+        elif len(state) < 2 + 2 * n or not isinstance(state[1 + 2 * n], str):
             raise ValueError("saved cache: expected [config, keys, values, spec, arrays...]")
         else:
-            _, keys, values, spec, *arrays = state
+            keys, values = state[1 : 1 + n], state[1 + n : 1 + 2 * n]
+            spec, arrays = state[1 + 2 * n], state[2 + 2 * n :]
+            keys, values = (tuple(x) if n == 3 else x[0] for x in (keys, values))
             self._check_saved_storage(config, keys, values)
-            B, H, N, D = keys.shape
+            B, H, N = quant.dims(keys)
+            D = quant.head_dim(keys, config.kv_group_size)
             engine = saved.restore(config, B * H, D, N, saved.unpack(spec, arrays))
             if engine.slots != N:
                 raise ValueError(f"saved cache: {N} stored rows for {engine.slots} slots")
@@ -414,17 +482,65 @@ class MorphKVCache(mlx_cache._BaseCache):
 
     @staticmethod
     def _check_saved_storage(config: KVCacheConfig, keys, values) -> None:
+        bits, group_size = config.kv_bits, config.kv_group_size
         for name, a in (("keys", keys), ("values", values)):
+            if bits is not None:
+                quant.check_triplet(name, a, bits, group_size)
+                continue
             floating = isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)
             if not floating or a.ndim != 4:
                 raise ValueError(f"saved cache: {name} must be a 4-d floating MLX array")
-        if keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype or 0 in keys.shape:
+        shapes = [(quant.dims(x), quant.dtype(x)) for x in (keys, values)]
+        if shapes[0][0] != shapes[1][0] or shapes[0][1] != shapes[1][1] or 0 in shapes[0][0]:
+            raise ValueError(f"saved cache: keys and values {shapes} do not match")
+        dim = quant.head_dim(keys, group_size)
+        if bits is None and 0 in keys.shape:
+            raise ValueError("saved cache: keys have an empty head_dim")
+        if config.head_dim is not None and dim != config.head_dim:
+            raise ValueError(f"saved cache: head_dim {dim} != config {config.head_dim}")
+
+    # ---- mlx_lm's kv_bits= / --kv-bits ---------------------------------------------------
+    @property
+    def bits(self) -> int:
+        """Bits per stored element; absent (AttributeError) when unquantized, because mlx_lm's
+        attention takes its quantized path exactly when the cache has ``bits``."""
+        if self.config.kv_bits is None:
+            raise AttributeError("this MorphKVCache stores keys and values unquantized")
+        return self.config.kv_bits
+
+    @property
+    def group_size(self) -> int:
+        """Elements per quantization group; absent when unquantized (see ``bits``)."""
+        if self.config.kv_bits is None:
+            raise AttributeError("this MorphKVCache stores keys and values unquantized")
+        return self.config.kv_group_size
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> MorphKVCache:
+        """This cache with quantized storage: the same kept tokens and selection state, keys
+        and values quantized. mlx_lm's ``generate_step(kv_bits=...)`` calls it on every cache
+        after each step once ``offset >= quantized_kv_start``, so a cache already stored this
+        way returns itself; another precision raises ``ValueError`` (requantizing would lose
+        more than asked)."""
+        if (self.config.kv_bits, self.config.kv_group_size) == (bits, group_size):
+            return self
+        if self.config.kv_bits is not None:
             raise ValueError(
-                f"saved cache: keys {keys.shape} {keys.dtype} and values {values.shape} "
-                f"{values.dtype} do not match"
+                f"this cache already stores {self.config.kv_bits}-bit keys/values (group size "
+                f"{self.config.kv_group_size}); cannot convert to {bits}-bit, group size "
+                f"{group_size}"
             )
-        if config.head_dim is not None and keys.shape[3] != config.head_dim:
-            raise ValueError(f"saved cache: head_dim {keys.shape[3]} != config {config.head_dim}")
+        config = dataclasses.replace(self.config, kv_bits=bits, kv_group_size=group_size)
+        config.validate()
+        self._flush()
+        if self.keys is not None:
+            dims = (self.keys.shape[3], self.values.shape[3])
+            if any(d % group_size for d in dims):
+                raise ValueError(f"kv_group_size={group_size} must divide the head dims {dims}")
+        new = copy.copy(self)
+        new.config, new.engine, new._chunk = config, copy.deepcopy(self.engine), None
+        if self.keys is not None:
+            new.keys, new.values = (quant.quantize(x, group_size, bits) for x in self._fetch())
+        return new
 
 
 # load_prompt_cache looks cache classes up in mlx_lm.models.cache by name.

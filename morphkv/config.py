@@ -33,6 +33,11 @@ class KVCacheConfig:
             the stored keys stand in for queries (any cache, no hook); ``"auto"`` (default) is
             ``"attention"`` for caches built for a supported model and ``"proxy"`` otherwise.
         seed: seed of the ``random`` rule.
+        kv_bits: storage precision: ``None`` stores keys/values in the dtype they arrive in;
+            4 or 8 stores them quantized (MLX affine quantization, as mlx_lm's
+            ``QuantizedKVCache``) and attention runs through mlx_lm's quantized path.
+        kv_group_size: elements sharing one scale and bias when quantized (32, 64 or 128;
+            must divide head_dim).
     """
 
     method: str = "morphkv"
@@ -45,6 +50,8 @@ class KVCacheConfig:
     morphkv_value: bool = False
     scoring: str = "auto"
     seed: int = 0
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
     @property
     def budget(self) -> int:
@@ -107,7 +114,26 @@ class KVCacheConfig:
             raise ValueError(f"morphkv_fusion={self.morphkv_fusion!r} is unknown; valid: {FUSIONS}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring={self.scoring!r} is unknown; valid: {SCORINGS}")
+        self._validate_storage()
         return self
+
+    def _validate_storage(self) -> None:
+        from .quant import BITS, GROUP_SIZES
+
+        def bad(value, allowed) -> bool:
+            return not isinstance(value, int) or isinstance(value, bool) or value not in allowed
+
+        if self.kv_bits is not None and bad(self.kv_bits, BITS):
+            raise ValueError(f"kv_bits must be None or one of {BITS}, got {self.kv_bits!r}")
+        if bad(self.kv_group_size, GROUP_SIZES):
+            raise ValueError(
+                f"kv_group_size must be one of {GROUP_SIZES}, got {self.kv_group_size!r}"
+            )
+        if self.kv_bits is not None and self.head_dim is not None:
+            if self.head_dim % self.kv_group_size:
+                raise ValueError(
+                    f"kv_group_size={self.kv_group_size} must divide head_dim={self.head_dim}"
+                )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -1,0 +1,119 @@
+"""Quantized K/V storage: MLX affine quantization, stored as mlx_lm's ``QuantizedKVCache`` does.
+
+A quantized storage array is a triplet ``(packed uint32, scales, biases)`` from ``mx.quantize``
+over the last axis (head_dim), so every stored token row is quantized on its own: a row can be
+written into any slot, and ``dequantize(quantize(x))`` of a token does not depend on its
+neighbours (chunked and token-by-token feeding store the same bits). The helpers below apply
+one operation to a plain array or to each part of a triplet, along the slot axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+
+Storage = mx.array | tuple  # a plain array, or (packed, scales, biases)
+
+
+def quantize(x: mx.array, group_size: int, bits: int) -> tuple:
+    return tuple(mx.quantize(x, group_size=group_size, bits=bits))
+
+
+def dequantize(x: Storage, group_size: int, bits: int) -> mx.array:
+    """A float array (the arriving dtype) of what is stored; a plain array is returned as is."""
+    if not isinstance(x, tuple):
+        return x
+    return mx.dequantize(*x, group_size=group_size, bits=bits)
+
+
+def host_dequantize(x: Storage, group_size: int, bits: int) -> np.ndarray:
+    """``dequantize`` on the host (NumPy float32, equal to ``mx.dequantize``'s float32 result):
+    cheaper than an MLX evaluation for the selection engine's small reads. Elements are packed
+    little-endian from the low bits, so the packed words read as bytes (8 bits) or nibbles."""
+    packed, scales, biases = (np.asarray(_host_float(p)) for p in x)
+    codes = packed.view(np.uint8)
+    if bits == 4:
+        codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+    groups = codes.astype(np.float32).reshape(*codes.shape[:-1], -1, group_size)
+    out = groups * scales[..., None].astype(np.float32) + biases[..., None].astype(np.float32)
+    return out.reshape(*codes.shape)
+
+
+def _host_float(p: mx.array) -> mx.array:
+    return p.astype(mx.float32) if p.dtype == mx.bfloat16 else p
+
+
+def apply(fn: Callable, *xs: Storage) -> Storage:
+    """``fn`` on plain arrays, or part by part on triplets (all arguments of one kind)."""
+    if isinstance(xs[0], tuple):
+        return tuple(fn(*parts) for parts in zip(*xs, strict=True))
+    return fn(*xs)
+
+
+def assign(x: Storage, start: int, end: int, new: Storage) -> None:
+    """``x[:, :, start:end] = new`` in place (each part of a triplet)."""
+    for part, value in zip(_parts(x), _parts(new), strict=True):
+        part[:, :, start:end] = value
+
+
+def zeros(like: Storage, rows: int) -> Storage:
+    """Zero storage of ``rows`` slots shaped like ``like`` (B, H, ., last)."""
+    return apply(lambda p: mx.zeros((*p.shape[:2], rows, p.shape[3]), p.dtype), like)
+
+
+def _parts(x: Storage) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def dims(x: Storage) -> tuple[int, int, int]:
+    """(batch, KV heads, slots) of the storage."""
+    return tuple(_parts(x)[0].shape[:3])
+
+
+def dtype(x: Storage):
+    """The dtype keys arrived in (a triplet's scales keep it)."""
+    return x[1].dtype if isinstance(x, tuple) else x.dtype
+
+
+def head_dim(x: Storage, group_size: int | None) -> int:
+    return x[1].shape[3] * group_size if isinstance(x, tuple) else x.shape[3]
+
+
+def nbytes(x: Storage) -> int:
+    return sum(p.nbytes for p in _parts(x))
+
+
+def row_bytes(dim: int, dtype_size: int, bits: int | None, group_size: int) -> int:
+    """Bytes of one stored token row of ``dim`` elements (packed bits + scale + bias per
+    group when quantized)."""
+    if bits is None:
+        return dim * dtype_size
+    return dim * bits // 8 + 2 * (dim // group_size) * dtype_size
+
+
+def check_triplet(name: str, x, bits: int, group_size: int) -> None:
+    """Raise ``ValueError`` unless ``x`` is a consistent (packed, scales, biases) triplet."""
+    ok = isinstance(x, (tuple, list)) and len(x) == 3
+    ok = ok and all(isinstance(p, mx.array) and p.ndim == 4 for p in x)
+    if not ok:
+        raise ValueError(f"saved cache: {name} must be 3 4-d MLX arrays (packed, scales, biases)")
+    packed, scales, biases = x
+    dim = scales.shape[3] * group_size
+    if (
+        packed.dtype != mx.uint32
+        or not mx.issubdtype(scales.dtype, mx.floating)
+        or biases.dtype != scales.dtype
+        or scales.shape != biases.shape
+        or packed.shape[:3] != scales.shape[:3]
+        or packed.shape[3] * 32 != dim * bits
+        or 0 in packed.shape
+    ):
+        raise ValueError(
+            f"saved cache: {name} parts {[(tuple(p.shape), str(p.dtype)) for p in x]} are not "
+            f"a {bits}-bit, group-size {group_size} quantization"
+        )
