@@ -19,7 +19,6 @@ is therefore the same for any chunking of a stream, and at most ``budget`` token
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -29,18 +28,14 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
-from . import quant, saved
+from . import quant
 from .config import KVCacheConfig
 from .engine import Engine
 from .hooks import hooks_attached
 from .liveness import liveness
-
-
-def _to_numpy(x: mx.array) -> np.ndarray:
-    """Host copy for the selection engine (float16/float32 exactly; bfloat16 via float32)."""
-    if x.dtype not in (mx.float16, mx.float32):
-        x = x.astype(mx.float32)
-    return np.asarray(x)
+from .quant import QuantizedAttributes
+from .saved import SavedState
+from .storage import SlotStorage, to_numpy
 
 
 @dataclass
@@ -60,7 +55,7 @@ class _Chunk:
     evicted: np.ndarray | None = None  # (rows, C) position evicted at each step, -1 if none
 
 
-class MorphKVCache(mlx_cache._BaseCache):
+class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._BaseCache):
     """A fixed-budget KV cache for one attention layer (see the module docstring)."""
 
     # Single-token updates run the selection engine on the device (MLX, float32, no host
@@ -167,7 +162,7 @@ class MorphKVCache(mlx_cache._BaseCache):
         keys, stored = read(keys), read(stored)
         values = None if values is None else read(values)
         if self.engine.xp is np:  # reshape on the host: no extra MLX op to evaluate
-            queries = None if queries is None else _to_numpy(queries)
+            queries = None if queries is None else to_numpy(queries)
         if values is not None:
             values = values.reshape(B * H, C, -1)
         keys, stored = keys.reshape(B * H, C, D), stored.reshape(B * H, -1, D)
@@ -181,107 +176,6 @@ class MorphKVCache(mlx_cache._BaseCache):
             self._compact(chunk.fetched, chunk.dead, chunk.before, chunk.first)
         chunk.keys = chunk.values = chunk.queries = chunk.fetched = None
         return chunk
-
-    def _place(self, keys: mx.array, values: mx.array, dead: np.ndarray | None) -> int:
-        """Write the new tokens: the first into the dead slot (if any), the rest appended.
-        Returns the number of rows that now hold tokens."""
-        B, H, C = quant.dims(keys)
-        start = self.engine.slots
-        if dead is not None:
-            if isinstance(dead, mx.array):  # device decode: no host sync
-                slot = dead.reshape(B, H, 1, 1).astype(mx.int32)
-            else:
-                slot = mx.array(dead.reshape(B, H, 1, 1).astype(np.int32, copy=False))
-            if C > 1:
-                first_k, first_v = (quant.apply(lambda p: p[:, :, :1], x) for x in (keys, values))
-                keys, values = (quant.apply(lambda p: p[:, :, 1:], x) for x in (keys, values))
-            else:
-                first_k, first_v = keys, values
-
-            def put(stored, new):
-                return mx.put_along_axis(stored, slot, new, axis=2)
-
-            self.keys = quant.apply(put, self.keys, first_k)
-            self.values = quant.apply(put, self.values, first_v)
-            C -= 1
-            if C == 0:
-                return start
-        end = start + C
-        if self.keys is None or end > quant.dims(self.keys)[2]:
-            self._reserve(end, keys, values)
-        quant.assign(self.keys, start, end, keys)
-        quant.assign(self.values, start, end, values)
-        return end
-
-    def _reserve(self, rows: int, keys: mx.array, values: mx.array) -> None:
-        """Grow storage to hold ``rows`` rows (in steps of 256, never past budget + 1
-        unless a chunk itself needs more)."""
-        step = 256
-        capacity = -(-rows // step) * step
-        if self.config.method != "full":
-            capacity = max(rows, min(capacity, self.config.budget + 1))
-        used = 0 if self.keys is None else self.engine.slots
-
-        def grow(old, fresh):
-            return mx.concatenate([old[:, :, :used], fresh], 2)
-
-        grown = []
-        for old, new in ((self.keys, keys), (self.values, values)):
-            fresh = quant.zeros(new, capacity - used)
-            grown.append(fresh if old is None else quant.apply(grow, old, fresh))
-        self.keys, self.values = grown
-
-    def _fetch(self, rows: int | None = None) -> tuple[mx.array, mx.array]:
-        rows = self.engine.slots if rows is None else rows
-        if rows == quant.dims(self.keys)[2]:
-            return self.keys, self.values
-        return tuple(quant.apply(lambda p: p[:, :, :rows], x) for x in (self.keys, self.values))
-
-    def _store_form(self, x: mx.array) -> quant.Storage:
-        """New keys or values as the storage holds them."""
-        if self.config.kv_bits is None:
-            return x
-        return quant.quantize(x, self.config.kv_group_size, self.config.kv_bits)
-
-    def _host(self, x: quant.Storage) -> np.ndarray:
-        """Stored keys or values as a host float array (dequantized when quantized)."""
-        if self.config.kv_bits is None:
-            return _to_numpy(x)
-        return quant.host_dequantize(x, self.config.kv_group_size, self.config.kv_bits)
-
-    def _float(self, x: quant.Storage) -> mx.array:
-        """Stored keys or values as a float array (dequantized when quantized)."""
-        return quant.dequantize(x, self.config.kv_group_size, self.config.kv_bits)
-
-    def _gather(self, source: mx.array, keys: quant.Storage, values: quant.Storage) -> tuple:
-        def take(x):
-            return mx.take_along_axis(x, source, axis=2)
-
-        return quant.apply(take, keys), quant.apply(take, values)
-
-    def _fetch_live(self) -> tuple[mx.array, mx.array]:
-        """Stored keys/values without the slot awaiting reuse."""
-        if self.engine.dead is None:
-            return self._fetch()
-        self.engine.to(np)
-        B, H, _ = quant.dims(self.keys)
-        live = np.ones((B * H, self.engine.slots), bool)
-        live[np.arange(B * H), self.engine.dead] = False
-        index = np.nonzero(live)[1].reshape(B, H, -1, 1).astype(np.int32)
-        return self._gather(mx.array(index), *self._fetch())
-
-    def _compact(self, fetched, dead, before: int, first: int) -> None:
-        """Gather the engine's slot layout out of [old rows + chunk rows]."""
-        engine = self.engine
-        B, H, _ = quant.dims(self.keys)
-        chunk_index = engine.positions[:, : engine.slots] - first  # < 0: stored before
-        had_dead = dead is not None
-        row = before + chunk_index - had_dead
-        if had_dead:
-            row = np.where(chunk_index == 0, dead[:, None], row)
-        slot = np.arange(engine.slots)[None, :]
-        source = np.where(chunk_index < 0, slot, row).reshape(B, H, -1, 1).astype(np.int32)
-        self.keys, self.values = self._gather(mx.array(source), *fetched)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for N new queries against [stored + N new] keys, as mlx_lm expects."""
@@ -441,106 +335,6 @@ class MorphKVCache(mlx_cache._BaseCache):
         from .batch import BatchMorphKVCache  # batch builds on this module
 
         return BatchMorphKVCache.merge(caches)
-
-    # ---- persistence: mlx_lm save_prompt_cache / load_prompt_cache, copy.deepcopy ---------
-    @property
-    def state(self) -> list:
-        """[config JSON] when empty, else [config JSON, keys, values, array spec, arrays...]
-        (the engine's state, see ``morphkv.saved``); quantized keys and values are three
-        arrays each (packed, scales, biases)."""
-        self._flush()
-        if self.engine is None:
-            return [self.config.to_json()]
-        keys, values = self._fetch()
-        spec, arrays = saved.pack(saved.snapshot(self.engine))
-        storage = [keys, values] if self.config.kv_bits is None else [*keys, *values]
-        return [self.config.to_json(), *storage, spec, *arrays]
-
-    @state.setter
-    def state(self, state: list) -> None:
-        """Restore from ``state``; an inconsistent or edited state raises ``ValueError`` and
-        leaves this cache as it was."""
-        config = KVCacheConfig.from_json(state[0]).validate()
-        n = 1 if config.kv_bits is None else 3  # arrays per stored keys (values)
-        if len(state) == 1:
-            engine = keys = values = None
-        elif len(state) < 2 + 2 * n or not isinstance(state[1 + 2 * n], str):
-            raise ValueError("saved cache: expected [config, keys, values, spec, arrays...]")
-        else:
-            keys, values = state[1 : 1 + n], state[1 + n : 1 + 2 * n]
-            spec, arrays = state[1 + 2 * n], state[2 + 2 * n :]
-            keys, values = (tuple(x) if n == 3 else x[0] for x in (keys, values))
-            self._check_saved_storage(config, keys, values)
-            B, H, N = quant.dims(keys)
-            D = quant.head_dim(keys, config.kv_group_size)
-            engine = saved.restore(config, B * H, D, N, saved.unpack(spec, arrays))
-            if engine.slots != N:
-                raise ValueError(f"saved cache: {N} stored rows for {engine.slots} slots")
-        self.config, self.keys, self.values, self.engine = config, keys, values, engine
-        self._chunk = None
-        self.offset = 0 if engine is None else engine.seen
-
-    @staticmethod
-    def _check_saved_storage(config: KVCacheConfig, keys, values) -> None:
-        bits, group_size = config.kv_bits, config.kv_group_size
-        for name, a in (("keys", keys), ("values", values)):
-            if bits is not None:
-                quant.check_triplet(name, a, bits, group_size)
-                continue
-            floating = isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)
-            if not floating or a.ndim != 4:
-                raise ValueError(f"saved cache: {name} must be a 4-d floating MLX array")
-        shapes = [(quant.dims(x), quant.dtype(x)) for x in (keys, values)]
-        if shapes[0][0] != shapes[1][0] or shapes[0][1] != shapes[1][1] or 0 in shapes[0][0]:
-            raise ValueError(f"saved cache: keys and values {shapes} do not match")
-        dim = quant.head_dim(keys, group_size)
-        if bits is None and 0 in keys.shape:
-            raise ValueError("saved cache: keys have an empty head_dim")
-        if config.head_dim is not None and dim != config.head_dim:
-            raise ValueError(f"saved cache: head_dim {dim} != config {config.head_dim}")
-
-    # ---- mlx_lm's kv_bits= / --kv-bits ---------------------------------------------------
-    @property
-    def bits(self) -> int:
-        """Bits per stored element; absent (AttributeError) when unquantized, because mlx_lm's
-        attention takes its quantized path exactly when the cache has ``bits``."""
-        if self.config.kv_bits is None:
-            raise AttributeError("this MorphKVCache stores keys and values unquantized")
-        return self.config.kv_bits
-
-    @property
-    def group_size(self) -> int:
-        """Elements per quantization group; absent when unquantized (see ``bits``)."""
-        if self.config.kv_bits is None:
-            raise AttributeError("this MorphKVCache stores keys and values unquantized")
-        return self.config.kv_group_size
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> MorphKVCache:
-        """This cache with quantized storage: the same kept tokens and selection state, keys
-        and values quantized. mlx_lm's ``generate_step(kv_bits=...)`` calls it on every cache
-        after each step once ``offset >= quantized_kv_start``, so a cache already stored this
-        way returns itself; another precision raises ``ValueError`` (requantizing would lose
-        more than asked)."""
-        if (self.config.kv_bits, self.config.kv_group_size) == (bits, group_size):
-            return self
-        if self.config.kv_bits is not None:
-            raise ValueError(
-                f"this cache already stores {self.config.kv_bits}-bit keys/values (group size "
-                f"{self.config.kv_group_size}); cannot convert to {bits}-bit, group size "
-                f"{group_size}"
-            )
-        config = dataclasses.replace(self.config, kv_bits=bits, kv_group_size=group_size)
-        config.validate()
-        self._flush()
-        if self.keys is not None:
-            dims = (self.keys.shape[3], self.values.shape[3])
-            if any(d % group_size for d in dims):
-                raise ValueError(f"kv_group_size={group_size} must divide the head dims {dims}")
-        new = copy.copy(self)
-        new.config, new.engine, new._chunk = config, copy.deepcopy(self.engine), None
-        if self.keys is not None:
-            new.keys, new.values = (quant.quantize(x, group_size, bits) for x in self._fetch())
-        return new
 
 
 # load_prompt_cache looks cache classes up in mlx_lm.models.cache by name.

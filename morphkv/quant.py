@@ -9,6 +9,8 @@ one operation to a plain array or to each part of a triplet, along the slot axis
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -117,3 +119,50 @@ def check_triplet(name: str, x, bits: int, group_size: int) -> None:
             f"saved cache: {name} parts {[(tuple(p.shape), str(p.dtype)) for p in x]} are not "
             f"a {bits}-bit, group-size {group_size} quantization"
         )
+
+
+class QuantizedAttributes:
+    """What mlx_lm reads off a quantized cache (``bits``, ``group_size``) and its switch to
+    quantized storage (``to_quantized``), for ``MorphKVCache``."""
+
+    @property
+    def bits(self) -> int:
+        """Bits per stored element; absent (AttributeError) when unquantized, because mlx_lm's
+        attention takes its quantized path exactly when the cache has ``bits``."""
+        if self.config.kv_bits is None:
+            raise AttributeError("this MorphKVCache stores keys and values unquantized")
+        return self.config.kv_bits
+
+    @property
+    def group_size(self) -> int:
+        """Elements per quantization group; absent when unquantized (see ``bits``)."""
+        if self.config.kv_bits is None:
+            raise AttributeError("this MorphKVCache stores keys and values unquantized")
+        return self.config.kv_group_size
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedAttributes:
+        """This cache with quantized storage: the same kept tokens and selection state, keys
+        and values quantized. mlx_lm's ``generate_step(kv_bits=...)`` calls it on every cache
+        after each step once ``offset >= quantized_kv_start``, so a cache already stored this
+        way returns itself; another precision raises ``ValueError`` (requantizing would lose
+        more than asked)."""
+        if (self.config.kv_bits, self.config.kv_group_size) == (bits, group_size):
+            return self
+        if self.config.kv_bits is not None:
+            raise ValueError(
+                f"this cache already stores {self.config.kv_bits}-bit keys/values (group size "
+                f"{self.config.kv_group_size}); cannot convert to {bits}-bit, group size "
+                f"{group_size}"
+            )
+        config = dataclasses.replace(self.config, kv_bits=bits, kv_group_size=group_size)
+        config.validate()
+        self._flush()
+        if self.keys is not None:
+            dims = (self.keys.shape[3], self.values.shape[3])
+            if any(d % group_size for d in dims):
+                raise ValueError(f"kv_group_size={group_size} must divide the head dims {dims}")
+        new = copy.copy(self)
+        new.config, new.engine, new._chunk = config, copy.deepcopy(self.engine), None
+        if self.keys is not None:
+            new.keys, new.values = (quantize(x, group_size, bits) for x in self._fetch())
+        return new

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from . import quant
 from .config import KVCacheConfig
 from .engine import Engine
 
@@ -141,3 +142,66 @@ def _check_rows(engine: Engine, saved: dict, rows: int, W: int, capacity: int, s
     if "ring_slot" in saved:
         _need(bool(((saved["ring_slot"] >= 0) & (saved["ring_slot"] < max(slots, 1))).all()),
               "ring_slot out of range")
+
+
+class SavedState:
+    """``state`` for mlx_lm's save_prompt_cache / load_prompt_cache and copy.deepcopy, checked
+    on load (for ``MorphKVCache``)."""
+
+    @property
+    def state(self) -> list:
+        """[config JSON] when empty, else [config JSON, keys, values, array spec, arrays...]
+        (the engine's state, see ``morphkv.saved``); quantized keys and values are three
+        arrays each (packed, scales, biases)."""
+        self._flush()
+        if self.engine is None:
+            return [self.config.to_json()]
+        keys, values = self._fetch()
+        spec, arrays = pack(snapshot(self.engine))
+        storage = [keys, values] if self.config.kv_bits is None else [*keys, *values]
+        return [self.config.to_json(), *storage, spec, *arrays]
+
+    @state.setter
+    def state(self, state: list) -> None:
+        """Restore from ``state``; an inconsistent or edited state raises ``ValueError`` and
+        leaves this cache as it was."""
+        config = KVCacheConfig.from_json(state[0]).validate()
+        n = 1 if config.kv_bits is None else 3  # arrays per stored keys (values)
+        if len(state) == 1:
+            engine = keys = values = None
+        elif len(state) < 2 + 2 * n or not isinstance(state[1 + 2 * n], str):
+            raise ValueError("saved cache: expected [config, keys, values, spec, arrays...]")
+        else:
+            keys, values = state[1 : 1 + n], state[1 + n : 1 + 2 * n]
+            spec, arrays = state[1 + 2 * n], state[2 + 2 * n :]
+            keys, values = (tuple(x) if n == 3 else x[0] for x in (keys, values))
+            self._check_saved_storage(config, keys, values)
+            B, H, N = quant.dims(keys)
+            D = quant.head_dim(keys, config.kv_group_size)
+            engine = restore(config, B * H, D, N, unpack(spec, arrays))
+            if engine.slots != N:
+                raise ValueError(f"saved cache: {N} stored rows for {engine.slots} slots")
+        self.config, self.keys, self.values, self.engine = config, keys, values, engine
+        self._chunk = None
+        self.offset = 0 if engine is None else engine.seen
+
+    @staticmethod
+    def _check_saved_storage(config: KVCacheConfig, keys, values) -> None:
+        bits, group_size = config.kv_bits, config.kv_group_size
+        for name, a in (("keys", keys), ("values", values)):
+            if bits is not None:
+                quant.check_triplet(name, a, bits, group_size)
+                continue
+            floating = isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)
+            if not floating or a.ndim != 4:
+                raise ValueError(f"saved cache: {name} must be a 4-d floating MLX array")
+        shapes = [(quant.dims(x), quant.dtype(x)) for x in (keys, values)]
+        if shapes[0][0] != shapes[1][0] or shapes[0][1] != shapes[1][1] or 0 in shapes[0][0]:
+            raise ValueError(f"saved cache: keys and values {shapes} do not match")
+        dim = quant.head_dim(keys, group_size)
+        if bits is None and 0 in keys.shape:
+            raise ValueError("saved cache: keys have an empty head_dim")
+        if config.head_dim is not None and dim != config.head_dim:
+            raise ValueError(f"saved cache: head_dim {dim} != config {config.head_dim}")
+
+    # ---- mlx_lm's kv_bits= / --kv-bits ---------------------------------------------------
