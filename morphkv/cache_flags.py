@@ -29,6 +29,8 @@ FLAGS = {  # KVCacheConfig field -> the flag that sets it (also for error messag
     "morphkv_fusion": "--fusion",
     "scoring": "--scoring",
     "seed": "--seed",
+    "kv_bits": "--kv-bits",
+    "kv_group_size": "--kv-group-size",
 }
 OVERRIDES = {  # argparse dest -> KVCacheConfig field
     "method": "method",
@@ -38,6 +40,8 @@ OVERRIDES = {  # argparse dest -> KVCacheConfig field
     "sinks": "morphkv_n_sink",
     "fusion": "morphkv_fusion",
     "scoring": "scoring",
+    "kv_bits": "kv_bits",
+    "kv_group_size": "kv_group_size",
 }
 
 
@@ -78,6 +82,11 @@ def add_cache_flags(parser, budget: int) -> None:
         help="attention: the model's real queries; proxy: stored keys stand in for queries; "
         "auto: attention where the model is supported (default: auto).",
     )
+    g.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
+                   help="Store keys and values quantized to 4 or 8 bits (default: as they "
+                   "arrive, unquantized).")
+    g.add_argument("--kv-group-size", type=int, default=None, choices=(32, 64, 128),
+                   help="Quantization group size with --kv-bits (default: 64).")
 
 
 def config_from_flags(args, seed: int = 0) -> KVCacheConfig:
@@ -102,4 +111,6 @@ def describe(config: KVCacheConfig) -> str:
     text += f" recent={config.recent}"
     if config.morphkv_value:
         text += " value-weighted"
+    if config.kv_bits is not None:
+        text += f" {config.kv_bits}-bit (groups of {config.kv_group_size})"
     return text

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..quant import dims
+
 TOKEN_STATS = ("kl", "agree", "nll", "nll_full", "n")
 
 
@@ -56,12 +58,14 @@ def held_bytes(cache) -> int:
 
 
 def kv_bytes(caches) -> dict:
-    """Stored bytes (``nbytes``), kept K+V bytes and everything held, summed over layers."""
+    """Bytes held (``nbytes``: storage + selection state), kept K+V bytes and everything held,
+    summed over layers."""
     storage = sum(int(getattr(c, "nbytes", 0)) for c in caches)
     kept = 0
     for c in caches:
         if hasattr(c, "morphkv_kept_bytes") and c.keys is not None:
-            kept += int(c.morphkv_kept_bytes) * int(c.keys.shape[0] * c.keys.shape[1])
+            B, H, _ = dims(c.keys)  # plain arrays or quantized triplets
+            kept += int(c.morphkv_kept_bytes) * B * H
         else:
             kept += int(getattr(c, "nbytes", 0))
     held = sum(held_bytes(c) for c in caches)
