@@ -27,6 +27,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("eval generation", "morphkv.bench.generation"),
     ("eval sweep", "morphkv.bench.sweep"),
     ("eval recall", "morphkv.bench.recall"),
+    ("eval quantized", "morphkv.bench.quantized"),
     ("report", "morphkv.bench.report"),
 ]
 

@@ -300,3 +300,24 @@ def test_kept_sets_at_8_bits_overlap_the_float_cache():
     assert ref[0].shape[1] == 64 and len(overlaps) == 30 * 3
     assert np.mean(overlaps) >= 0.95, np.mean(overlaps)
     assert min(overlaps) < 1.0  # the quantized run did decide on its own keys
+
+
+def test_quantized_equal_bytes_command_quick(tmp_path):
+    import argparse
+
+    from morphkv.bench import quantized as Q
+
+    class Bytes:
+        chat_template = None
+
+        def encode(self, text):
+            return list(text.encode("utf-8"))
+
+    parser = argparse.ArgumentParser()
+    Q.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--out", str(tmp_path)])
+    result = Q.execute(args, tiny_llama_hd64(), Bytes())
+    budgets = {(r["method"], r["bits"]): r["budget"] for r in result["rows"]}
+    assert budgets[("morphkv", None)] == 16 and budgets[("morphkv", 8)] == 30  # 16 * 128 / 68
+    assert budgets[("streaming_llm", 4)] == 56
+    assert all(r["kl"] >= 0 and r["positions"] > 0 for r in result["rows"])

@@ -1,0 +1,115 @@
+"""Quantized storage at equal bytes: KL against the full cache for float, 8-bit and 4-bit
+storage, each given the tokens that fit in the bytes of a float16 budget-128 cache.
+
+On a float16 model with head_dim 64 and groups of 64, one K (or V) row costs 128 bytes as
+float16, 68 at 8 bits, 36 at 4 bits: a float16 budget of 128 buys 241 tokens at 8 bits and 455
+at 4. The embedded model runs float32 on the CPU, so float arms store float32 (float16 storage
+changes nothing measurable) and the budgets are those of the float16 model. KL is averaged over
+the SAME positions for every arm (from the first position a float16 budget-128 cache lacks a
+token), so the arms compare on equal terms; mlx_lm's QuantizedKVCache (unbounded) is the
+reference for quantization alone. The morphkv arm is ``morphkv:recent=0.5:value=true:attn``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import mlx.core as mx
+from mlx_lm.models.cache import QuantizedKVCache
+
+from .. import KVCacheConfig
+from ._util import add_flags, load_model, markdown_table, out_dir, require_matplotlib, write_json
+from .runner import Feeder, reference_logprobs
+from .texts import conversation_tokens, prose_documents
+
+NAME = "quantized"
+ROW_F16 = {None: 128, 8: 68, 4: 36}  # bytes per K (or V) row on a float16 head_dim-64 model
+ARMS = (  # method, bits; budgets scale with the bytes
+    ("streaming_llm", None), ("streaming_llm", 8), ("streaming_llm", 4),
+    ("morphkv", None), ("morphkv", 8), ("morphkv", 4), ("mlx_q", 8), ("mlx_q", 4),
+)
+
+
+def budget_at(bytes_budget: int, bits) -> int:
+    """Tokens in the bytes of a float16 cache of ``bytes_budget`` tokens (nearest: 241 at 8
+    bits for 128, 0.02% over)."""
+    return round(bytes_budget * ROW_F16[None] / ROW_F16[bits])
+
+
+def config(method: str, budget: int, bits) -> KVCacheConfig:
+    extra = {}
+    if method == "morphkv":
+        extra = dict(morphkv_recent=budget // 2, morphkv_value=True, scoring="attention")
+    return KVCacheConfig(method=method, morphkv_budget=budget, morphkv_n_sink=4, kv_bits=bits,
+                         **extra)
+
+
+def blocks(model, tokens, method, budget, bits, first):
+    """(start, log-probabilities) blocks past ``first`` for one arm."""
+    if method == "mlx_q":
+        caches = [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers]
+        ids = mx.array(tokens)[None]
+        for s in range(0, len(tokens), 256):
+            logits = model(ids[:, s : s + 256], cache=caches).astype(mx.float32)
+            yield s, (logits - mx.logsumexp(logits, -1, keepdims=True))[0]
+        return
+    feed = Feeder(mode="chunked", chunk=256).run(model, [config(method, budget, bits)], tokens,
+                                                 first - 1)
+    for s, lp, _ in feed:
+        yield s, lp[0]
+
+
+def kl_over(pairs, ref, first: int, end: int) -> tuple[float, float, int]:
+    kl = agree = n = 0.0
+    for s, lp in pairs:
+        lo, hi = max(s, first), min(s + lp.shape[0], end)
+        if hi > lo:
+            a, r = lp[lo - s : hi - s], ref[lo:hi]
+            kl += float((mx.exp(r) * (r - a)).sum())
+            agree += float((a.argmax(-1) == r.argmax(-1)).sum())
+            n += hi - lo
+    return kl / max(n, 1), agree / max(n, 1), int(n)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, [
+        ("--bytes-budget", 128, "the float16 budget whose bytes every arm gets"),
+        ("--prose-tokens", 1024, "tokens of the prose text"),
+        ("--model", None, "model (default: the embedded SmolLM2)"),
+        ("--quick", False, "tiny smoke run"),
+        ("--out", None, "output folder (default results/quantized)"),
+    ])
+
+
+def run(args: argparse.Namespace) -> int:
+    """CLI entry point (``morphkv`` command contract): 0 on success."""
+    execute(args)
+    return 0
+
+
+def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
+    require_matplotlib()
+    if model is None:
+        model, tokenizer = load_model(args.model)
+    B = 16 if args.quick else args.bytes_budget
+    texts = {"prose": prose_documents(tokenizer, 96 if args.quick else args.prose_tokens)[0]}
+    if not args.quick:
+        texts["conversation"] = conversation_tokens(tokenizer, 0)
+    rows = []
+    for text, tokens in texts.items():
+        ref = reference_logprobs(model, tokens)
+        for method, bits in ARMS:
+            budget = None if method == "mlx_q" else budget_at(B, bits)
+            kl, top1, n = kl_over(blocks(model, tokens, method, budget, bits, B + 1), ref,
+                                  B + 1, len(tokens) - 1)
+            rows.append(dict(text=text, tokens=len(tokens), method=method, bits=bits,
+                             budget=budget, kl=kl, top1=top1, positions=n))
+            print(f"{text} {method} {bits or 'float'} x{budget or 'all'}: KL {kl:.4f}", flush=True)
+    result = {"benchmark": NAME, "bytes_budget": B, "rows": rows}
+    folder = out_dir(args, NAME)
+    write_json(folder / f"{NAME}{'_quick' if args.quick else ''}.json", result)
+    print("KL: mean KL(full || arm) over the same positions for every arm (lower is better)")
+    headers = ["text", "method", "bits", "budget", "kl", "top1"]
+    print(markdown_table(headers, [[r[h] if r[h] is not None else "-" for h in headers]
+                                   for r in rows]))
+    return result
