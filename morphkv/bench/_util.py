@@ -82,6 +82,9 @@ def out_dir(args: argparse.Namespace, name: str) -> Path:
     return path
 
 
+ENGINE = 2  # 2: no key mirror, real-query rows fixed at arrival (2026-11-30); 1 before
+
+
 def environment() -> dict:
     """Versions and machine facts stored with every result."""
     import mlx.core as mx
@@ -95,6 +98,7 @@ def environment() -> dict:
         "cpus": os.cpu_count(),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "engine": ENGINE,
     }
 
 

@@ -259,6 +259,21 @@ SECTIONS = {  # name -> section builder (a callable, or "module:function")
 }
 
 
+OLD_ENGINE = (
+    "> Measured with the previous selection engine (engine 1: a float64 copy of the keys, "
+    "real-query rows revised as tokens arrive). Scoring and speed have changed since; the "
+    "command above measures the current engine.\n\n"
+)
+
+
+def _dated(result: dict, text: str) -> str:
+    """A section measured before the current engine says so under its title."""
+    if result.get("environment", {}).get("engine"):
+        return text
+    title, _, rest = text.partition("\n\n")
+    return f"{title}\n\n{OLD_ENGINE}{rest}"
+
+
 def _builder(spec):
     if callable(spec):
         return spec
@@ -279,7 +294,8 @@ def build_report(found: dict) -> str:
         parts.append("No results found: run the benchmarks first.")
     if "fidelity" in found:
         parts.append(fidelity_headline(found["fidelity"]))
-    parts += [_builder(f)(found[name]) for name, f in SECTIONS.items() if name in found]
+    parts += [_dated(found[name], _builder(f)(found[name]))
+              for name, f in SECTIONS.items() if name in found]
     parts += ["## Runs", ""] if found else []
     for name, data in found.items():
         env, run = data.get("environment", {}), Path(data["_path"]).name
