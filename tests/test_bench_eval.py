@@ -148,7 +148,7 @@ def test_texts_are_available_without_download():
     assert len(T.prose_text()) > 20_000
     docs = T.prose_documents(tok, 2000, 3)
     assert len(docs) == 3 and all(len(d) == 2000 for d in docs)
-    assert len(T.CONVERSATIONS) >= 3 and len(T.GENERATION_PROMPTS) == 3
+    assert len(T.CONVERSATIONS) >= 3 and len(T.GENERATION_PROMPTS) == 6
     conv = tok.decode(T.conversation_tokens(tok, 0))
     assert conv.count("<|im_start|>user") >= 4
 
