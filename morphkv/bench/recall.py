@@ -542,3 +542,17 @@ if __name__ == "__main__":
     _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(_parser)
     sys.exit(run(_parser.parse_args()))
+
+
+def section(result: dict) -> str:
+    """The report's section (``morphkv report``): the table the command printed."""
+    args = result.get("args", {})
+    def value(v):
+        return ",".join(map(str, v)) if isinstance(v, list) else v
+
+    command = "morphkv eval recall " + " ".join(
+        f"--{k.replace('_', '-')} {value(v)}" for k, v in args.items()
+        if k in ("arms", "budgets", "distance", "items", "split", "seed") and v is not None
+    )
+    return "\n".join(["## Recall of an early fact (`morphkv eval recall`)", "",
+                      f"`{command}`", "", result["table"], ""])

@@ -24,6 +24,7 @@ SOURCES = {  # name -> JSON file names, newest spelling first
     "layer": ("layer.json", "cache_speed.json"), "blas": ("blas.json", "blas_speed.json"),
     "overhead": ("overhead.json", "model_overhead.json"),
     "sweep_tune": ("sweep_tune.json",), "sweep_heldout": ("sweep_heldout.json",),
+    "recall": ("recall.json",),
 }
 BASELINE = "streaming_llm_w8"
 MIB_KEYS = {"kv_bytes_kept": "kept", "kv_bytes_held": "held"}
@@ -256,6 +257,7 @@ SECTIONS = {  # name -> section builder (a callable, or "module:function")
     "blas": blas_section,
     "sweep_tune": "morphkv.bench.sweep:section",
     "sweep_heldout": "morphkv.bench.sweep:section",
+    "recall": "morphkv.bench.recall:section",
 }
 
 
