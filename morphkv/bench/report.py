@@ -103,7 +103,7 @@ def _fidelity_table(result: dict, metric: str):
 
 def fidelity_headline(result: dict) -> str:
     """Per budget, the arms with the lowest KL; per arm, at how many budgets it beats recency."""
-    body, lines = _fidelity_table(result, "kl")[1], ["## Summary", ""]
+    body, lines = _fidelity_table(result, "kl")[1], ["## Summary (`morphkv eval fidelity`)", ""]
     for i, b in enumerate(result["settings"]["budgets"], start=1):
         ranked = sorted((r[i], r[0]) for r in body if r[i] == r[i])
         rest = ", ".join(f"{a} ({_fmt(v)})" for v, a in ranked[1:4])
@@ -295,7 +295,7 @@ def build_report(found: dict) -> str:
     if not found:
         parts.append("No results found: run the benchmarks first.")
     if "fidelity" in found:
-        parts.append(fidelity_headline(found["fidelity"]))
+        parts.append(_dated(found["fidelity"], fidelity_headline(found["fidelity"])))
     parts += [_dated(found[name], _builder(f)(found[name]))
               for name, f in SECTIONS.items() if name in found]
     parts += ["## Runs", ""] if found else []
