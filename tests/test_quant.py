@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models.llama import Model, ModelArgs
 
 import morphkv
 from morphkv import METHODS, KVCacheBuilder, KVCacheConfig
-from morphkv.bench._util import greedy_tokens
+from morphkv.bench._util import greedy_tokens, tiny_llama
 
 CONFIG = dict(morphkv_budget=20, morphkv_n_sink=2, morphkv_window=4)
 PROMPT = mx.array([[(7 * i + 3) % 251 + 1 for i in range(70)]])
@@ -22,22 +21,7 @@ PROMPT = mx.array([[(7 * i + 3) % 251 + 1 for i in range(70)]])
 
 def tiny_llama_hd64(seed: int = 1):
     """A tiny random-weight llama with head_dim 64 (MLX quantizes groups of 32/64/128)."""
-    mx.random.seed(seed)
-    model = Model(
-        ModelArgs(
-            model_type="llama",
-            hidden_size=64,
-            num_hidden_layers=2,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            rms_norm_eps=1e-5,
-            vocab_size=256,
-        )
-    )
-    mx.eval(model.parameters())
-    return model
+    return tiny_llama(seed, head_dim=64)
 
 
 @pytest.fixture(scope="module")

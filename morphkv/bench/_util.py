@@ -191,8 +191,9 @@ def load_model(name: str | None):
     return load(name)
 
 
-def tiny_llama(seed: int = 0):
-    """A tiny random-weight mlx_lm llama (no download), for tests and smoke runs."""
+def tiny_llama(seed: int = 0, head_dim: int | None = None):
+    """A tiny random-weight mlx_lm llama (no download), for tests and smoke runs; head_dim
+    defaults to 16 (64 lets MLX quantize it in groups of 32/64)."""
     import mlx.core as mx
     from mlx_lm.models.llama import Model, ModelArgs
 
@@ -205,6 +206,7 @@ def tiny_llama(seed: int = 0):
             intermediate_size=128,
             num_attention_heads=4,
             num_key_value_heads=2,
+            head_dim=head_dim,
             rms_norm_eps=1e-5,
             vocab_size=256,
         )
