@@ -35,11 +35,13 @@ def _quiet_exit(signum, frame) -> None:
         sys.stderr.flush()
     except (OSError, RuntimeError, ValueError):
         pass  # a closed pipe or a re-entrant write: exit anyway
-    raise SystemExit(INTERRUPTED)
+    # os._exit, not SystemExit: a library's bare ``except:`` around an import (seen during
+    # start-up under load) would swallow SystemExit and the command would run on
+    os._exit(INTERRUPTED)
 
 
 def install_quiet_interrupt() -> None:
-    """Ctrl-C raises ``SystemExit(130)``: it unwinds (``finally`` blocks run) with no traceback."""
+    """Ctrl-C ends the command at once with status 130, no traceback (output is flushed)."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _quiet_exit)
 

@@ -93,7 +93,9 @@ def test_quick_run_writes_table_json_and_png(tmp_path, capsys):
     for row in rows.values():
         assert row["n"] == summary["full_correct"] and 0 <= row["correct"] <= row["n"]
     # equal budget, equal bytes; both below the full cache, which keeps the whole prompt
-    assert rows["streaming_llm"]["nbytes"] == rows["morphkv"]["nbytes"]
+    # same K/V storage; morphkv also holds its selection state (a few percent)
+    assert rows["streaming_llm"]["nbytes"] <= rows["morphkv"]["nbytes"]
+    assert rows["morphkv"]["nbytes"] <= 1.1 * rows["streaming_llm"]["nbytes"]
     assert rows["morphkv"]["nbytes"] < summary["full_nbytes"]
     # the fact lies past the budget: recency keeps none of it, the full cache all of it
     assert rows["streaming_llm"]["fact_kept"] == 0

@@ -44,7 +44,7 @@ def test_bad_cache_settings_fail_before_loading(capsys):
     from morphkv.cli import main
 
     assert main(["serve", "--budget", "8", "--window", "8"]) == 2
-    assert "morphkv_budget must exceed" in capsys.readouterr().err
+    assert "--budget must exceed" in capsys.readouterr().err
     assert main(["serve", "--max-tokens", "0"]) == 2
 
 
