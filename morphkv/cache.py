@@ -308,12 +308,11 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
         """Every byte this cache will hold once its budget is reached (K/V storage of
         ``budget + 1`` slots + the selection state); None for ``method="full"``. Known after
         the first update (it needs the shapes)."""
-        if self.engine is None or self.engine.bound_nbytes() is None:
+        engine = None if self.engine is None else self.engine.bound_nbytes()
+        if engine is None:
             return None
-        B, H, _, D = self.keys.shape
-        slots = self.config.budget + 1
-        storage = B * H * slots * (D + self.values.shape[3]) * self.keys.dtype.size
-        return storage + self.engine.bound_nbytes()
+        per_slot = self.storage_nbytes // quant.dims(self.keys)[2]  # plain or quantized rows
+        return per_slot * (self.config.budget + 1) + engine
 
     def size(self) -> int:
         return self.tokens_kept

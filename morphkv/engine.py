@@ -211,8 +211,11 @@ class Engine:
         [the slots' keys at the block's start + the block's keys], gathered into slot order."""
         R, C, D = keys.shape
         r = self.row_index
-        slot_keys = np.zeros((R, max(self.capacity, self.config.budget + 1, self.slots + C), D))
-        slot_keys[:, : self.slots] = stored[:, : self.slots]
+        slot_keys = None  # the slots' keys as the chunk fills them (attention rules only)
+        if self.attention is not None:
+            width = max(self.capacity, self.config.budget + 1, self.slots + C)
+            slot_keys = np.zeros((R, width, D))
+            slot_keys[:, : self.slots] = stored[:, : self.slots]
         needed = self._first_row_needed(C)
         for start in range(0, C, BLOCK):
             end = min(C, start + BLOCK)
@@ -229,13 +232,14 @@ class Engine:
                 slot_column[:, :n0] = np.arange(n0)
             for i in range(start, end):
                 slot = self._place()
-                slot_keys[r, slot] = keys[:, i]
                 step_logits = None
+                if slot_keys is not None:
+                    slot_keys[r, slot] = keys[:, i]
                 if flat is not None:
                     slot_column[r, slot] = n0 + i - start
-                if flat is not None and i >= needed:
-                    at = index + slot_column[:, None, : self.slots] + (i - start) * G * N
-                    step_logits = flat.take(at)
+                    if i >= needed:
+                        at = index + slot_column[:, None, : self.slots] + (i - start) * G * N
+                        step_logits = flat.take(at)
                 self._step(step_logits, slot, None if norms is None else norms[:, i])
                 if self.dead is not None:
                     evicted[:, i] = self.positions[r, self.dead]

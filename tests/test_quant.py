@@ -305,3 +305,13 @@ def test_quantized_equal_bytes_command_quick(tmp_path):
     assert budgets[("morphkv", None)] == 16 and budgets[("morphkv", 8)] == 30  # 16 * 128 / 68
     assert budgets[("streaming_llm", 4)] == 57
     assert all(r["kl"] >= 0 and r["positions"] > 0 for r in result["rows"])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bound_known_early_equals_bytes_once_full(bits):
+    k = mx.random.normal((1, 2, 100, 64)).astype(mx.float16)
+    cache = KVCacheBuilder.build(KVCacheConfig(morphkv_budget=32, kv_bits=bits))
+    cache.update_and_fetch(k[:, :, :5], k[:, :, :5])
+    bound = cache.nbytes_bound
+    cache.update_and_fetch(k[:, :, 5:], k[:, :, 5:])
+    assert bound == cache.nbytes
