@@ -40,27 +40,16 @@ def distinct(tokens: list[int], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
-def _storage(cache) -> int:
-    total = 0
-    for x in (getattr(cache, "keys", None), getattr(cache, "values", None)):
-        parts = x if isinstance(x, (tuple, list)) else [x]
-        total += sum(int(getattr(p, "nbytes", 0)) for p in parts if p is not None)
-    return total
-
-
 def held_bytes(cache) -> int:
-    """Everything one cache holds: ``nbytes``, plus the selection engine's state
-    (``engine_nbytes``) while ``nbytes`` counts the stored keys and values only."""
-    n = int(getattr(cache, "nbytes", 0) or 0)
-    if n > _storage(cache):  # nbytes already counts more than the storage: the engine too
-        return n
-    return n + int(getattr(cache, "engine_nbytes", 0) or 0)
+    """Everything one cache holds: ``nbytes`` (for morphkv caches the K/V storage plus the
+    selection state; for mlx_lm's caches their storage)."""
+    return int(getattr(cache, "nbytes", 0) or 0)
 
 
 def kv_bytes(caches) -> dict:
-    """Bytes held (``nbytes``: storage + selection state), kept K+V bytes and everything held,
-    summed over layers."""
-    storage = sum(int(getattr(c, "nbytes", 0)) for c in caches)
+    """K/V storage, kept K+V bytes and everything held (storage + selection state), summed
+    over layers."""
+    storage = sum(int(getattr(c, "storage_nbytes", held_bytes(c))) for c in caches)
     kept = 0
     for c in caches:
         if hasattr(c, "morphkv_kept_bytes") and c.keys is not None:
