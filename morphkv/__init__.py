@@ -1,15 +1,15 @@
 """morphkv: constant-size KV caches (MorphKV and its eviction family) for mlx_lm."""
 
-from . import _program
+from .cli import program as _program
 
 _program.start()  # only for the `morphkv` command: quiet Ctrl-C, OpenBLAS re-exec (Linux)
 
-from .attach import attach, detach  # noqa: E402
-from .builder import KVCacheBuilder, patch_model, unpatch_model  # noqa: E402
-from .cache import MorphKVCache  # noqa: E402
-from .config import KVCacheConfig  # noqa: E402
-from .presets import PRESETS, recommended  # noqa: E402
-from .rules import METHODS  # noqa: E402
+from .core.cache import MorphKVCache  # noqa: E402
+from .core.config import KVCacheConfig  # noqa: E402
+from .core.presets import PRESETS, recommended  # noqa: E402
+from .core.rules import METHODS  # noqa: E402
+from .mlxlm.attach import attach, detach  # noqa: E402
+from .mlxlm.builder import KVCacheBuilder, patch_model, unpatch_model  # noqa: E402
 
 __all__ = [
     "attach",
@@ -26,6 +26,6 @@ __all__ = [
 __version__ = "0.1.0"
 
 if not _program.invoked_as_program():
-    from .blas import warn_if_slow
+    from .cli.blas import warn_if_slow
 
     warn_if_slow()  # plain `python`: say once how to get the OpenBLAS speed-up

@@ -13,8 +13,9 @@ from mlx_lm.models import cache as mlx_cache
 from reference import reference_kept
 
 import morphkv
-from morphkv import METHODS, KVCacheBuilder, KVCacheConfig, hooks
+from morphkv import METHODS, KVCacheBuilder, KVCacheConfig
 from morphkv.bench._util import tiny_llama
+from morphkv.mlxlm import hooks
 
 CONFIG = dict(morphkv_budget=20, morphkv_n_sink=2, morphkv_window=4)
 PROMPT = mx.array([[(7 * i + 3) % 251 + 1 for i in range(70)]])

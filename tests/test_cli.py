@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from morphkv import METHODS, blas
-from morphkv.cli import COMMANDS, build_parser, main
+from morphkv import METHODS
+from morphkv.cli import blas
+from morphkv.cli.main import COMMANDS, build_parser, main
 from morphkv.model.resolve import ModelUnavailableError
 
 STATS_LINES = ("Prompt:", "Generation:", "KV cache:", "Tokens:", "KV bytes:", "Compression:")
@@ -34,7 +35,7 @@ def test_registry_modules_expose_the_interface():
 
 def test_generate_defaults():
     from morphkv import recommended
-    from morphkv.generate import DEFAULT_BUDGET, DEFAULT_MAX_TOKENS, config_from_args
+    from morphkv.cli.generate import DEFAULT_BUDGET, DEFAULT_MAX_TOKENS, config_from_args
 
     args = build_parser().parse_args(["generate"])
     assert args.preset == "recommended" and args.budget == DEFAULT_BUDGET
@@ -293,7 +294,7 @@ def test_console_script_help():
 
 
 def test_bench_and_eval_commands_are_registered(tmp_path):
-    from morphkv.cli import build_parser, main
+    from morphkv.cli.main import build_parser, main
 
     parser = build_parser()
     for argv in (

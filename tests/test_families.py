@@ -16,8 +16,8 @@ from mlx_lm.utils import _get_classes
 
 from morphkv import KVCacheBuilder, KVCacheConfig, MorphKVCache
 from morphkv.bench._util import greedy_tokens
-from morphkv.hooks import is_installed
-from morphkv.layout import describe_layout, morph_caches
+from morphkv.mlxlm.hooks import is_installed
+from morphkv.mlxlm.layout import describe_layout, morph_caches
 
 BUDGET = 12
 CONFIG = KVCacheConfig(morphkv_budget=BUDGET, morphkv_n_sink=2, morphkv_window=3)

@@ -13,7 +13,7 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from morphkv import blas
+from morphkv.cli import blas
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def test_a_clone_folder_beside_the_script_does_not_shadow_the_package(tmp_path):
 
 
 def _import_morphkv(env: dict) -> str:
-    code = "import morphkv\nimport morphkv.cache\nfrom morphkv import KVCacheConfig\n"
+    code = "import morphkv\nimport morphkv.core.cache\nfrom morphkv import KVCacheConfig\n"
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
         cwd=REPO,

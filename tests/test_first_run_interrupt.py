@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _start(*extra: str, preload: bool = False) -> subprocess.Popen:
-    from morphkv.blas import blas_env
+    from morphkv.cli.blas import blas_env
 
     env = blas_env(enable=False)  # LD_PRELOAD without OpenBLAS: the command re-executes
     env.pop("MORPHKV_BLAS_REEXEC", None)
@@ -68,7 +68,7 @@ def test_ctrl_c_during_start_up(delay):
 def test_ctrl_c_while_the_command_re_executes_with_openblas():
     """SIGINT right as the re-executed interpreter starts (before Python is up): it waits,
     blocked, until morphkv's quiet handler is in place."""
-    from morphkv.blas import find_blas
+    from morphkv.cli.blas import find_blas
 
     lib = find_blas()
     if lib is None:
@@ -96,8 +96,8 @@ def test_ctrl_c_during_generation():
 
 def test_in_process_keyboard_interrupt_returns_130(monkeypatch, capsys):
     """``main()`` called from Python: a KeyboardInterrupt becomes status 130, no traceback."""
-    import morphkv.generate as gen
-    from morphkv.cli import main
+    import morphkv.cli.generate as gen
+    from morphkv.cli.main import main
 
     def interrupted(args):
         raise KeyboardInterrupt

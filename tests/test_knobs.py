@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from reference import reference_kept
 
 from morphkv import KVCacheBuilder, KVCacheConfig
-from morphkv.hooks import queries_by_hand
+from morphkv.mlxlm.hooks import queries_by_hand
 
 
 @st.composite

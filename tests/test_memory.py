@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.models.cache import RotatingKVCache
 
 from morphkv import KVCacheBuilder, KVCacheConfig, recommended
-from morphkv.hooks import queries_by_hand
+from morphkv.mlxlm.hooks import queries_by_hand
 
 H, D = 3, 64
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from mlx_lm.models import cache as mlx_cache
 
 from morphkv import KVCacheBuilder, KVCacheConfig, MorphKVCache
-from morphkv import saved as saved_mod
+from morphkv.core import saved as saved_mod
 
 SMALL = dict(morphkv_budget=12, morphkv_n_sink=2, morphkv_window=4)
 

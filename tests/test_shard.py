@@ -39,7 +39,7 @@ def _generate(model, tokenizer):
 
 
 def _record(caches, tokens, prompt_len, rank, size) -> dict:
-    from morphkv.layout import morph_caches
+    from morphkv.mlxlm.layout import morph_caches
 
     morph = morph_caches(caches)
     return dict(
@@ -54,8 +54,8 @@ def _record(caches, tokens, prompt_len, rank, size) -> dict:
 
 
 def _worker(out_dir: str, gguf: str) -> None:
+    from morphkv.mlxlm.shard import shard_if_launched
     from morphkv.model import load_gguf_model
-    from morphkv.shard import shard_if_launched
 
     model, tokenizer = load_gguf_model(gguf)
     group = shard_if_launched(model, quiet=False)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from morphkv import KVCacheBuilder, KVCacheConfig
-from morphkv.host_blas import blas_threads, one_blas_thread
+from morphkv.core.host_blas import blas_threads, one_blas_thread
 
 pytestmark = pytest.mark.skipif(blas_threads() is None, reason="NumPy without OpenBLAS controls")
 

@@ -20,7 +20,7 @@ import time
 
 import mlx.core as mx
 
-from ..hooks import queries_by_hand
+from ..mlxlm.hooks import queries_by_hand
 from . import plots
 from ._util import (
     Progress,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..quant import dims
+from ..core.quant import dims
 
 TOKEN_STATS = ("kl", "agree", "nll", "nll_full", "n")
 

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import KVCacheConfig
+from ..core.config import KVCacheConfig
 from .arms import Arm as SpecArm
 
 NAME = "recall"
@@ -253,7 +253,7 @@ def answer(model, tok, item: Item, config: KVCacheConfig, max_tokens: int, chunk
     """(greedy continuation, KV bytes) of one item through fresh caches."""
     from mlx_lm import generate
 
-    from ..builder import KVCacheBuilder
+    from ..mlxlm.builder import KVCacheBuilder
 
     caches = KVCacheBuilder.for_model(model, config)
     text = generate(

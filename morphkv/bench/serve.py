@@ -61,7 +61,7 @@ def server_main(argv: list[str]) -> int:
     """Child process: ``<memory log> <morphkv|mlx_lm> [morphkv serve flags]``."""
     import mlx.core as mx
 
-    from .. import serve
+    from ..cli import serve
 
     log_path, cache, *flags = argv
     parser = argparse.ArgumentParser()
@@ -95,7 +95,7 @@ class Server:
     """One server process on loopback, stopped by its process id."""
 
     def __init__(self, cache: str, args, out: Path):
-        from ..blas import blas_env
+        from ..cli.blas import blas_env
 
         self.port, self.log = _free_port(), out / f"memory_{cache}.log"
         self.log.unlink(missing_ok=True)

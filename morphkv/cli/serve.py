@@ -3,7 +3,7 @@
 This is mlx_lm's own server (``mlx_lm.server``: its HTTP handler, continuous batching through
 ``BatchGenerator``, prompt cache) with one change: the model it loads has morphkv caches
 installed (``morphkv.patch_model``), so every sequence's KV memory is bounded by the budget.
-Concurrent requests are batched (``MorphKVCache.merge``, see ``morphkv.batch``).
+Concurrent requests are batched (``MorphKVCache.merge``, see ``morphkv.core.batch``).
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def cache_config(args):
 def load_served(args, config) -> ServedModel:
     """Load ``--model`` (or the embedded model) and install morphkv caches on it (``config``
     None: keep mlx_lm's default cache, for comparisons)."""
-    from .builder import patch_model
-    from .model import DEFAULT_MODEL_NAME, load_gguf_model, resolve_default_gguf
+    from ..mlxlm.builder import patch_model
+    from ..model import DEFAULT_MODEL_NAME, load_gguf_model, resolve_default_gguf
 
     name = args.model
     tokenizer_config = {"trust_remote_code": args.trust_remote_code}

@@ -15,7 +15,6 @@ least one model installed on it is alive and not uninstalled (models are held we
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import weakref
 from types import ModuleType
@@ -23,27 +22,11 @@ from typing import Any
 
 from mlx_lm.models import base
 
+from ..core.queries import _ATTACHED, hooks_attached, queries_by_hand  # noqa: F401 (API)
+
 HOOK_NAME = "scaled_dot_product_attention"
 
-_BY_HAND = "<queries by hand>"
-_ATTACHED: dict[str, object] = {}  # module name -> the original scaled_dot_product_attention
 _MODELS: dict[str, dict[int, weakref.ref]] = {}  # module name -> id(model) -> the model
-
-
-@contextlib.contextmanager
-def queries_by_hand():
-    """Attention scoring without a model hook, for code that hands each cache its queries
-    itself with ``cache.prepare_attention(queries, scale, mask)`` (benchmarks, tests)."""
-    _ATTACHED[_BY_HAND] = None
-    try:
-        yield
-    finally:
-        _ATTACHED.pop(_BY_HAND, None)
-
-
-def hooks_attached() -> bool:
-    """True when at least one model module routes attention through morphkv caches."""
-    return bool(_ATTACHED)
 
 
 def _routes_attention(module: ModuleType) -> bool:

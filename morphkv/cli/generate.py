@@ -6,9 +6,9 @@ import argparse
 import sys
 import time
 
+from ..core.config import KVCacheConfig
 from .argtypes import Number, UsageError, add_number, model_ref
 from .cache_flags import add_cache_flags, config_from_flags
-from .config import KVCacheConfig
 from .gen_stats import CacheStats, blas_status, cache_stats, format_stats  # noqa: F401 (API)
 
 DEFAULT_BUDGET = 64  # demo-sized: the README's first command evicts within seconds
@@ -117,7 +117,7 @@ def build_prompt(tokenizer, text: str, chat: bool | None, system_prompt: str | N
 
 def load_model(name: str | None):
     """``morphkv.model.load``; a file or repo that cannot be loaded is one line (UsageError)."""
-    from .model import load
+    from ..model import load
 
     try:
         return load(name)
@@ -135,14 +135,14 @@ def run(args) -> int:
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
-    from .builder import KVCacheBuilder
-    from .layout import morph_caches
+    from ..mlxlm.builder import KVCacheBuilder
+    from ..mlxlm.layout import morph_caches
 
     if args.seed is not None:
         mx.random.seed(args.seed)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)
-    from .shard import shard_if_launched  # under mlx.launch: tensor-parallel, rank 0 prints
+    from ..mlxlm.shard import shard_if_launched  # under mlx.launch: tensor-parallel, rank 0 prints
 
     shard_if_launched(model)
     load_s = time.perf_counter() - t0

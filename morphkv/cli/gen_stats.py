@@ -113,5 +113,5 @@ def blas_status() -> str:
         return "platform default"
     lib = find_blas()
     if lib is None:
-        return "MLX default (no OpenBLAS found or preload disabled; see morphkv.blas)"
+        return "MLX default (no OpenBLAS found or preload disabled; see morphkv.cli.blas)"
     return f"preloaded {lib}" if is_preloaded(lib) else f"not preloaded ({lib} available)"

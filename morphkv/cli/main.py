@@ -12,11 +12,11 @@ import argparse
 import importlib
 import sys
 
-from ._program import INTERRUPTED, invoked_as_program
+from .program import INTERRUPTED, invoked_as_program
 
 COMMANDS: list[tuple[str, str]] = [
-    ("generate", "morphkv.generate"),
-    ("serve", "morphkv.serve"),
+    ("generate", "morphkv.cli.generate"),
+    ("serve", "morphkv.cli.serve"),
     ("bench mechanism", "morphkv.bench.mechanism"),
     ("bench speed", "morphkv.bench.speed"),
     ("bench layer", "morphkv.bench.layer"),
@@ -80,7 +80,7 @@ class ListCommands:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = Parser(prog="morphkv", description="Constant-size KV caches (MorphKV) for mlx_lm.")
     parser.add_argument("--version", action="version", version=f"morphkv {__version__}")
@@ -132,8 +132,8 @@ def _main(argv: list[str] | None) -> int:
         from .blas import ensure_blas_preloaded
 
         ensure_blas_preloaded()  # re-executes with OpenBLAS on Linux when available
+    from ..model.resolve import ModelUnavailableError
     from .argtypes import UsageError
-    from .model.resolve import ModelUnavailableError
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -7,9 +7,9 @@ import warnings
 import weakref
 from typing import Any
 
+from ..core.cache import MorphKVCache
+from ..core.config import KVCacheConfig
 from . import hooks
-from .cache import MorphKVCache
-from .config import KVCacheConfig
 from .layout import count_global, native_caches, native_factory, replace_global
 
 _WARNED: dict[int, weakref.ref] = {}  # models already warned about proxy scoring
@@ -68,7 +68,7 @@ class KVCacheBuilder:
         """The model's own cache layout (``model.make_cache()`` where it has one, else one
         ``KVCache`` per layer) with every full-attention ``KVCache`` replaced by a fresh
         ``MorphKVCache``; sliding-window, linear-attention and state-space layers keep
-        mlx_lm's caches (``morphkv.layout.describe_layout`` says which layer is bounded by
+        mlx_lm's caches (``morphkv.mlxlm.layout.describe_layout`` says which layer is bounded by
         what). ``head_dim`` is inferred from the model when the config leaves it ``None``.
         Where the model's modules allow it the attention hook is attached, so prefill chunks
         are exact and ``scoring="auto"`` means the model's real queries; elsewhere a warning

@@ -1,6 +1,6 @@
 """Eviction rules: each one is a small scoring function over the stored slots.
 
-A rule sees the selection engine (``morphkv.engine.Engine``) after the newest token was
+A rule sees the selection engine (``morphkv.core.engine.Engine``) after the newest token was
 appended and returns one score per stored slot, shape (rows, slots), where rows are the
 flattened (batch, KV head) pairs. The engine evicts the lowest-scoring unprotected slot
 (the first ``n_sink`` positions and the last ``window`` positions are protected), ties to the
@@ -65,7 +65,7 @@ class Random(Rule):
 
 
 class WindowAttention(Rule):
-    """MorphKV: attention of the last ``window`` tokens' queries (``morphkv.rows``), fused by
+    """MorphKV: attention of the last ``window`` tokens' queries (``morphkv.core.rows``), fused by
     mean or max over the window. ``newest_only`` gives TOVA."""
 
     attention = True

@@ -1,7 +1,7 @@
 """Slot storage of ``MorphKVCache``: where each token's keys and values live.
 
 Storage is (B, n_kv_heads, slots, head_dim) per K and V, in the arriving dtype or as mlx_lm's
-quantized triplets (``morphkv.quant``). A new token is written into the slot its row evicted
+quantized triplets (``morphkv.core.quant``). A new token is written into the slot its row evicted
 one step earlier (in place, ``put_along_axis``), or appended below the budget; after a
 multi-token chunk the rows are gathered once into the engine's slot layout.
 """

@@ -151,7 +151,7 @@ class SavedState:
     @property
     def state(self) -> list:
         """[config JSON] when empty, else [config JSON, keys, values, array spec, arrays...]
-        (the engine's state, see ``morphkv.saved``); quantized keys and values are three
+        (the engine's state, see ``morphkv.core.saved``); quantized keys and values are three
         arrays each (packed, scales, biases)."""
         self._flush()
         if self.engine is None:

@@ -6,7 +6,7 @@ written into the slot its row evicted one step earlier. Attention does not care 
 order of stored keys, and with a multi-token update the new tokens are returned after the
 stored ones, so mlx_lm's bottom-right-aligned "causal" mask stays right.
 
-With ``kv_bits`` set, keys and values are stored quantized (``morphkv.quant``: mlx_lm's
+With ``kv_bits`` set, keys and values are stored quantized (``morphkv.core.quant``: mlx_lm's
 ``QuantizedKVCache`` layout, one token row per slot, so slot reuse stays in place), the cache
 exposes ``bits`` and ``group_size``, and mlx_lm's attention takes its quantized path. The
 selection engine scores the keys as stored (dequantized), new tokens included.
@@ -29,11 +29,12 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
 from . import quant
+from .batch import BatchMorphKVCache
 from .config import KVCacheConfig
 from .engine import Engine
-from .hooks import hooks_attached
 from .liveness import liveness
 from .quant import QuantizedAttributes
+from .queries import hooks_attached
 from .saved import SavedState
 from .storage import SlotStorage, to_numpy
 
@@ -330,10 +331,8 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
     @classmethod
     def merge(cls, caches: list):
         """mlx_lm's batch protocol (``batch_generate``, ``BatchGenerator``, the server): one
-        batched cache over single-sequence caches; see ``morphkv.batch``."""
-        from .batch import BatchMorphKVCache  # batch builds on this module
-
-        return BatchMorphKVCache.merge(caches)
+        batched cache over single-sequence caches; see ``morphkv.core.batch``."""
+        return BatchMorphKVCache.merge(caches, row_class=cls)
 
 
 # load_prompt_cache looks cache classes up in mlx_lm.models.cache by name.

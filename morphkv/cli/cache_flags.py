@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 
+from ..core.config import FUSIONS, SCORINGS, KVCacheConfig
+from ..core.presets import PRESETS
 from .argtypes import Number, UsageError, add_number, flag_names
-from .config import FUSIONS, SCORINGS, KVCacheConfig
-from .presets import PRESETS
 
 DEFAULT_PRESET = "recommended"
 FLAGS = {  # KVCacheConfig field -> the flag that sets it (also for error messages)
@@ -47,7 +47,7 @@ OVERRIDES = {  # argparse dest -> KVCacheConfig field
 
 def add_cache_flags(parser, budget: int) -> None:
     """The cache flags, in their own help group; ``budget`` is the command's default."""
-    from .rules import METHODS
+    from ..core.rules import METHODS
 
     g = parser.add_argument_group("KV cache")
     g.add_argument(

@@ -23,8 +23,6 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
-from .cache import MorphKVCache
-
 
 @dataclass(frozen=True)
 class _Span:
@@ -59,7 +57,7 @@ def _row_block(mask, span: _Span, C: int, K: int, n_heads: int) -> mx.array:
 class BatchMorphKVCache(mlx_cache._BaseCache):
     """A batch of independent single-sequence ``MorphKVCache`` rows (see module docstring)."""
 
-    def __init__(self, rows: list[MorphKVCache], left_padding: list[int] | None = None):
+    def __init__(self, rows: list, left_padding: list[int] | None = None):
         self.rows = list(rows)
         lead = [0] * len(self.rows) if left_padding is None else [int(p) for p in left_padding]
         if len(lead) != len(self.rows):
@@ -70,17 +68,18 @@ class BatchMorphKVCache(mlx_cache._BaseCache):
 
     # ---- building -------------------------------------------------------------------------
     @classmethod
-    def merge(cls, caches) -> BatchMorphKVCache:
-        """One batched cache from single-sequence caches (history allowed). The inputs are
-        copied, never updated (``batch_generate``'s contract)."""
+    def merge(cls, caches, row_class: type) -> BatchMorphKVCache:
+        """One batched cache from single-sequence caches of ``row_class`` (``MorphKVCache``,
+        whose own ``merge`` calls this; history allowed). The inputs are copied, never updated
+        (``batch_generate``'s contract)."""
         rows = []
         for i, c in enumerate(caches):
-            if not isinstance(c, MorphKVCache):
+            if not isinstance(c, row_class):
                 raise TypeError(
                     f"cache {i} is a {type(c).__name__}; BatchMorphKVCache.merge needs MorphKVCache"
                 )
             if c.empty():
-                rows.append(MorphKVCache(c.config))
+                rows.append(row_class(c.config))
                 continue
             if c.keys.shape[0] != 1:
                 raise ValueError(
@@ -91,7 +90,7 @@ class BatchMorphKVCache(mlx_cache._BaseCache):
             rows.append(copy.deepcopy(c))
         return cls(rows)
 
-    def extract(self, idx: int) -> MorphKVCache:
+    def extract(self, idx: int):
         """A copy of row ``idx`` as a single-sequence cache (the row keeps going)."""
         row = self.rows[idx]
         row.size()  # settles a pending update before copying

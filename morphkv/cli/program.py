@@ -4,7 +4,7 @@ Runs first thing in ``morphkv/__init__.py``, before MLX is imported, when this p
 ``morphkv ...`` or ``python -m morphkv ...``:
 
 * Ctrl-C anywhere (imports, model load, generation) exits with status 130 and no traceback;
-* on Linux the command re-executes itself once with OpenBLAS preloaded (see ``morphkv.blas``),
+* on Linux the command re-executes itself once with OpenBLAS preloaded (see ``morphkv.cli.blas``),
   before the heavy imports, so they are not paid twice.
 """
 
@@ -50,7 +50,7 @@ def start() -> None:
     if not invoked_as_program():
         return
     install_quiet_interrupt()
-    # after the OpenBLAS re-exec SIGINT arrives blocked (see morphkv.blas): deliver it now
+    # after the OpenBLAS re-exec SIGINT arrives blocked (see morphkv.cli.blas): deliver it now
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if os.environ.get("MORPHKV_BLAS_REEXEC") is None:
         from .blas import ensure_blas_preloaded

@@ -1,6 +1,6 @@
 """Route a model's attention through its morphkv caches: real-query scoring and exact chunks.
 
-With the hook (``morphkv.hooks``) attached, a ``MorphKVCache``
+With the hook (``morphkv.mlxlm.hooks``) attached, a ``MorphKVCache``
 
 * gets the model's real queries and the scale the model passes (``scoring="attention"``), and
 * for a multi-token chunk replaces the one causal mask that mlx_lm shares across layers with
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.config import KVCacheConfig
 from . import hooks
 from .builder import patch_model
-from .config import KVCacheConfig
 
 HOOK_NAME = hooks.HOOK_NAME
 
