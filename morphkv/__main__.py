@@ -2,7 +2,7 @@
 
 import sys
 
-from morphkv.cli.main import main
+from morphkv.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -110,7 +110,7 @@ def test_missing_matplotlib_is_one_line_before_any_work(tmp_path, monkeypatch):
 
 
 def test_cli_lists_the_bench_commands(capsys):
-    from morphkv.cli.main import main
+    from morphkv.cli import main
 
     with pytest.raises(SystemExit):
         main(["bench", "--help"])

@@ -13,7 +13,7 @@ import pytest
 
 from morphkv import METHODS
 from morphkv.cli import blas
-from morphkv.cli.main import COMMANDS, build_parser, main
+from morphkv.cli.commands import COMMANDS, build_parser, main
 from morphkv.model.resolve import ModelUnavailableError
 
 STATS_LINES = ("Prompt:", "Generation:", "KV cache:", "Tokens:", "KV bytes:", "Compression:")
@@ -294,7 +294,7 @@ def test_console_script_help():
 
 
 def test_bench_and_eval_commands_are_registered(tmp_path):
-    from morphkv.cli.main import build_parser, main
+    from morphkv.cli.commands import build_parser, main
 
     parser = build_parser()
     for argv in (

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from morphkv.cli.main import build_parser, main
+from morphkv.cli.commands import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENS = re.compile(r"Tokens:\s+seen (\d+), kept (\d+), evicted (\d+)")

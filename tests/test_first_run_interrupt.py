@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from interruptible import popen
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,7 +25,7 @@ def _start(*extra: str, preload: bool = False) -> subprocess.Popen:
         env["MORPHKV_NO_BLAS_PRELOAD"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     argv = [sys.executable, "-m", "morphkv", "generate", "--prompt", "Tell a long story.", *extra]
-    return subprocess.Popen(
+    return popen(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
     )
 
@@ -97,7 +98,7 @@ def test_ctrl_c_during_generation():
 def test_in_process_keyboard_interrupt_returns_130(monkeypatch, capsys):
     """``main()`` called from Python: a KeyboardInterrupt becomes status 130, no traceback."""
     import morphkv.cli.generate as gen
-    from morphkv.cli.main import main
+    from morphkv.cli import main
 
     def interrupted(args):
         raise KeyboardInterrupt

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from morphkv.bench import recall as R
-from morphkv.cli.main import main
+from morphkv.cli import main
 
 
 def test_arm_specs_map_onto_config_fields():

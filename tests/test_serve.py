@@ -41,7 +41,7 @@ def _healthy(url: str) -> bool:
 
 
 def test_bad_cache_settings_fail_before_loading(capsys):
-    from morphkv.cli.main import main
+    from morphkv.cli import main
 
     assert main(["serve", "--budget", "8", "--window", "8"]) == 2
     assert "--budget must exceed" in capsys.readouterr().err
@@ -54,7 +54,7 @@ def test_mlx_lm_server_reads_only_flags_it_is_given():
 
     import mlx_lm.server
 
-    from morphkv.cli.main import build_parser
+    from morphkv.cli.commands import build_parser
     from morphkv.cli.serve import ServedModel, server_args
 
     args = build_parser().parse_args(["serve"])
