@@ -82,8 +82,8 @@ def test_bad_value_is_one_line_exit_2(results, i):
 
 def test_allow_empty_prompt_passes_the_check(monkeypatch):
     """``--allow-empty-prompt`` lets an empty prompt through the reader (no model needed)."""
-    from morphkv.cli.generate import read_prompt
     from morphkv.cli.commands import build_parser
+    from morphkv.cli.generate import read_prompt
 
     args = build_parser().parse_args(["generate", "--prompt", "", "--allow-empty-prompt"])
     assert read_prompt(args) == ""

@@ -8,10 +8,11 @@ commands: ``fidelity``, ``generation``, ``mechanism``, ``speed`` (+ ``length``),
 
 Adding things (one small change each):
 - a command (sweep, recall, serve): a module with ``add_arguments(parser)`` and ``run(args)``,
-  one line in ``morphkv.cli.commands.COMMANDS``, and for the report one entry in ``report.SOURCES`` and
-  one in ``report.SECTIONS`` (a function, or ``"module:function"`` in the new module). A sweep
-  is ``fidelity.run_fidelity`` over ``arms.grid_specs(...)``; a recall task is a text kind in
-  ``texts.TEXTS`` or its own command scoring answers with ``_util.greedy_tokens``.
+  one line in ``morphkv.cli.commands.COMMANDS``, and for the report one entry in
+  ``report.SOURCES`` and one in ``report.SECTIONS`` (a function, or ``"module:function"`` in
+  the new module). A sweep is ``fidelity.run_fidelity`` over ``arms.grid_specs(...)``; a
+  recall task is a text kind in ``texts.TEXTS`` or its own command scoring answers with
+  ``_util.greedy_tokens``.
 - a knob or quantized storage: nothing here; an arm names any ``KVCacheConfig`` field
   (``morphkv:window=8:recent=64``, ``morphkv:bits=8``) and ``--equal-bytes`` measures its bytes.
 - mlx_lm's own quantized cache as a reference: one entry in ``arms.BASELINES``.
