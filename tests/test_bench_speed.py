@@ -79,7 +79,7 @@ def test_quick_sampled_full_arm_stops_early(tmp_path):
 
 
 def test_quick_micro_is_the_layer_grid(tmp_path):
-    assert speed.run(_args("--micro", "--quick", "--out", str(tmp_path))) == 0
+    assert speed.execute(_args("--micro", "--quick", "--out", str(tmp_path))).get("exit", 0) == 0
     data = json.loads((tmp_path / "layer_quick.json").read_text())
     assert data["grid"] and {"morphkv", "h2o"} <= {r["method"] for r in data["rows"]}
     for r in data["rows"]:

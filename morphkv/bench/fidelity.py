@@ -220,12 +220,6 @@ def texts_of(args: argparse.Namespace, model, tokenizer) -> dict[str, list[int]]
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """CLI entry point (``morphkv`` command contract): 0 on success."""
-    execute(args)
-    return 0
-
-
 def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     """Run with the command-line settings; ``model``/``tokenizer`` bypass loading (tests)."""
     require_matplotlib()

@@ -246,12 +246,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ])
 
 
-def run(args: argparse.Namespace) -> int:
-    """CLI entry point (``morphkv`` command contract): 0 on success."""
-    execute(args)
-    return 0
-
-
 def execute(args: argparse.Namespace) -> dict:
     require_matplotlib()
     if args.quick:

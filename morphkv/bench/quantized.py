@@ -81,12 +81,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ])
 
 
-def run(args: argparse.Namespace) -> int:
-    """CLI entry point (``morphkv`` command contract): 0 on success."""
-    execute(args)
-    return 0
-
-
 def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     require_matplotlib()
     if model is None:

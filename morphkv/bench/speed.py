@@ -25,7 +25,7 @@ from ._util import RANDOM_TINY, add_flags, markdown_table, pivot, require_matplo
 from .arms import check_specs
 from .length import FULL, run_length, worker_main
 
-__all__ = ["RANDOM_TINY", "DEFAULT_ARMS", "execute", "run", "add_arguments"]
+__all__ = ["RANDOM_TINY", "DEFAULT_ARMS", "execute", "add_arguments"]
 DEFAULT_ARMS = ("full", "rotating", "morphkv", "h2o", "tova", "streaming_llm")
 
 
@@ -158,11 +158,6 @@ def _meta(args: argparse.Namespace) -> dict:
             "cpu_count": os.cpu_count(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def run(args: argparse.Namespace) -> int:
-    """CLI entry point (``morphkv`` command contract): 0 on success."""
-    return int(execute(args).get("exit", 0))
-
-
 def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     """Run the benchmark ``args`` selects; write JSON (+ PNG) under ``args.out``; return the
     result. ``model`` (and ``tokenizer``) may be passed in to skip loading."""
@@ -200,4 +195,5 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
 
 
 if __name__ == "__main__":  # the worker processes: python -m morphkv.bench.speed --worker ARM
-    sys.exit(run(add_arguments(argparse.ArgumentParser(prog="morphkv bench speed")).parse_args()))
+    args = add_arguments(argparse.ArgumentParser(prog="morphkv bench speed")).parse_args()
+    sys.exit(int(execute(args).get("exit", 0)))

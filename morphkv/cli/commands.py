@@ -1,9 +1,9 @@
 """``morphkv`` command line: ``morphkv <command> [options]``.
 
 Adding a command is one line in ``COMMANDS``: a name ("bench speed" nests under "bench") and
-a module exposing
-``add_arguments(parser)`` and ``run(args) -> int | None``; the first line of the module's
-docstring is its help text.
+a module exposing ``add_arguments(parser)`` and either ``run(args) -> int | None`` (the exit
+status) or, for a measurement, ``execute(args) -> dict`` (its figures; the exit status is the
+dict's ``"exit"``, 0 when absent); the first line of the module's docstring is its help text.
 """
 
 from __future__ import annotations
@@ -108,9 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
             top_names.append(leaf)
         p = target.add_parser(leaf, help=help_text, description=help_text)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=getattr(module, "run", None) or _measurement(module.execute))
     parser.set_defaults(_run=ListCommands(parser, top_names))
     return parser
+
+
+def _measurement(execute):
+    """``run`` of a measurement command: its figures' ``"exit"`` (0 when absent)."""
+
+    def run(args) -> int:
+        return int(execute(args).get("exit", 0))
+
+    return run
 
 
 def _one_line(e: BaseException) -> str:
