@@ -17,6 +17,7 @@ from .program import INTERRUPTED, invoked_as_program
 COMMANDS: list[tuple[str, str]] = [
     ("generate", "morphkv.cli.generate"),
     ("serve", "morphkv.cli.serve"),
+    ("chat", "morphkv.cli.chat"),
     ("bench mechanism", "morphkv.bench.mechanism"),
     ("bench speed", "morphkv.bench.speed"),
     ("bench layer", "morphkv.bench.layer"),
