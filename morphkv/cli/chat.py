@@ -229,6 +229,8 @@ def run(args) -> int:
     from .generate import load_model
 
     config = config_from_flags(args, seed=args.seed)
+    if args.load is not None and not session.session_path(args.load).is_file():
+        raise UsageError(f"--load {args.load}: no such file")
     mx.random.seed(args.seed)
     model, tokenizer = load_model(args.model)
     if not tokenizer.has_chat_template:
