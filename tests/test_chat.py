@@ -192,3 +192,20 @@ def session_meta(path):
     from mlx_lm.models.cache import load_prompt_cache
 
     return load_prompt_cache(str(path), return_metadata=True)[1]
+
+
+@pytest.mark.slow
+def test_bench_chat_quick(tmp_path, capsys):
+    from smollm2_fixture import embedded_gguf_path
+
+    embedded_gguf_path()
+    assert main(["bench", "chat", "--quick", "--turns", "6", "--timing-repeats", "1",
+                 "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "chat_quick.json").read_text())
+    morph, full = result["summary"]["morphkv"], result["summary"]["kvcache"]
+    assert morph["budget_reached_turn"] is not None
+    low, high = morph["cache_bytes_after_budget"]
+    assert low == high  # constant once the budget is reached
+    assert full["cache_bytes_first_last"][1] > full["cache_bytes_first_last"][0]
+    assert result["resume"]["same_next_reply"] is True
+    assert (tmp_path / "chat_quick.png").is_file()

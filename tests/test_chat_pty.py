@@ -130,6 +130,9 @@ def test_chat_in_a_terminal_saves_and_resumes(tmp_path):
         term.expect(r"saved turn 4 to ", since=mark)
         assert session.is_file()
         term.expect(r">> $", since=len(term.text) - 3)
+        # input() writes the prompt, then blocks in read(): a signal that lands between the
+        # two waits for the next key (CPython's input()); a person cannot type that fast
+        time.sleep(1.0)
         term.proc.send_signal(signal.SIGINT)  # at the prompt: exit 130, quietly
         assert term.close() == 130, term.text
         assert "Traceback" not in term.text, term.text

@@ -23,6 +23,8 @@ from . import plots
 from ._util import Progress, add_flags, environment, markdown_table, out_dir, write_json
 
 NAME = "chat"
+TIMING_MESSAGE = ("Summarize: a for statement repeats its body once for each item of a "
+                  "sequence, and the else clause runs when the loop ends without break.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--turns", 50, "user turns"),
         ("--user-tokens", 40, "tokens of prose per user message"),
         ("--reply-tokens", 24, "tokens per reply (end of turn masked)"),
+        ("--timing-repeats", 3, "interleaved re-runs of turn 5 and the last turn, timed"),
         ("--arms", ["morphkv", "kvcache"], "morphkv and/or kvcache (mlx_lm's default cache)"),
         ("--out", None, "output folder (default results/chat)"),
         ("--no-plot", False, "skip the PNG"),
@@ -61,19 +64,37 @@ def _no_end_of_turn(eos_ids):
     return mask
 
 
-def run_arm(conv, messages, args, label, bar) -> list[dict]:
-    import mlx.core as mx
+def _one_turn(conv, message, args) -> float:
     from mlx_lm.sample_utils import make_sampler
 
-    sampler, rows = make_sampler(0.0), []
     mask = _no_end_of_turn(conv.tokenizer.eos_token_ids)
+    start = time.perf_counter()
+    for _ in conv.turn(message, max_tokens=args.reply_tokens, sampler=make_sampler(0.0),
+                       logits_processors=[mask]):
+        pass
+    return time.perf_counter() - start
+
+
+def timing_trials(snapshots: dict, message: str, args) -> dict:
+    """The same next turn from the conversation after turn 5 and after the last turn, run
+    alternately ``--timing-repeats`` times on fresh copies (machine load drifts alike)."""
+    times: dict = {name: [] for name in snapshots}
+    for _ in range(args.timing_repeats):
+        for name, snap in snapshots.items():
+            times[name].append(_one_turn(snap.copy(), message, args))
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    names = list(snapshots)
+    return {"after_turn": names, "seconds": times, "median_s": median,
+            "ratio": median[names[-1]] / median[names[0]], "load_avg": os.getloadavg()[0]}
+
+
+def run_arm(conv, messages, args, label, bar) -> list[dict]:
+    import mlx.core as mx
+
+    rows, snapshots = [], {}
     for message in messages:
         mx.reset_peak_memory()
-        start = time.perf_counter()
-        for _ in conv.turn(message, max_tokens=args.reply_tokens, sampler=sampler,
-                           logits_processors=[mask]):
-            pass
-        wall = time.perf_counter() - start
+        wall = _one_turn(conv, message, args)
         turn, resp = conv.last, conv.last.last
         rows.append({
             "arm": label, "turn": turn.number, "new_tokens": len(turn.prompt),
@@ -87,7 +108,9 @@ def run_arm(conv, messages, args, label, bar) -> list[dict]:
         })
         bar.update(1, f"{label} turn {turn.number}: {wall:.1f} s, cache "
                    f"{rows[-1]['cache_bytes'] / 2**20:.1f} MiB")
-    return rows
+        if turn.number in (min(5, len(messages)), len(messages)) and args.timing_repeats:
+            snapshots[f"turn {turn.number}"] = conv.copy()
+    return rows, snapshots
 
 
 def resume_check(conv, model, tokenizer, config, args) -> dict:
@@ -189,23 +212,31 @@ def run(args: argparse.Namespace) -> int:
     config = PRESETS[args.preset](args.budget)
     model, tokenizer = load_model(args.model)
     messages = user_messages(tokenizer, args.turns, args.user_tokens)
-    rows, resume = [], None
+    rows, resume, timing = [], None, {}
     bar = Progress(args.turns * len(args.arms), NAME)
     load_before = os.getloadavg()
     for arm in args.arms:
         factory = None if arm == "morphkv" else (lambda: make_prompt_cache(model))
         conv = Conversation(model, tokenizer, config, make_caches=factory)
-        rows += run_arm(conv, messages, args, arm, bar)
+        arm_rows, snapshots = run_arm(conv, messages, args, arm, bar)
+        rows += arm_rows
+        if snapshots:
+            timing[arm] = timing_trials(snapshots, TIMING_MESSAGE, args)
         if arm == "morphkv":
             resume = resume_check(conv, model, tokenizer, config, args)
     summary = summarize(rows, args.budget)
     result = {"benchmark": NAME, "args": vars(args), "config": config.to_json(), "rows": rows,
-              "summary": summary, "resume": resume, "environment": environment(),
+              "summary": summary, "timing": timing, "resume": resume, "environment": environment(),
               "load_avg_before_after": [load_before, os.getloadavg()]}
     folder = out_dir(args, NAME)
     name = f"{NAME}{'_quick' if args.quick else ''}"
     write_json(folder / f"{name}.json", result)
     print(table(summary))
+    for arm, t in timing.items():
+        a, b = t["after_turn"][0], t["after_turn"][-1]
+        print(f"{arm}: the same next turn after {a} / after {b}: median {t['median_s'][a]:.2f} "
+              f"/ {t['median_s'][b]:.2f} s over {args.timing_repeats} interleaved runs: "
+              f"{t['ratio']:.2f}x")
     if resume:
         print(f"session at budget {args.budget}: save {resume['save_s']:.3f} s, load "
               f"{resume['load_s']:.3f} s, {resume['file_bytes'] / 2**20:.2f} MiB; resumed "

@@ -99,6 +99,8 @@ class Chat:
         self.model_name, self.fingerprint = model_name, fingerprint
         self.sampler = make_sampler(args.temp, args.top_p)
         self.interactive = sys.stdin.isatty()
+        if not self.interactive and hasattr(sys.stdin, "reconfigure"):
+            sys.stdin.reconfigure(errors="replace")  # a stray byte is U+FFFD, not a crash
 
     def read(self) -> str | None:
         """The next input line (None at end of input)."""

@@ -43,7 +43,8 @@ class Conversation:
             raise ValueError("this model's tokenizer has no chat template; chat needs one")
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.system_prompt = system_prompt
-        self.make_caches = make_caches or (lambda: KVCacheBuilder.for_model(model, config))
+        self.make_caches = make_caches or (
+            lambda: KVCacheBuilder.for_model(self.model, self.config))
         self.reset()
 
     def reset(self) -> None:
@@ -56,6 +57,16 @@ class Conversation:
         self.fed = 0  # tokens the caches have seen
         self.pending = ""  # template text that closes the last reply, not yet fed
         self.last: Turn | None = None
+
+    def copy(self) -> Conversation:
+        """An independent copy (caches deep-copied through their ``state``): a snapshot to
+        come back to."""
+        import copy
+
+        other = copy.copy(self)
+        other.caches = copy.deepcopy(self.caches)
+        other.messages = [dict(m) for m in self.messages]
+        return other
 
     # ---- the tokens of a turn ----------------------------------------------------------------
     def _template(self, messages: list[dict], generation_prompt: bool) -> str:
