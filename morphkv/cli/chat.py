@@ -132,7 +132,7 @@ class Chat:
                     return 0
                 self.command(name, arg.strip())
                 continue
-            self.reply(line[1:] if text.startswith("//") else line)
+            self.reply(text[1:] if text.startswith("//") else line)
 
     def reply(self, user: str) -> None:
         start = time.perf_counter()
