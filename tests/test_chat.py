@@ -199,13 +199,15 @@ def test_bench_chat_quick(tmp_path, capsys):
     from smollm2_fixture import embedded_gguf_path
 
     embedded_gguf_path()
-    assert main(["bench", "chat", "--quick", "--turns", "6", "--timing-repeats", "1",
+    assert main(["bench", "chat", "--quick", "--turns", "4", "--timing-repeats", "1",
                  "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "chat_quick.json").read_text())
     morph, full = result["summary"]["morphkv"], result["summary"]["kvcache"]
     assert morph["budget_reached_turn"] is not None
     low, high = morph["cache_bytes_after_budget"]
     assert low == high  # constant once the budget is reached
-    assert full["cache_bytes_first_last"][1] > full["cache_bytes_first_last"][0]
+    assert full["cache_bytes_first_last"][1] > morph["cache_bytes_first_last"][1]
+    assert [r["kept"] for r in result["rows"] if r["arm"] == "kvcache"] == [
+        r["seen"] for r in result["rows"] if r["arm"] == "kvcache"]  # keeps everything
     assert result["resume"]["same_next_reply"] is True
     assert (tmp_path / "chat_quick.png").is_file()

@@ -27,19 +27,23 @@ TIMING_MESSAGE = ("Summarize: a for statement repeats its body once for each ite
                   "sequence, and the else clause runs when the loop ends without break.")
 
 
+DEFAULTS = {"turns": 50, "budget": 512, "user_tokens": 40, "reply_tokens": 24}
+QUICK = {"turns": 8, "budget": 64, "user_tokens": 24, "reply_tokens": 8}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--model", None, "model (default: the embedded SmolLM2)"),
         ("--preset", "recommended", "morphkv preset"),
-        ("--budget", 512, "tokens kept per KV head"),
-        ("--turns", 50, "user turns"),
-        ("--user-tokens", 40, "tokens of prose per user message"),
-        ("--reply-tokens", 24, "tokens per reply (end of turn masked)"),
+        ("--budget", DEFAULTS["budget"], "tokens kept per KV head"),
+        ("--turns", DEFAULTS["turns"], "user turns"),
+        ("--user-tokens", DEFAULTS["user_tokens"], "tokens of prose per user message"),
+        ("--reply-tokens", DEFAULTS["reply_tokens"], "tokens per reply (end of turn masked)"),
         ("--timing-repeats", 3, "interleaved re-runs of turn 5 and the last turn, timed"),
         ("--arms", ["morphkv", "kvcache"], "morphkv and/or kvcache (mlx_lm's default cache)"),
         ("--out", None, "output folder (default results/chat)"),
         ("--no-plot", False, "skip the PNG"),
-        ("--quick", False, "a short run (8 turns, budget 64) for tests/CI"),
+        ("--quick", False, "a short run (8 turns, budget 64, short messages) for tests/CI"),
     ])
 
 
@@ -197,8 +201,10 @@ def run(args: argparse.Namespace) -> int:
     from ._util import require_matplotlib
 
     require_matplotlib(args)
-    if args.quick:
-        args.turns, args.budget, args.user_tokens, args.reply_tokens = 8, 64, 24, 8
+    if args.quick:  # smaller defaults; flags given explicitly still win
+        for name, value in QUICK.items():
+            if getattr(args, name) == DEFAULTS[name]:
+                setattr(args, name, value)
     unknown = set(args.arms) - {"morphkv", "kvcache"}
     if unknown or not args.arms:
         raise SystemExit(f"morphkv: error: --arms: choose from morphkv, kvcache (got "
