@@ -1,0 +1,254 @@
+"""A long scripted chat: cache bytes, MLX peak memory and time per turn, morphkv vs mlx_lm.
+
+The same ``--turns`` user messages (slices of ``--user-tokens`` tokens of Python-docs prose, so
+every turn has the same length) go through ``morphkv chat``'s own ``Conversation`` twice: once
+with a morphkv cache set (``--preset``, ``--budget``) and once with mlx_lm's default cache
+(``make_prompt_cache``: one growing ``KVCache`` per layer). Each reply is ``--reply-tokens``
+greedy tokens (the end-of-turn token is masked so every turn costs the same). Per turn: new
+tokens prefilled, cache bytes (``nbytes``), MLX peak memory (reset before the turn), prefill,
+decode and wall time, load average. At the end, the morphkv session is saved and loaded (timed)
+and the resumed session's next reply is compared with the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from . import plots
+from ._util import Progress, add_flags, environment, markdown_table, out_dir, write_json
+
+NAME = "chat"
+TIMING_MESSAGE = ("Summarize: a for statement repeats its body once for each item of a "
+                  "sequence, and the else clause runs when the loop ends without break.")
+
+
+DEFAULTS = {"turns": 50, "budget": 512, "user_tokens": 40, "reply_tokens": 24}
+QUICK = {"turns": 8, "budget": 64, "user_tokens": 24, "reply_tokens": 8}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, [
+        ("--model", None, "model (default: the embedded SmolLM2)"),
+        ("--preset", "recommended", "morphkv preset"),
+        ("--budget", DEFAULTS["budget"], "tokens kept per KV head"),
+        ("--turns", DEFAULTS["turns"], "user turns"),
+        ("--user-tokens", DEFAULTS["user_tokens"], "tokens of prose per user message"),
+        ("--reply-tokens", DEFAULTS["reply_tokens"], "tokens per reply (end of turn masked)"),
+        ("--timing-repeats", 3, "interleaved re-runs of turn 5 and the last turn, timed"),
+        ("--arms", ["morphkv", "kvcache"], "morphkv and/or kvcache (mlx_lm's default cache)"),
+        ("--out", None, "output folder (default results/chat)"),
+        ("--no-plot", False, "skip the PNG"),
+        ("--quick", False, "a short run (8 turns, budget 64, short messages) for tests/CI"),
+    ])
+
+
+def user_messages(tokenizer, n: int, tokens: int) -> list[str]:
+    from .texts import MORE_TOPICS, PROSE_TOPICS, prose_text
+
+    ids = list(tokenizer.encode(prose_text(PROSE_TOPICS + MORE_TOPICS)))
+    if len(ids) < n * tokens:
+        raise SystemExit(f"morphkv: error: the prose has {len(ids)} tokens, fewer than "
+                         f"--turns x --user-tokens = {n * tokens}")
+    return [f"Summarize: {tokenizer.decode(ids[i * tokens:(i + 1) * tokens]).strip()}"
+            for i in range(n)]
+
+
+def _no_end_of_turn(eos_ids):
+    import mlx.core as mx
+
+    def mask(tokens, logits):
+        logits[..., list(eos_ids)] = -mx.inf
+        return logits
+
+    return mask
+
+
+def _one_turn(conv, message, args) -> float:
+    from mlx_lm.sample_utils import make_sampler
+
+    mask = _no_end_of_turn(conv.tokenizer.eos_token_ids)
+    start = time.perf_counter()
+    for _ in conv.turn(message, max_tokens=args.reply_tokens, sampler=make_sampler(0.0),
+                       logits_processors=[mask]):
+        pass
+    return time.perf_counter() - start
+
+
+def timing_trials(snapshots: dict, message: str, args) -> dict:
+    """The same next turn from the conversation after turn 5 and after the last turn, run
+    alternately ``--timing-repeats`` times on fresh copies (machine load drifts alike)."""
+    times: dict = {name: [] for name in snapshots}
+    for _ in range(args.timing_repeats):
+        for name, snap in snapshots.items():
+            times[name].append(_one_turn(snap.copy(), message, args))
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    names = list(snapshots)
+    return {"after_turn": names, "seconds": times, "median_s": median,
+            "ratio": median[names[-1]] / median[names[0]], "load_avg": os.getloadavg()[0]}
+
+
+def run_arm(conv, messages, args, label, bar) -> list[dict]:
+    import mlx.core as mx
+
+    rows, snapshots = [], {}
+    for message in messages:
+        mx.reset_peak_memory()
+        wall = _one_turn(conv, message, args)
+        turn, resp = conv.last, conv.last.last
+        rows.append({
+            "arm": label, "turn": turn.number, "new_tokens": len(turn.prompt),
+            "reply_tokens": len(turn.tokens), "seen": conv.seen(),
+            "kept": max(getattr(c, "tokens_kept", getattr(c, "offset", 0)) for c in conv.caches),
+            "cache_bytes": conv.cache_bytes(), "peak_bytes": int(mx.get_peak_memory()),
+            "active_bytes": int(mx.get_active_memory()),
+            "prefill_s": len(turn.prompt) / resp.prompt_tps,
+            "decode_s": len(turn.tokens) / resp.generation_tps, "turn_s": wall,
+            "load_avg": os.getloadavg()[0],
+        })
+        bar.update(1, f"{label} turn {turn.number}: {wall:.1f} s, cache "
+                   f"{rows[-1]['cache_bytes'] / 2**20:.1f} MiB")
+        if turn.number in (min(5, len(messages)), len(messages)) and args.timing_repeats:
+            snapshots[f"turn {turn.number}"] = conv.copy()
+    return rows, snapshots
+
+
+def resume_check(conv, model, tokenizer, config, args) -> dict:
+    """Save and load the session (timed), then compare the next greedy reply."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from ..cli import session
+    from ..cli.conversation import Conversation
+
+    fp = session.model_fingerprint(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "s.safetensors"
+        save_s = session.save(path, conv, "bench", fp)
+        size = path.stat().st_size
+        loaded = session.load(path, model, "bench", fp, config)
+    resumed = Conversation(model, tokenizer, config)
+    resumed.caches, resumed.messages, resumed.turns = loaded.caches, loaded.messages, loaded.turns
+    resumed.fed, resumed.pending = loaded.fed, loaded.pending
+    nxt = "Thank you. What was the first thing I asked you to summarize?"
+    replies = []
+    for c in (conv, resumed):
+        "".join(c.turn(nxt, max_tokens=args.reply_tokens, sampler=make_sampler(0.0)))
+        replies.append(c.last.tokens)
+    return {"save_s": save_s, "load_s": loaded.seconds, "file_bytes": size,
+            "same_next_reply": replies[0] == replies[1], "reply_tokens": len(replies[0])}
+
+
+def summarize(rows: list[dict], budget: int) -> dict:
+    out = {}
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        rs = [r for r in rows if r["arm"] == arm]
+        at = {r["turn"]: r for r in rs}
+        full = [r for r in rs if r["seen"] > budget + 8] if arm == "morphkv" else rs
+        first, last = at[min(at)], at[max(at)]
+        t5, tl = at.get(5, first), last
+        early = [r["turn_s"] for r in rs if 3 <= r["turn"] <= 7] or [first["turn_s"]]
+        late = [r["turn_s"] for r in rs[-5:]]
+        out[arm] = {
+            "turns": len(rs), "last_seen": last["seen"],
+            "cache_bytes_first_last": [first["cache_bytes"], last["cache_bytes"]],
+            "budget_reached_turn": full[0]["turn"] if full else None,
+            "cache_bytes_after_budget": [min(r["cache_bytes"] for r in full),
+                                         max(r["cache_bytes"] for r in full)] if full else [],
+            "peak_growth_after_budget": (max(r["peak_bytes"] for r in full)
+                                         / full[0]["peak_bytes"] - 1) if full else None,
+            "peak_bytes_first_last": [first["peak_bytes"], last["peak_bytes"]],
+            "turn_s_5": t5["turn_s"], "turn_s_last": tl["turn_s"],
+            "last_over_5": tl["turn_s"] / t5["turn_s"],
+            "late_over_early_median": statistics.median(late) / statistics.median(early),
+            "load_avg_range": [min(r["load_avg"] for r in rs), max(r["load_avg"] for r in rs)],
+        }
+    return out
+
+
+def table(summary: dict) -> str:
+    rows = [[arm, s["last_seen"], s["cache_bytes_first_last"][0] / 2**20,
+             s["cache_bytes_first_last"][1] / 2**20, s["peak_bytes_first_last"][0] / 2**20,
+             s["peak_bytes_first_last"][1] / 2**20,
+             100 * s["peak_growth_after_budget"] if s["peak_growth_after_budget"] is not None
+             else float("nan"), s["turn_s_5"], s["turn_s_last"], s["last_over_5"],
+             s["late_over_early_median"]] for arm, s in summary.items()]
+    return markdown_table(["arm", "tokens seen", "cache MiB turn 1", "cache MiB last",
+                           "peak MiB turn 1", "peak MiB last", "peak growth after budget %",
+                           "turn 5 s", "last turn s", "last/5", "median last 5 / turns 3-7"],
+                          rows)
+
+
+def plot(rows: list[dict], budget: int, path: Path) -> str:
+    fig, axes = plots.panels(3, 5, 4)
+    for ax, key, scale, ylabel in ((axes[0][0], "cache_bytes", 2**20, "cache MiB (nbytes)"),
+                                   (axes[0][1], "peak_bytes", 2**20, "MLX peak MiB per turn"),
+                                   (axes[0][2], "turn_s", 1, "seconds per turn")):
+        series = {}
+        for arm in dict.fromkeys(r["arm"] for r in rows):
+            rs = [r for r in rows if r["arm"] == arm]
+            series[arm if arm == "kvcache" else f"{arm} (budget {budget})"] = (
+                [r["turn"] for r in rs], [r[key] / scale for r in rs])
+        plots.lines(ax, series, "turn", ylabel, ylabel)
+    return plots.save(fig, path)
+
+
+def run(args: argparse.Namespace) -> int:
+    """CLI entry point (``morphkv`` command contract): 0 on success."""
+    from ._util import require_matplotlib
+
+    require_matplotlib(args)
+    if args.quick:  # smaller defaults; flags given explicitly still win
+        for name, value in QUICK.items():
+            if getattr(args, name) == DEFAULTS[name]:
+                setattr(args, name, value)
+    unknown = set(args.arms) - {"morphkv", "kvcache"}
+    if unknown or not args.arms:
+        raise SystemExit(f"morphkv: error: --arms: choose from morphkv, kvcache (got "
+                         f"{','.join(sorted(unknown)) or 'none'})")
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..cli.conversation import Conversation
+    from ..core.presets import PRESETS
+    from ._util import load_model
+
+    config = PRESETS[args.preset](args.budget)
+    model, tokenizer = load_model(args.model)
+    messages = user_messages(tokenizer, args.turns, args.user_tokens)
+    rows, resume, timing = [], None, {}
+    bar = Progress(args.turns * len(args.arms), NAME)
+    load_before = os.getloadavg()
+    for arm in args.arms:
+        factory = None if arm == "morphkv" else (lambda: make_prompt_cache(model))
+        conv = Conversation(model, tokenizer, config, make_caches=factory)
+        arm_rows, snapshots = run_arm(conv, messages, args, arm, bar)
+        rows += arm_rows
+        if snapshots:
+            timing[arm] = timing_trials(snapshots, TIMING_MESSAGE, args)
+        if arm == "morphkv":
+            resume = resume_check(conv, model, tokenizer, config, args)
+    summary = summarize(rows, args.budget)
+    result = {"benchmark": NAME, "args": vars(args), "config": config.to_json(), "rows": rows,
+              "summary": summary, "timing": timing, "resume": resume, "environment": environment(),
+              "load_avg_before_after": [load_before, os.getloadavg()]}
+    folder = out_dir(args, NAME)
+    name = f"{NAME}{'_quick' if args.quick else ''}"
+    write_json(folder / f"{name}.json", result)
+    print(table(summary))
+    for arm, t in timing.items():
+        a, b = t["after_turn"][0], t["after_turn"][-1]
+        print(f"{arm}: the same next turn after {a} / after {b}: median {t['median_s'][a]:.2f} "
+              f"/ {t['median_s'][b]:.2f} s over {args.timing_repeats} interleaved runs: "
+              f"{t['ratio']:.2f}x")
+    if resume:
+        print(f"session at budget {args.budget}: save {resume['save_s']:.3f} s, load "
+              f"{resume['load_s']:.3f} s, {resume['file_bytes'] / 2**20:.2f} MiB; resumed "
+              f"next reply identical: {resume['same_next_reply']}")
+    print(f"load average (1 min) before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}")
+    if not args.no_plot:
+        plot(rows, args.budget, folder / f"{name}.png")
+    print(f"wrote {folder}/{name}.json")
+    return 0

@@ -1,0 +1,168 @@
+"""One conversation carried by one morphkv cache set: each turn prefills only its new tokens.
+
+The cache holds every token fed so far (bounded by the budget). For turn ``n + 1`` the new
+tokens are the chat template of the whole conversation with the new user message, minus the
+template of the conversation so far (a text prefix for the usual templates, ChatML among them),
+plus whatever closed the last reply that the cache has not seen yet (for SmolLM2: the newline
+after ``<|im_end|>``; the ``<|im_end|>`` itself was generated, so it is already in the cache).
+
+mlx_lm's ``generate_step`` feeds every token it yields before yielding it, so after a reply
+(stopped by end of turn, by ``max_tokens`` or by the caller at any token) the cache has seen
+the prompt plus every generated token, the end-of-turn token included; ``Conversation.fed`` is
+checked against the caches' own count after each turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from ..core.config import KVCacheConfig
+from ..mlxlm.builder import KVCacheBuilder
+from ..mlxlm.layout import morph_caches
+
+
+@dataclass
+class Turn:
+    """What one turn fed and produced."""
+
+    number: int
+    prompt: list[int]  # the new tokens prefilled for this turn
+    tokens: list[int] = field(default_factory=list)  # generated (end-of-turn token included)
+    text: str = ""  # the reply (without the end-of-turn token)
+    finish: str | None = None  # "stop" (end of turn), "length" (max_tokens), "interrupted"
+    last: object = None  # mlx_lm's last GenerationResponse (for the stats block)
+
+
+class Conversation:
+    """A chat over ``model`` whose history lives in one morphkv cache set (see module doc)."""
+
+    def __init__(self, model, tokenizer, config: KVCacheConfig, system_prompt: str | None = None,
+                 make_caches: Callable[[], list] | None = None):
+        if not tokenizer.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template; chat needs one")
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.system_prompt = system_prompt
+        self.make_caches = make_caches or (
+            lambda: KVCacheBuilder.for_model(self.model, self.config))
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh conversation with fresh caches."""
+        self.caches = self.make_caches()
+        self.messages: list[dict] = []
+        if self.system_prompt:
+            self.messages.append({"role": "system", "content": self.system_prompt})
+        self.turns = 0
+        self.fed = 0  # tokens the caches have seen
+        self.pending = ""  # template text that closes the last reply, not yet fed
+        self.last: Turn | None = None
+
+    def copy(self) -> Conversation:
+        """An independent copy (caches deep-copied through their ``state``): a snapshot to
+        come back to."""
+        import copy
+
+        other = copy.copy(self)
+        other.caches = copy.deepcopy(self.caches)
+        other.messages = [dict(m) for m in self.messages]
+        return other
+
+    # ---- the tokens of a turn ----------------------------------------------------------------
+    def _template(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def new_tokens(self, user: str) -> list[int]:
+        """The tokens turn ``turns + 1`` must prefill for the user message ``user``."""
+        messages = [*self.messages, {"role": "user", "content": user}]
+        if self.fed == 0:  # exactly what ``morphkv generate`` prefills for one message
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        before = self._template(self.messages, False)
+        after = self._template(messages, True)
+        if after.startswith(before):
+            return self._encode(self.pending + after[len(before):])
+        # a template that rewrites history: template the new message alone (mlx_lm.chat's way)
+        alone = self._template([{"role": "user", "content": user}], True)
+        return self._encode(self.pending + alone)
+
+    def _closing(self, prompt_text: str, turn: Turn) -> str:
+        """Template text after the reply that the cache has not seen (see module doc)."""
+        eos = turn.finish == "stop"
+        done = self._template(self.messages, False)
+        head = prompt_text + turn.text
+        if done.startswith(head):
+            closing = done[len(head):]
+            eos_text = self.tokenizer.decode(turn.tokens[-1:]) if eos else ""
+            if eos_text and closing.startswith(eos_text):
+                closing = closing[len(eos_text):]
+            return closing
+        return "" if eos else (self.tokenizer.eos_token or "")
+
+    # ---- a turn --------------------------------------------------------------------------------
+    def turn(self, user: str, *, max_tokens: int, sampler=None, prefill_step_size: int = 2048,
+             stop: Callable[[], bool] | None = None, **generate_kwargs) -> Iterator[str]:
+        """Run one turn, yielding the reply's text as it streams; ``stop()`` true after a
+        token ends the reply there (it stays in the cache and the transcript). The finished
+        turn is ``self.last``."""
+        import mlx_lm
+
+        prompt_text = self._template([*self.messages, {"role": "user", "content": user}], True)
+        prompt = self.new_tokens(user)
+        turn = Turn(self.turns + 1, prompt)
+        resp = None
+        interrupted = False
+        try:
+            for resp in mlx_lm.stream_generate(
+                self.model, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
+                prompt_cache=self.caches, prefill_step_size=prefill_step_size,
+                **generate_kwargs,
+            ):
+                turn.tokens.append(int(resp.token))
+                if resp.text:
+                    yield resp.text
+                if stop is not None and stop() and resp.finish_reason is None:
+                    interrupted = True
+                    break
+        finally:
+            self._finish(user, prompt_text, turn, resp, interrupted)
+
+    def _finish(self, user, prompt_text, turn: Turn, resp, interrupted: bool) -> None:
+        if resp is None:  # nothing generated (interrupted during the prefill): undo nothing
+            self.fed = self.seen()
+            return
+        eos_ids = set(self.tokenizer.eos_token_ids)
+        turn.finish = "interrupted" if interrupted else resp.finish_reason
+        if interrupted and turn.tokens[-1] in eos_ids:
+            turn.finish = "stop"
+        if turn.finish == "stop" and turn.tokens[-1] not in eos_ids:
+            turn.finish = "length"  # a stop word that is not an end-of-turn token
+        body = [t for t in turn.tokens if t not in eos_ids]
+        turn.text = self.tokenizer.decode(body)
+        turn.last = resp
+        self.messages += [{"role": "user", "content": user},
+                          {"role": "assistant", "content": turn.text}]
+        self.pending = self._closing(prompt_text, turn)
+        self.turns = turn.number
+        self.fed += len(turn.prompt) + len(turn.tokens)
+        self.last = turn
+        seen = self.seen()
+        if seen is not None and seen != self.fed:
+            raise RuntimeError(f"the caches saw {seen} tokens, the conversation fed {self.fed}")
+
+    # ---- what the cache holds ------------------------------------------------------------------
+    def seen(self) -> int | None:
+        """Tokens the caches have seen (their own count; None when there is no morphkv
+        layer)."""
+        caches = morph_caches(self.caches) or self.caches
+        counts = {int(getattr(c, "offset", 0)) for c in caches}
+        if len(counts) > 1:
+            raise RuntimeError(f"layers disagree on tokens seen: {sorted(counts)}")
+        return counts.pop() if counts else None
+
+    def cache_bytes(self) -> int:
+        """Every byte the caches hold (morphkv: K/V storage + selection state)."""
+        return sum(int(getattr(c, "nbytes", 0)) for c in self.caches)
