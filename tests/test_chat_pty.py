@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from interruptible import default_sigint
 
 pty = pytest.importorskip("pty")
 REPO = Path(__file__).resolve().parents[1]
@@ -27,12 +28,6 @@ def _command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "morphkv"]
 
 
-def _default_sigint() -> None:
-    # the child is interrupted on purpose: a test run from a background job inherits an
-    # ignored SIGINT, which the child must not keep
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 class Terminal:
     """The chat in a pseudo-terminal (stdin, stdout and stderr all the tty)."""
 
@@ -43,7 +38,7 @@ class Terminal:
         self.master, slave = pty.openpty()
         self.proc = subprocess.Popen([*_command(), "chat", *FLAGS, *args], stdin=slave,
                                      stdout=slave, stderr=slave, env=env, cwd=REPO,
-                                     preexec_fn=_default_sigint)
+                                     preexec_fn=default_sigint)
         os.close(slave)
         self.chunks: list[tuple[float, bytes]] = []
 
