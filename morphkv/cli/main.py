@@ -23,6 +23,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("bench overhead", "morphkv.bench.overhead"),
     ("bench blas", "morphkv.bench.blas"),
     ("bench serve", "morphkv.bench.serve"),
+    ("bench load", "morphkv.bench.serve_load"),
     ("eval fidelity", "morphkv.bench.fidelity"),
     ("eval generation", "morphkv.bench.generation"),
     ("eval sweep", "morphkv.bench.sweep"),
