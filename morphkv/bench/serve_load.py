@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--turns", type=int, default=10, help="Turns of each long conversation (default: 10).")
     a("--prompt-cache-bytes", default="32M", help="Both servers' --prompt-cache-bytes.")
     a("--servers", default="morphkv,mlx_lm", help="Which servers (default: morphkv,mlx_lm).")
+    a("--cache-flags", default="",
+      help="More morphkv serve cache flags for the morphkv server, e.g. '--method streaming_llm'.")
     a("--out", default="results/serve_load", help="Output directory.")
     a("--quick", action="store_true", help="A minutes-scale smoke run.")
 
@@ -93,6 +95,8 @@ class Server:
         flags = ["--port", str(self.port), "--log-level", "WARNING", "--budget", str(args.budget),
                  "--max-tokens", str(args.max_tokens), "--prompt-cache-bytes",
                  args.prompt_cache_bytes] + (["--model", args.model] if args.model else [])
+        if kind == "morphkv":
+            flags += args.cache_flags.split()
         code = ("import sys; from morphkv.bench.serve_load import server_main; "
                 "sys.exit(server_main(sys.argv[1:]))")
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(self.log), kind, *flags],
