@@ -42,6 +42,12 @@ def summarize(results: dict, args) -> dict:
             s["mlx_peak_after_warmup_mib"] = warm[3] / 2**20
             s["mlx_peak_end_mib"] = end[3] / 2**20
             s["mlx_peak_growth"] = end[3] / warm[3] - 1
+            s["mlx_active_after_warmup_mib"] = warm[2] / 2**20
+            s["mlx_active_end_mib"] = end[2] / 2**20
+            s["mlx_active_growth"] = end[2] / warm[2] - 1
+            s["memory_at_marks_mib"] = {  # (RSS, MLX active, MLX peak) at the end of each phase
+                name: [round(x / 2**20, 1) for x in _at(memory, t)[1:]]
+                for name, t in sorted(marks.items(), key=lambda kv: kv[1])}
         if r["prompt_cache"]:
             s["prompt_cache_max_bytes"] = max(n for _, n in r["prompt_cache"])
             s["prompt_cache_limit_bytes"] = limit
