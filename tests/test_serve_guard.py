@@ -91,3 +91,18 @@ def test_the_prompt_cache_never_holds_more_than_its_byte_limit():
     cache.insert_cache("m", list(range(100, 120)), _cache(20))  # larger than the whole limit
     assert cache.nbytes <= 3 * one
     assert bounded_prompt_cache(10, None).max_bytes >= 2**62  # mlx_lm's default: no byte limit
+
+
+def test_the_worst_case_adds_requests_prefill_chunks_and_the_prompt_cache():
+    from argparse import Namespace
+
+    from morphkv.cli.serve_memory import worst_case
+
+    args = Namespace(max_requests=2, prompt_concurrency=4, prefill_step_size=10,
+                     prompt_cache_size=3, prompt_cache_bytes=None)
+    total, text = worst_case(args, bound=100, per_token=2)
+    assert total == 2 * 100 + 2 * 10 * 2 + 3 * 100  # prefilling rows: at most the requests
+    assert "2 requests (--max-requests)" in text and "--prompt-cache-bytes none" in text
+    args.prompt_cache_bytes = 150
+    assert worst_case(args, 100, 2)[0] == 200 + 40 + 150
+    assert worst_case(args, None, None)[0] is None  # mlx_lm's cache, method=full: unbounded
