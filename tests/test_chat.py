@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from morphkv.cli.main import main
+from morphkv.cli import main
 
 from morphkv.cli import session
 

@@ -25,6 +25,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("bench blas", "morphkv.bench.blas"),
     ("bench serve", "morphkv.bench.serve"),
     ("bench chat", "morphkv.bench.chat"),
+    ("bench load", "morphkv.bench.serve_load"),
     ("eval fidelity", "morphkv.bench.fidelity"),
     ("eval generation", "morphkv.bench.generation"),
     ("eval sweep", "morphkv.bench.sweep"),

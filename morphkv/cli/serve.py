@@ -1,9 +1,12 @@
 """Serve a model over mlx_lm's OpenAI-compatible HTTP API with a constant-size KV cache.
 
 This is mlx_lm's own server (``mlx_lm.server``: its HTTP handler, continuous batching through
-``BatchGenerator``, prompt cache) with one change: the model it loads has morphkv caches
-installed (``morphkv.patch_model``), so every sequence's KV memory is bounded by the budget.
-Concurrent requests are batched (``MorphKVCache.merge``, see ``morphkv.core.batch``).
+``BatchGenerator``, prompt cache) with morphkv caches installed on the model it loads
+(``morphkv.patch_model``), so every sequence's KV memory is bounded by the budget. Concurrent
+requests are batched (``MorphKVCache.merge``, see ``morphkv.core.batch``). In front of mlx_lm's
+handler: request checks, ``/v1/models``, quiet disconnects (``morphkv.cli.serve_handler``); the
+serving loop keeps the prompt cache to its byte limit and shuts down cleanly
+(``morphkv.cli.serve_run``). See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cache_flags import add_cache_flags, config_from_flags, describe
+from .cache_flags import add_cache_flags, config_from_flags
+from .serve_memory import kv_bound, startup_line, worst_case
 
 # mlx_lm.server reads these too; morphkv serve keeps them fixed at mlx_lm's defaults: adapters
 # and draft models (a draft model turns batching off), --kv-bits (quantized caches turn batching
@@ -70,6 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Most bytes of KV caches kept for reuse (e.g. 500M, 2G).",
     )
+    a("--max-requests", type=int, default=64,
+      help="Most requests in flight (queued or generating); more get 503 (default: 64).")
+    a("--max-request-tokens", type=int, default=16384,
+      help="The most max_tokens a request may ask for; more get 400 (default: 16384).")
+    a("--max-body-bytes", type=_parse_size, default="16M",
+      help="Largest request body; larger get 413 (default: 16M).")
+    a("--shutdown-grace", type=float, default=2.0,
+      help="Seconds in-flight requests get to finish at SIGTERM / Ctrl-C (default: 2).")
     add_cache_flags(parser, budget=512)
     a("--seed", type=int, default=0, help="Seed of the 'random' rule.")
 
@@ -122,41 +135,6 @@ def load_served(args, config) -> ServedModel:
     model.make_cache()  # raises now for models morphkv cannot serve (sliding-window layers)
     names = {"default_model", path, DEFAULT_MODEL_NAME if name is None else str(name)}
     return ServedModel(model, tokenizer, model_config, path, frozenset(names))
-
-
-def kv_bound(served: ServedModel):
-    """(the caches' resolved config, bytes of one sequence's caches once the budget is
-    reached): every layer stores (budget + 1) slots per KV head (one awaits reuse) plus its
-    selection state (``MorphKVCache.nbytes_bound``). Measured after one token, so the KV
-    heads, head dims and dtype are the model's real ones. None for method='full'."""
-    import mlx.core as mx
-
-    caches = served.model.make_cache()
-    served.model(mx.array([[0]]), cache=caches)
-    config = getattr(caches[0], "config", None)
-    if config is None or config.method == "full":
-        return config, None
-    return config, sum(c.nbytes_bound or 0 for c in caches if hasattr(c, "nbytes_bound"))
-
-
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
-def startup_line(served: ServedModel, config, bound: int | None) -> str:
-    if config is None:
-        return f"morphkv serve: {served.path}; KV cache mlx_lm's default; KV memory unbounded"
-    setting = f"{describe(config)} scoring={config.scoring}"
-    memory = (
-        "unbounded (method=full)"
-        if bound is None
-        else f"{_fmt(bound)} ({bound} bytes) per sequence"
-    )
-    return f"morphkv serve: {served.path}; KV cache {setting}; KV memory bound {memory}"
 
 
 def _provider_class():
@@ -228,36 +206,89 @@ def server_args(args, served: ServedModel) -> argparse.Namespace:
     return argparse.Namespace(**values)
 
 
+__all__ = ["add_arguments", "run", "serve", "load_served", "kv_bound", "startup_line",
+           "worst_case", "server_args", "ServedModel"]
+
+
 def run(args) -> int:
     try:
         config = cache_config(args)
     except ValueError as e:
         print(f"morphkv: error: {e}", file=sys.stderr)
         return 2
-    for flag in ("max_tokens", "decode_concurrency", "prompt_concurrency", "prefill_step_size"):
+    for flag in ("max_tokens", "decode_concurrency", "prompt_concurrency", "prefill_step_size",
+                 "max_requests", "max_request_tokens", "max_body_bytes", "prompt_cache_size"):
         if getattr(args, flag) < 1:
             print(f"morphkv: error: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    if args.max_tokens > args.max_request_tokens:
+        print("morphkv: error: --max-tokens is above --max-request-tokens", file=sys.stderr)
+        return 2
+    if args.shutdown_grace < 0:
+        print("morphkv: error: --shutdown-grace must be >= 0", file=sys.stderr)
+        return 2
     return serve(args, config)
 
 
+def _signals_while_loading() -> None:
+    """Until the server listens: Ctrl-C exits 130, SIGTERM exits 0, at once (nothing is in
+    flight), whatever the signals were inherited as (background jobs ignore SIGINT)."""
+    import signal
+
+    from .program import _quiet_exit
+
+    signal.signal(signal.SIGINT, _quiet_exit)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+
+
 def serve(args, config) -> int:
-    """Load the model, say the cache setting and bound, serve until interrupted. ``config``
-    None serves mlx_lm's default cache (what ``morphkv bench serve`` compares against)."""
-    import mlx_lm.server as server
+    """Load the model, say the cache setting and bound, serve until SIGTERM (0) or Ctrl-C
+    (130). ``config`` None serves mlx_lm's default cache (what the benchmarks compare with)."""
+    from .serve_guard import Limits
+    from .serve_run import run as run_server
 
     logging.basicConfig(
         level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s"
     )
+    _signals_while_loading()
     try:
         served = load_served(args, config)
     except (ValueError, FileNotFoundError) as e:
         print(f"morphkv: error: {e}", file=sys.stderr)
         return 2
-    print(startup_line(served, *kv_bound(served)), flush=True)
+    config, bound, per_token = kv_bound(served)
+    print(startup_line(served, config, bound), flush=True)
+    print(f"morphkv serve: worst-case KV memory of the caches: "
+          f"{worst_case(args, bound, per_token)[1]}", flush=True)
     provider_class = _provider_class()
     provider_class.served = served
     provider = provider_class(server_args(args, served))
-    print(f"morphkv serve: listening on http://{args.host}:{args.port}/v1", flush=True)
-    server.run(args.host, args.port, provider)
-    return 0
+    shown = str(args.model) if args.model else DEFAULT_SHOWN
+    limits = Limits(
+        names=served.names | {shown},
+        shown_name=shown,
+        max_body_bytes=args.max_body_bytes,
+        max_request_tokens=args.max_request_tokens,
+        vocab_size=_vocab_size(served),
+    )
+
+    def listening():
+        print(f"morphkv serve: listening on http://{args.host}:{args.port}/v1", flush=True)
+
+    status = run_server(args.host, args.port, provider, limits, args.max_requests,
+                        args.shutdown_grace, on_listening=listening)
+    # Everything is stopped and joined by now. Exit without running C++ static destructors:
+    # MLX's worker threads can still be joinable then, and the process would abort
+    # ("terminate called without an active exception", status -6) instead of exiting 0 / 130.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+DEFAULT_SHOWN = "smollm2-135m-instruct"  # the embedded model's name in /v1/models
+
+
+def _vocab_size(served: ServedModel) -> int | None:
+    size = getattr(getattr(served.model, "args", None), "vocab_size", None)
+    return size if isinstance(size, int) else None

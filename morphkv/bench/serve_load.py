@@ -1,0 +1,290 @@
+"""Load and fault benchmark of morphkv serve against mlx_lm's own server with its default
+cache: throughput, p50/p95 latency, memory, errors, with the official openai client.
+
+Both servers load the same model on loopback, one after the other, with the same flags: morphkv
+serve (morphkv caches, the request guards), and mlx_lm's server as it is (``mlx_lm.server.run``,
+its own handler, mlx_lm's default KVCache; only the model loader is morphkv's, to read the
+GGUF file). The load, the same for both: (1) warm-up (the most clients, long prompts, so
+the peak is reached), then short chats from 8 clients (the
+throughput comparison); (2) N = 4, 8, 16 concurrent clients, each a bounded script mixing plain
+and streamed chats, text completions, a conversation that grows far past the budget, prompts of
+10x the budget, streams dropped after the first chunk and malformed requests; (3) 8 long
+conversations (throughput once past 4x the budget); (4) every malformed request once, then a
+health check. Memory (RSS, MLX active and peak) is sampled in the server process every 0.25 s;
+morphkv's prompt-cache bytes from ``GET /morphkv/stats``. Every loop is bounded in count and
+time; servers are stopped by process id. JSON + PNG under --out (default results/serve_load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .serve_clients import PROBE_BAD, User, long_text, raw_post
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--model", default=None, help="Model to serve (default: embedded).")
+    a("--budget", type=int, default=64, help="morphkv budget (tokens).")
+    a("--max-tokens", type=int, default=8, help="Tokens per reply (default: 8).")
+    a("--levels", default="4,8,16", help="Concurrent clients of the mixed load (default: 4,8,16).")
+    a("--rounds", type=int, default=8, help="Requests per client per level (default: 8).")
+    a("--level-seconds", type=float, default=240, help="Time limit per level (default: 240).")
+    a("--short", type=int, default=4, help="Short chats per client, 8 clients (default: 4).")
+    a("--turns", type=int, default=10, help="Turns of each long conversation (default: 10).")
+    a("--prompt-cache-bytes", default="32M", help="Both servers' --prompt-cache-bytes.")
+    a("--servers", default="morphkv,mlx_lm", help="Which servers (default: morphkv,mlx_lm).")
+    a("--cache-flags", default="",
+      help="More morphkv serve cache flags for the morphkv server, e.g. '--method streaming_llm'.")
+    a("--out", default="results/serve_load", help="Output directory.")
+    a("--quick", action="store_true", help="A minutes-scale smoke run.")
+
+
+# ---- the server side (a child process) ----------------------------------------------------
+def server_main(argv: list[str]) -> int:
+    """Child: ``<memory log> <morphkv|mlx_lm> [morphkv serve flags]``."""
+    import mlx.core as mx
+
+    from ..cli import serve
+    from ..cli.serve_run import _rss_bytes
+
+    log_path, kind, *flags = argv
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(flags)
+
+    def sample():
+        with open(log_path, "a") as f:
+            while True:
+                f.write(f"{time.time():.3f} {_rss_bytes()} {mx.get_active_memory()} "
+                        f"{mx.get_peak_memory()}\n")
+                f.flush()
+                time.sleep(0.25)
+
+    threading.Thread(target=sample, daemon=True).start()
+    if kind == "morphkv":
+        return serve.serve(args, serve.cache_config(args))
+    import mlx_lm.server
+
+    served = serve.load_served(args, None)  # mlx_lm's default cache
+    print(serve.startup_line(served, None, None), flush=True)
+    provider_class = serve._provider_class()
+    provider_class.served = served
+    mlx_lm.server.run(args.host, args.port, provider_class(serve.server_args(args, served)))
+    return 0
+
+
+class Server:
+    def __init__(self, kind: str, args, out: Path):
+        from ..cli.blas import blas_env
+        from .serve import _free_port
+
+        self.kind, self.port = kind, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log, self.output = out / f"memory_{kind}.log", out / f"server_{kind}.txt"
+        self.log.unlink(missing_ok=True)
+        flags = ["--port", str(self.port), "--log-level", "WARNING", "--budget", str(args.budget),
+                 "--max-tokens", str(args.max_tokens), "--prompt-cache-bytes",
+                 args.prompt_cache_bytes] + (["--model", args.model] if args.model else [])
+        if kind == "morphkv":
+            flags += args.cache_flags.split()
+        code = ("import sys; from morphkv.bench.serve_load import server_main; "
+                "sys.exit(server_main(sys.argv[1:]))")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(self.log), kind, *flags],
+                                     stdout=self.output.open("w"), stderr=subprocess.STDOUT,
+                                     env=blas_env(dict(os.environ)))
+        deadline = time.monotonic() + 600
+        while not self.healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{kind} server did not start:\n{self.output.read_text()}")
+            time.sleep(0.5)
+
+    def health(self) -> int | None:
+        """/health's status (None: no answer)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return None
+
+    def healthy(self) -> bool:
+        return self.health() == 200
+
+    def prompt_cache_bytes(self) -> int | None:
+        try:
+            with urllib.request.urlopen(f"{self.url}/morphkv/stats", timeout=5) as r:
+                return json.load(r)["prompt_cache_bytes"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def memory(self) -> list[tuple[float, int, int, int]]:
+        rows = [x.split() for x in self.log.read_text().splitlines() if x.strip()]
+        return [(float(t), int(r), int(a), int(p)) for t, r, a, p in rows]
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+# ---- the load -------------------------------------------------------------------------------
+def drive(users: list[User], rounds: int, seconds: float, kinds=None) -> tuple[list, float]:
+    """Every user runs ``rounds`` steps in its own thread, stopping early at ``seconds``."""
+    records, lock = [], threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def work(u: User):
+        for n in range(rounds):
+            if time.monotonic() > deadline:
+                return
+            r = u.step(n, kinds)
+            with lock:
+                records.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=work, args=(u,), daemon=True) for u in users]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=seconds + 300)
+    return records, time.perf_counter() - t0
+
+
+def figures(records: list[dict], wall: float, budget: int | None = None) -> dict:
+    good = [r for r in records if r["kind"] != "bad"]
+    done = [r for r in good if r["ok"]]
+    lat = sorted(r["end"] - r["start"] for r in done if r["kind"] != "drop")
+
+    def pct(q):
+        return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else None
+
+    bad = [r for r in records if r["kind"] == "bad"]
+    tokens = sum(r["tokens"] for r in done)
+    out = {
+        "requests": len(records), "wall_s": wall, "tokens": tokens,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "requests_per_s": len(done) / wall if wall else 0.0,
+        "p50_s": pct(0.5), "p95_s": pct(0.95),
+        "failed_good": len(good) - len(done),
+        "responses_5xx": sum(1 for r in records if (r["status"] or 0) >= 500),
+        "bad": len(bad), "bad_4xx": sum(1 for r in bad if r["ok"]),
+        "dropped": sum(1 for r in records if r["kind"] == "drop"),
+        "errors": sorted({r.get("error") or "" for r in records if not r["ok"]} - {""})[:5],
+    }
+    if budget is not None:  # the requests whose prompt is past 4x the budget
+        past = [r for r in done if r["prompt_tokens"] > 4 * budget]
+        if past:
+            span = max(r["end"] for r in past) - min(r["start"] for r in past)
+            out["past_4x_requests"] = len(past)
+            out["past_4x_tokens_per_s"] = sum(r["tokens"] for r in past) / span
+    return out
+
+
+def probe(server: Server) -> list[dict]:
+    rows = []
+    for name, body, headers in PROBE_BAD:
+        t0 = time.perf_counter()
+        status, text = raw_post(server.url, body, headers, timeout=20)
+        rows.append({"name": name, "status": status, "seconds": time.perf_counter() - t0,
+                     "answer": text[:160]})
+    rows.append({"name": "health afterwards", "status": server.health()})
+    return rows
+
+
+def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
+    import openai
+
+    server = Server(kind, args, out)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=180,
+                           max_retries=0)
+    cache_samples, done = [], threading.Event()
+
+    def sample_cache():
+        while not done.is_set():
+            n = server.prompt_cache_bytes()
+            if n is not None:
+                cache_samples.append((time.time(), n))
+            time.sleep(0.25)
+
+    threading.Thread(target=sample_cache, daemon=True).start()
+    phases, marks = {}, {}
+    try:
+        def mk(n):
+            return [User(client, server.url, i, args.max_tokens, long_prompt) for i in range(n)]
+
+        # warm-up at the highest concurrency, long prompts included: the peak that batch
+        # sizes and prefill chunks reach is set here, so what grows afterwards grows with time
+        drive(mk(max(args.levels)), 2, args.level_seconds, ["long", "chat"])
+        marks["warm"] = time.time()
+        phases["short_8"] = figures(*drive(mk(8), args.short, args.level_seconds, ["chat"]))
+        print(f"  {kind} short x8: {phases['short_8']['tokens_per_s']:.1f} tok/s", flush=True)
+        marks["short_8"] = time.time()
+        for n in args.levels:
+            phases[f"load_{n}"] = figures(*drive(mk(n), args.rounds, args.level_seconds),
+                                          args.budget)
+            marks[f"load_{n}"] = time.time()
+            f = phases[f"load_{n}"]
+            print(f"  {kind} load x{n}: {f['requests']} requests, {f['tokens_per_s']:.1f} tok/s,"
+                  f" p95 {f['p95_s']}, failed {f['failed_good']}, 5xx {f['responses_5xx']}, "
+                  f"bad 4xx {f['bad_4xx']}/{f['bad']}, {_loadavg()}", flush=True)
+        phases["conversations_8"] = figures(
+            *drive(mk(8), args.turns, args.level_seconds, ["turn"]), args.budget)
+        marks["end"] = time.time()
+        phases["probe"] = probe(server)
+    finally:
+        done.set()
+        status = server.stop()
+    text = server.output.read_text()
+    return {"phases": phases, "marks": marks, "memory": server.memory(),
+            "prompt_cache": cache_samples, "exit_status": status,
+            "startup": [x for x in text.splitlines() if x.startswith("morphkv serve:")],
+            "tracebacks_in_log": text.count("Traceback"), "log_lines": len(text.splitlines())}
+
+
+def _loadavg() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run(args) -> int:
+    from .serve_load_report import plot, summarize
+
+    args.levels = [int(x) for x in str(args.levels).split(",")]
+    if args.quick:
+        args.levels, args.rounds, args.short, args.turns = [4], 4, 1, 3
+        args.budget = min(args.budget, 32)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    long_prompt = long_text(10 * args.budget)
+    results, loads = {}, [_loadavg()]
+    for kind in args.servers.split(","):
+        print(f"{kind} server ...", flush=True)
+        results[kind] = bench_server(kind, args, out, long_prompt)
+        loads.append(_loadavg())
+    summary = summarize(results, args)
+    settings = {k: v for k, v in vars(args).items() if not callable(v)}
+    report = {"settings": settings, "load_average": loads, "summary": summary,
+              "results": results}
+    name = "serve_load_quick" if args.quick else "serve_load"
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2))
+    plot(results, args, out / f"{name}.png")
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {out / name}.json and .png ({', '.join(loads)})")
+    return 0
