@@ -26,7 +26,9 @@ import mlx.core as mx
 import numpy as np
 
 from .config import KVCacheConfig
+from .fused import Fused
 from .host_blas import one_blas_thread
+from .kernels import fused_code
 from .rows import CausalRows, ProxyRows
 from .rules import make_rule
 
@@ -80,6 +82,9 @@ class Engine:
         self.attention = None
         if self.rule.attention:
             self.attention = (CausalRows if real_queries else ProxyRows)(self)
+        code = fused_code(self.rule)
+        fusable = code is not None and not isinstance(self.attention, ProxyRows)
+        self.fused = Fused(self, code) if fusable else None  # None: the rule's own score()
 
     @property
     def xp(self):
@@ -152,10 +157,23 @@ class Engine:
         return self.attention.window_mean()
 
     # ---- feeding -------------------------------------------------------------------------
+    def _next_capacity(self, capacity: int, needed: int) -> int:
+        limit = self.config.budget + 1 if self.rule.evicts else needed
+        return max(needed, min(max(2 * capacity, 64), limit))
+
     def _grow(self, needed: int) -> None:
         """Widen the slot arrays (below the budget only: at the budget slots are reused)."""
-        limit = self.config.budget + 1 if self.rule.evicts else needed
-        capacity = max(needed, min(max(2 * self.capacity, 64), limit))
+        self._widen(self._next_capacity(self.capacity, needed))
+
+    def _grow_like_steps(self, slots: int) -> None:
+        """The capacity token-by-token steps reach at ``slots`` slots, in one widening."""
+        capacity = self.capacity
+        while capacity < slots:
+            capacity = self._next_capacity(capacity, capacity + 1)
+        if capacity > self.capacity:
+            self._widen(capacity)
+
+    def _widen(self, capacity: int) -> None:
         pad, xp = capacity - self.capacity, self.xp
         self.positions = xp.pad(self.positions, [(0, 0), (0, pad)])
         if self.accumulated is not None:
@@ -193,6 +211,9 @@ class Engine:
             v = values.astype(np.float32) if host else values.astype(mx.float32)
             norms = xp.sqrt((v * v).sum(axis=-1))  # (rows, C), stored as float16
             norms = xp.minimum(xp.nan_to_num(norms, nan=0.0), 65504.0).astype(xp.float16)
+        if C == 1 and host and self.fused is not None:
+            self.fused.decode(queries, stored, norms)
+            return None
         if C == 1:  # a decode step: small arrays, no BLAS threads, nothing to report
             slot = self._place()
             logits = None
@@ -203,7 +224,10 @@ class Engine:
             return None
         evicted = np.full((self.rows, C), -1, np.int64)
         with one_blas_thread(), _errors_ignored(self.finite):
-            self._feed_chunk(keys, queries, stored, evicted, norms)
+            if self.fused is not None:
+                self.fused.chunk(keys, queries, stored, evicted, norms, BLOCK)
+            else:
+                self._feed_chunk(keys, queries, stored, evicted, norms)
         return evicted
 
     def _feed_chunk(self, keys, queries, stored, evicted, norms) -> None:

@@ -43,36 +43,57 @@ def fused_code(rule) -> int | None:
 
 
 # ---- float16 on the host without float16 support: values as uint16 bit patterns ------------
+_POW = np.array([2.0**-24] + [2.0 ** (e - 25) for e in range(1, 31)] + [np.inf])
+
+
 @njit(cache=True, inline="always")
 def half_value(bits) -> float:
-    """The float64 value of a float16 bit pattern."""
+    """The float64 value of any float16 bit pattern (keys and queries)."""
     b = np.int64(bits)
     e = (b >> 10) & 31
     m = b & 1023
-    if e == 0:
-        v = m * 5.960464477539063e-08  # 2**-24
-    elif e == 31:
+    if e == 31:
         v = np.inf if m == 0 else np.nan
     else:
-        v = (m + 1024) * math.ldexp(1.0, e - 25)
+        v = (m + (1024 if e else 0)) * _POW[e]
     return -v if b >> 15 else v
+
+
+@njit(cache=True, inline="always")
+def _prob(bits) -> float:
+    """float64 value of a finite float16 >= 0 (ring rows, value norms), branch-free."""
+    b = np.int32(bits)
+    e = b >> 10
+    return np.float64((b & 1023) + (1024 if e > 0 else 0)) * _POW[e]
 
 
 @njit(cache=True, inline="always")
 def half_bits(x) -> np.uint16:
     """float16 bit pattern of ``x`` >= 0 (not NaN), rounded to nearest, ties to even, as
     NumPy's ``astype(np.float16)`` rounds."""
-    if x < 6.103515625e-05:  # below 2**-14: subnormal, in units of 2**-24 (1024 is 2**-14)
-        return np.uint16(np.rint(x * 16777216.0))
-    if x >= 65520.0:
-        return np.uint16(0x7C00)
-    _, e = math.frexp(x)  # x = f * 2**e, 0.5 <= f < 1
-    m = np.int64(np.rint(math.ldexp(x, 11 - e)))  # 1024 <= m <= 2048
-    if m == 2048:
-        m, e = 1024, e + 1
-    if e + 14 >= 31:
-        return np.uint16(0x7C00)
-    return np.uint16(((e + 14) << 10) | (m - 1024))
+    return np.uint16(_round_half(np.array([x]).view(np.int64)[0]))
+
+
+@njit(cache=True, inline="always")
+def _round_half(b):
+    """float16 bits of the float64 >= 0 whose bits are ``b`` (integer ops only)."""
+    e = (b >> 52) - 1023
+    mant = (b & 0xFFFFFFFFFFFFF) | 0x10000000000000
+    shift = min(42 + max(-14 - e, 0), 63)
+    m = mant >> shift
+    rem = mant & ((np.int64(1) << shift) - 1)
+    half = np.int64(1) << (shift - 1)
+    m += 1 if (rem > half) or (rem == half and (m & 1)) else 0
+    out = m if e < -14 else ((e + 15) << 10) + m - 1024
+    return 0x7C00 if (e > 15 or out >= 0x7C00) else out
+
+
+@njit(cache=True)
+def _to_half(row, n, out):
+    """out[:n] = float16 bits of row[:n] (values >= 0)."""
+    bits = row.view(np.int64)
+    for j in range(n):
+        out[j] = _round_half(bits[j])
 
 
 def _widen(x):
@@ -82,8 +103,75 @@ def _widen(x):
 @overload(_widen, inline="always")
 def _widen_impl(x):
     if isinstance(x, types.Integer):
-        return lambda x: half_value(x)
-    return lambda x: np.float64(x)
+        def from_half(x):
+            return half_value(x)
+
+        return from_half
+
+    def from_float(x):
+        return np.float64(x)
+
+    return from_float
+
+
+# ---- exp, vectorizable: Cody-Waite reduction, degree-13 Taylor (within 1 ulp of NumPy's) ----
+_LN2_HI = 6.93147180369123816490e-01
+_LN2_LO = 1.90821492927058770002e-10
+_INV_LN2 = 1.44269504088896338700e00
+_MAGIC = 6755399441055744.0  # 2**52 + 2**51: adding it rounds to an integer, ties to even
+_MAGIC_BITS = int(np.array([_MAGIC]).view(np.int64)[0])
+_C = [1.0 / math.factorial(i) for i in range(14)]
+_C2, _C3, _C4, _C5, _C6, _C7, _C8, _C9, _C10, _C11, _C12, _C13 = _C[2:]
+
+
+@njit(cache=True)
+def _exp_shifted(x, n, peak, out, scratch):
+    """out[:n] = exp(x[:n] - peak) for x - peak <= 0; below -708 it is 0 (such a weight
+    vanishes next to the peak's 1 and rounds to float16 zero either way)."""
+    for j in range(n):
+        v = x[j] - peak
+        keep = v > -708.0
+        v = v if keep else -708.0
+        t = v * _INV_LN2 + _MAGIC
+        k = t - _MAGIC
+        r = (v - k * _LN2_HI) - k * _LN2_LO
+        p = _C13 * r + _C12
+        p = p * r + _C11
+        p = p * r + _C10
+        p = p * r + _C9
+        p = p * r + _C8
+        p = p * r + _C7
+        p = p * r + _C6
+        p = p * r + _C5
+        p = p * r + _C4
+        p = p * r + _C3
+        p = p * r + _C2
+        p = p * r + 1.0
+        p = p * r + 1.0
+        out[j] = p if keep else 0.0
+        scratch[j] = t
+    bits = scratch.view(np.int64)
+    for j in range(n):
+        bits[j] = (bits[j] - _MAGIC_BITS + 1023) << 52
+    for j in range(n):
+        out[j] *= scratch[j]
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _sum(x, n):
+    total = 0.0
+    for j in range(n):
+        total += x[j]
+    return total
+
+
+@njit(cache=True, fastmath={"nnan", "reassoc", "nsz"})
+def _peak(x, n):
+    """max of x[:n] (no NaN: cleaned before); exact in any order."""
+    peak = -np.inf
+    for j in range(n):
+        peak = max(peak, x[j])
+    return peak
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
@@ -107,38 +195,29 @@ def _dots(q, keys, r, n, scale, out):
 
 
 @njit(cache=True)
-def _causal_row(logits, n, finite, top, ring, r, head, row):
+def _causal_row(logits, n, finite, top, ring, r, head, row, scratch):
     """Row of the new token from logits (G, >= n): softmax over n per query head, summed over
     the heads, rounded to float16 into ring[r, head, :n]."""
     G = logits.shape[0]
     for j in range(n):
         row[j] = 0.0
     for g in range(G):
-        peak = -np.inf
-        for j in range(n):
-            x = logits[g, j]
-            if not finite:
-                if x != x:
-                    x = -np.inf
-                elif x == np.inf:
-                    x = top
-                logits[g, j] = x
-            if x > peak:
-                peak = x
-        if not finite and not np.isfinite(peak):
+        x = logits[g]
+        if not finite:
+            for j in range(n):
+                if x[j] != x[j]:
+                    x[j] = -np.inf
+                elif x[j] == np.inf:
+                    x[j] = top
+        peak = _peak(x, n)
+        if not np.isfinite(peak):
             peak = 0.0
-        total = 0.0
+        _exp_shifted(x, n, peak, x, scratch)
+        total = _sum(x, n)
+        inv = 1.0 / (total if total > 0.0 else 1.0)
         for j in range(n):
-            w = math.exp(logits[g, j] - peak)
-            logits[g, j] = w
-            total += w
-        if total <= 0.0:
-            total = 1.0
-        inv = 1.0 / total
-        for j in range(n):
-            row[j] += inv * logits[g, j]
-    for j in range(n):
-        ring[r, head, j] = half_bits(row[j])
+            row[j] += inv * x[j]
+    _to_half(row, n, ring[r, head])
 
 
 @njit(cache=True)
@@ -147,41 +226,47 @@ def _observe(code, ring, r, head, slots, slot, accumulated):
     if code == CUMULATIVE:
         accumulated[r, slot] = 0.0
         for j in range(slots):
-            accumulated[r, j] += half_value(ring[r, head, j])
+            accumulated[r, j] += _prob(ring[r, head, j])
 
 
 @njit(cache=True)
 def _select(code, r, positions, slots, seen, n_sink, recent, ring, head, accumulated, norms,
             weighted, scores):
     """Slot to evict in row r: lowest score among unprotected slots, ties to the oldest."""
-    newest = seen - 1
     W = ring.shape[1]
+    if code == RECENCY:
+        for j in range(slots):
+            scores[j] = np.float64(positions[r, j])
+    elif code == CUMULATIVE:
+        for j in range(slots):
+            scores[j] = accumulated[r, j]
+    elif code == NEWEST:
+        for j in range(slots):
+            scores[j] = _prob(ring[r, head, j])
+    elif code == MAX:
+        for j in range(slots):
+            scores[j] = _prob(ring[r, 0, j])
+        for w in range(1, W):
+            for j in range(slots):
+                scores[j] = max(scores[j], _prob(ring[r, w, j]))
+    else:
+        for j in range(slots):
+            scores[j] = 0.0
+        for w in range(W):
+            for j in range(slots):
+                scores[j] += _prob(ring[r, w, j])
+        for j in range(slots):
+            scores[j] = scores[j] / W
+    if weighted:
+        for j in range(slots):
+            scores[j] = scores[j] * _prob(norms[r, j])
+    newest = seen - 1
     low = np.inf
     for j in range(slots):
         p = positions[r, j]
         if p < n_sink or p > newest - recent:
-            s = np.inf
-        else:
-            if code == RECENCY:
-                s = np.float64(p)
-            elif code == CUMULATIVE:
-                s = accumulated[r, j]
-            elif code == NEWEST:
-                s = half_value(ring[r, head, j])
-            elif code == MAX:
-                s = half_value(ring[r, 0, j])
-                for w in range(1, W):
-                    s = max(s, half_value(ring[r, w, j]))
-            else:
-                s = 0.0
-                for w in range(W):
-                    s += half_value(ring[r, w, j])
-                s = s / W
-            if weighted:
-                s = s * half_value(norms[r, j])
-        scores[j] = s
-        if s < low:
-            low = s
+            scores[j] = np.inf
+        low = min(low, scores[j])
     limit = low * (1.0 + TIE_RTOL)
     best, oldest = 0, NO_POSITION
     for j in range(slots):
@@ -200,8 +285,7 @@ def decode_step(code, q, keys, scale, finite, top, positions, ring, accumulated,
     R = positions.shape[0]
     attention = q.shape[1] > 0
     logits = np.empty((max(q.shape[1], 1), slots))
-    row = np.empty(slots)
-    scores = np.empty(slots)
+    row, scores, scratch = np.empty(slots), np.empty(slots), np.empty(slots)
     over = evicts and slots > budget
     for r in range(R):
         s = slot[r]
@@ -210,7 +294,7 @@ def decode_step(code, q, keys, scale, finite, top, positions, ring, accumulated,
             norms[r, s] = new_norms[r]
         if attention:
             _dots(q, keys, r, slots, scale, logits)
-            _causal_row(logits, slots, finite, top, ring, r, head, row)
+            _causal_row(logits, slots, finite, top, ring, r, head, row, scratch)
         _observe(code, ring, r, head, slots, s, accumulated)
         if over:
             dead[r] = _select(code, r, positions, slots, seen + 1, n_sink, recent, ring, head,
@@ -231,8 +315,7 @@ def chunk_block(code, flat, slot_column, n0, start, first_needed, keys, slot_key
     G = flat.shape[2]
     cap = positions.shape[1]
     logits = np.empty((max(G, 1), cap))
-    row = np.empty(cap)
-    scores = np.empty(cap)
+    row, scores, scratch = np.empty(cap), np.empty(cap), np.empty(cap)
     for i in range(b):
         if not has_dead:
             slots += 1
@@ -252,7 +335,7 @@ def chunk_block(code, flat, slot_column, n0, start, first_needed, keys, slot_key
                     for g in range(G):
                         for j in range(slots):
                             logits[g, j] = flat[r, i, g, slot_column[r, j]]
-                    _causal_row(logits, slots, finite, top, ring, r, head, row)
+                    _causal_row(logits, slots, finite, top, ring, r, head, row, scratch)
             _observe(code, ring, r, head, slots, s, accumulated)
             if over:
                 dead[r] = _select(code, r, positions, slots, seen + 1, n_sink, recent, ring,
