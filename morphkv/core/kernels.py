@@ -100,7 +100,7 @@ def _widen(x):
     """float64 value of a key/query element (float32, float64, or float16 bits)."""
 
 
-@overload(_widen, inline="always")
+@overload(_widen)
 def _widen_impl(x):
     if isinstance(x, types.Integer):
         def from_half(x):
@@ -176,22 +176,34 @@ def _peak(x, n):
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
 def _dots(q, keys, r, n, scale, out):
-    """out[g, j] = (q[r, g] * scale) . keys[r, j] in float64, j < n (the summation order is
-    the compiler's: products of float32 values are exact, sums differ by ulps)."""
+    """out[g, j] = (q[r, g] * scale) . keys[r, j] in float64, j < n, four keys at a time (the
+    summation order is the compiler's: the products are exact, the sums differ by ulps)."""
     G, D = q.shape[1], q.shape[2]
     qs = np.empty((G, D))
     for g in range(G):
         for d in range(D):
             qs[g, d] = _widen(q[r, g, d]) * scale
-    k = np.empty(D)
-    for j in range(n):
-        for d in range(D):
-            k[d] = _widen(keys[r, j, d])
-        for g in range(G):
-            acc = 0.0
+    k = np.zeros((4, D))
+    for j in range(0, n, 4):
+        m = min(4, n - j)
+        for i in range(m):
             for d in range(D):
-                acc += qs[g, d] * k[d]
-            out[g, j] = acc
+                k[i, d] = _widen(keys[r, j + i, d])
+        for g in range(G):
+            a0 = a1 = a2 = a3 = 0.0
+            for d in range(D):
+                x = qs[g, d]
+                a0 += x * k[0, d]
+                a1 += x * k[1, d]
+                a2 += x * k[2, d]
+                a3 += x * k[3, d]
+            out[g, j] = a0
+            if m > 1:
+                out[g, j + 1] = a1
+            if m > 2:
+                out[g, j + 2] = a2
+            if m > 3:
+                out[g, j + 3] = a3
 
 
 @njit(cache=True)
@@ -212,11 +224,12 @@ def _causal_row(logits, n, finite, top, ring, r, head, row, scratch):
         peak = _peak(x, n)
         if not np.isfinite(peak):
             peak = 0.0
-        _exp_shifted(x, n, peak, x, scratch)
-        total = _sum(x, n)
+        weights = scratch[0]
+        _exp_shifted(x, n, peak, weights, scratch[1])
+        total = _sum(weights, n)
         inv = 1.0 / (total if total > 0.0 else 1.0)
         for j in range(n):
-            row[j] += inv * x[j]
+            row[j] += inv * weights[j]
     _to_half(row, n, ring[r, head])
 
 
@@ -285,7 +298,7 @@ def decode_step(code, q, keys, scale, finite, top, positions, ring, accumulated,
     R = positions.shape[0]
     attention = q.shape[1] > 0
     logits = np.empty((max(q.shape[1], 1), slots))
-    row, scores, scratch = np.empty(slots), np.empty(slots), np.empty(slots)
+    row, scores, scratch = np.empty(slots), np.empty(slots), np.empty((2, slots))
     over = evicts and slots > budget
     for r in range(R):
         s = slot[r]
@@ -315,7 +328,7 @@ def chunk_block(code, flat, slot_column, n0, start, first_needed, keys, slot_key
     G = flat.shape[2]
     cap = positions.shape[1]
     logits = np.empty((max(G, 1), cap))
-    row, scores, scratch = np.empty(cap), np.empty(cap), np.empty(cap)
+    row, scores, scratch = np.empty(cap), np.empty(cap), np.empty((2, cap))
     for i in range(b):
         if not has_dead:
             slots += 1
