@@ -318,3 +318,20 @@ class Engine:
         scores = xp.where(protected, np.inf, scores)
         tied = scores <= scores.min(axis=1, keepdims=True) * (1.0 + TIE_RTOL)
         return xp.where(tied, positions, self.no_position).argmin(axis=1).astype(self.int)
+
+
+def warm_up() -> None:
+    """Load (or compile, the first time on a machine) the kernels the host path uses: a tiny
+    engine fed a chunk and single tokens, float32 and float16, real-query rows."""
+    from .presets import recommended
+
+    config = recommended(32)
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float16):
+        engine = Engine(config, 1, 8, real_queries=True)
+        keys = rng.standard_normal((1, 48, 8)).astype(dtype)
+        queries = rng.standard_normal((1, 48, 2, 8)).astype(dtype)
+        values = np.ones((1, 48, 8), dtype)
+        engine.feed(keys[:, :40], queries[:, :40], keys[:, :40], values[:, :40])
+        for t in range(40, 48):  # the stored keys: any (1, slots, 8) array will do here
+            engine.feed(keys[:, t : t + 1], queries[:, t : t + 1], keys[:, :40], values[:, :1])
