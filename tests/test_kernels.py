@@ -161,3 +161,26 @@ def test_proxy_rows_stay_on_the_generic_path(method):
     k = mx.ones((1, 1, 3, 4))
     cache.update_and_fetch(k, k)
     assert cache.engine.fused is None
+
+
+@pytest.mark.parametrize("method", ["morphkv", "h2o", "tova"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_keys_and_queries_decide_as_the_generic_path(method, bad):
+    rng = np.random.default_rng(3)
+    keys = rng.standard_normal((1, 2, 40, 8)).astype(np.float32)
+    queries = rng.standard_normal((1, 4, 40, 8)).astype(np.float32)
+    keys[0, 1, 25, 3] = bad  # a decode step's key
+    queries[0, 0, 31, 2] = bad  # a decode step's query
+    config = KVCacheConfig(method=method, morphkv_budget=16, morphkv_window=3,
+                           scoring="attention")
+    cuts = list(range(20, 40))
+    with queries_by_hand(), np.errstate(invalid="ignore", over="ignore"):
+        fast = run(config, keys, queries, cuts, mx.float32)
+        Engine.kernels = False
+        try:
+            slow = run(config, keys, queries, cuts, mx.float32)
+        finally:
+            Engine.kernels = True
+    assert not fast.engine.finite and not slow.engine.finite
+    assert np.array_equal(fast.kept_positions, slow.kept_positions)
+    assert np.array_equal(fast.engine.attention.ring, slow.engine.attention.ring)

@@ -204,15 +204,16 @@ class Engine:
         returns (rows, C): the position each token's step evicted, -1 where none."""
         queries = keys[:, :, None] if queries is None else queries
         xp, C = self.xp, keys.shape[1]
-        if xp is np and self.finite and self.rule.attention:
-            self.finite = bool(np.isfinite(keys).all() and np.isfinite(queries).all())
         host = xp is np
+        fused_step = C == 1 and host and self.fused is not None  # the kernel checks finiteness
+        if host and self.finite and self.rule.attention and not fused_step:
+            self.finite = bool(np.isfinite(keys).all() and np.isfinite(queries).all())
         norms = None
         if self.value_norms is not None:
             v = values.astype(np.float32) if host else values.astype(mx.float32)
             norms = xp.sqrt((v * v).sum(axis=-1))  # (rows, C), stored as float16
             norms = xp.minimum(xp.nan_to_num(norms, nan=0.0), 65504.0).astype(xp.float16)
-        if C == 1 and host and self.fused is not None:
+        if fused_step:
             self.fused.decode(queries, stored, norms)
             return None
         if C == 1:  # a decode step: small arrays, no BLAS threads, nothing to report

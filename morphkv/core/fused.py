@@ -50,7 +50,7 @@ class Fused:
         weighted = norms is not None
         new_norms = norms[:, 0].view(np.uint16) if weighted else self.no_norms[:, 0]
         dead = np.empty(e.rows, np.int32)
-        over = kernels.decode_step(
+        over, e.finite = kernels.decode_step(
             self.code, q, keys, e.scale, e.finite, e.top, e.positions, ring, scores,
             norms_state, new_norms, weighted, slot, e.slots, e.seen, e.head, e.rule.evicts,
             c.budget, c.n_sink, c.recent, dead,

@@ -158,6 +158,16 @@ def _exp_shifted(x, n, peak, out, scratch):
 
 
 @njit(cache=True, fastmath={"reassoc"})
+def _finite(logits, n):
+    """No NaN or inf in logits[:, :n] (x * 0 is 0 for finite x, NaN otherwise)."""
+    s = 0.0
+    for g in range(logits.shape[0]):
+        for j in range(n):
+            s += logits[g, j] * 0.0
+    return s == 0.0
+
+
+@njit(cache=True, fastmath={"reassoc"})
 def _sum(x, n):
     total = 0.0
     for j in range(n):
@@ -294,7 +304,9 @@ def decode_step(code, q, keys, scale, finite, top, positions, ring, accumulated,
     """One token, every row: the token is already placed in ``slot`` (its position and norm
     are written here). ``q`` (rows, G, D) real queries (empty: no attention rows), ``keys``
     (rows, >= slots, D) the stored keys, new token included. Writes ``dead`` (rows,), the slot
-    each row evicts (when over the budget); returns whether it evicted."""
+    each row evicts (when over the budget). Returns (evicted?, finite): ``finite`` turns False
+    for good at the first NaN or inf logit (a non-finite key or query always makes one: float32
+    products cannot overflow float64), which is then cleaned as the generic path cleans it."""
     R = positions.shape[0]
     attention = q.shape[1] > 0
     logits = np.empty((max(q.shape[1], 1), slots))
@@ -307,12 +319,14 @@ def decode_step(code, q, keys, scale, finite, top, positions, ring, accumulated,
             norms[r, s] = new_norms[r]
         if attention:
             _dots(q, keys, r, slots, scale, logits)
+            if finite:
+                finite = _finite(logits, slots)
             _causal_row(logits, slots, finite, top, ring, r, head, row, scratch)
         _observe(code, ring, r, head, slots, s, accumulated)
         if over:
             dead[r] = _select(code, r, positions, slots, seen + 1, n_sink, recent, ring, head,
                               accumulated, norms, weighted, scores)
-    return over
+    return over, finite
 
 
 @njit(cache=True)
