@@ -81,6 +81,9 @@ class Fused:
         has_dead = e.dead is not None
         slots, seen, head = e.slots, e.seen, e.head
         G = queries.shape[2]
+        window_sum = np.zeros((R, 0))
+        if self.code == kernels.MEAN and attention:  # exact: float16 values summed in float64
+            window_sum = e.attention.ring.sum(axis=1, dtype=np.float64)
         for start in range(0, C, block):
             end = min(C, start + block)
             n0 = slots
@@ -96,7 +99,7 @@ class Fused:
                 self.code, flat, slot_column, n0, start, needed, keys, slot_keys, e.finite,
                 e.top, e.positions, ring, scores, norms_state, new_norms, weighted, dead,
                 has_dead, slots, seen, head, c.window, e.rule.evicts, c.budget, c.n_sink,
-                c.recent, evicted,
+                c.recent, evicted, window_sum,
             )
         e.slots, e.seen, e.head = slots, seen, head
         e.dead = dead if has_dead else None

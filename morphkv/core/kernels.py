@@ -254,7 +254,7 @@ def _observe(code, ring, r, head, slots, slot, accumulated):
 
 @njit(cache=True)
 def _select(code, r, positions, slots, seen, n_sink, recent, ring, head, accumulated, norms,
-            weighted, scores):
+            weighted, scores, window_sum):
     """Slot to evict in row r: lowest score among unprotected slots, ties to the oldest."""
     W = ring.shape[1]
     if code == RECENCY:
@@ -272,6 +272,9 @@ def _select(code, r, positions, slots, seen, n_sink, recent, ring, head, accumul
         for w in range(1, W):
             for j in range(slots):
                 scores[j] = max(scores[j], _prob(ring[r, w, j]))
+    elif window_sum.shape[1] > 0:  # mean, from the chunk's running sums (exact, see below)
+        for j in range(slots):
+            scores[j] = window_sum[r, j] / W
     else:
         for j in range(slots):
             scores[j] = 0.0
@@ -311,6 +314,7 @@ def decode_step(code, q, keys, scale, finite, top, positions, ring, accumulated,
     attention = q.shape[1] > 0
     logits = np.empty((max(q.shape[1], 1), slots))
     row, scores, scratch = np.empty(slots), np.empty(slots), np.empty((2, slots))
+    no_sum = np.empty((R, 0))
     over = evicts and slots > budget
     for r in range(R):
         s = slot[r]
@@ -325,18 +329,20 @@ def decode_step(code, q, keys, scale, finite, top, positions, ring, accumulated,
         _observe(code, ring, r, head, slots, s, accumulated)
         if over:
             dead[r] = _select(code, r, positions, slots, seen + 1, n_sink, recent, ring, head,
-                              accumulated, norms, weighted, scores)
+                              accumulated, norms, weighted, scores, no_sum)
     return over, finite
 
 
 @njit(cache=True)
 def chunk_block(code, flat, slot_column, n0, start, first_needed, keys, slot_keys, finite, top,
                 positions, ring, accumulated, norms, new_norms, weighted, dead, has_dead, slots,
-                seen, head, window, evicts, budget, n_sink, recent, evicted):
+                seen, head, window, evicts, budget, n_sink, recent, evicted, window_sum):
     """Tokens start..start+b of a chunk, token by token, as ``decode_step`` would run them.
     ``flat`` (rows, b, G, N) logits of the block's queries against [the slots' keys at the
     block's start (n0 columns) + the block's keys]; ``slot_column`` (rows, >= slots + b) maps
-    slots to those columns. Returns (slots, seen, head, has_dead)."""
+    slots to those columns. ``window_sum`` (rows, capacity): for the mean rule, the sum over
+    the ring of each slot's entries, kept up to date as rows are replaced (float16 values add
+    and subtract exactly in float64), or (rows, 0). Returns (slots, seen, head, has_dead)."""
     R, b = positions.shape[0], flat.shape[1]
     attention = flat.shape[2] > 0
     G = flat.shape[2]
@@ -362,11 +368,18 @@ def chunk_block(code, flat, slot_column, n0, start, first_needed, keys, slot_key
                     for g in range(G):
                         for j in range(slots):
                             logits[g, j] = flat[r, i, g, slot_column[r, j]]
+                    summed = window_sum.shape[1] > 0
+                    if summed:
+                        for j in range(slots):
+                            window_sum[r, j] -= _prob(ring[r, head, j])
                     _causal_row(logits, slots, finite, top, ring, r, head, row, scratch)
+                    if summed:
+                        for j in range(slots):
+                            window_sum[r, j] += _prob(ring[r, head, j])
             _observe(code, ring, r, head, slots, s, accumulated)
             if over:
                 dead[r] = _select(code, r, positions, slots, seen + 1, n_sink, recent, ring,
-                                  head, accumulated, norms, weighted, scores)
+                                  head, accumulated, norms, weighted, scores, window_sum)
                 evicted[r, start + i] = positions[r, dead[r]]
         seen += 1
         has_dead = over
