@@ -15,6 +15,14 @@ model's attention scale. A chunk's logits come from one matmul per block of quer
 
 Arrays live in NumPy on the host (the default), or in ``mlx.core`` for single-token decode steps
 on a GPU, where the host must not wait for the device; ``to(xp)`` moves the state.
+
+On the host, the rules ``morphkv.core.kernels.fused_code`` knows (recency, morphkv mean/max,
+tova, h2o) with real-query rows or none run through compiled kernels (``morphkv.core.fused``):
+one call per decode step, one per block of a chunk, the same state and decisions. Any other
+rule (random, proxy rows, a new rule) runs the generic path below, its own ``score()`` in
+NumPy. A new rule joins the fast path with a code in ``kernels`` (a branch of ``_select`` for
+its score, of ``_observe`` for its running state) and a line in ``fused_code``; the test in
+``tests/test_kernels.py`` then holds it to its ``score()``.
 """
 
 from __future__ import annotations
