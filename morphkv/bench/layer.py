@@ -36,9 +36,10 @@ from .arms import Arm
 NAME = "layer"
 B, H, D = 1, 4, 64
 COLUMNS = (
-    "method", "budget", "window", "decode_us", "rotating_us", "decode_ratio", "chunk_ms",
-    "engine_pct", "total_vs_rotating",
+    "method", "budget", "window", "decode_us", "rotating_us", "decode_ratio", "python_us",
+    "mlx_us", "reads_us", "engine_us", "chunk_ms", "engine_pct", "total_vs_rotating",
 )
+PARTS = ("python", "mlx", "reads", "engine")
 DTYPES = {"float16": mx.float16, "float32": mx.float32, "bfloat16": mx.bfloat16}
 
 
@@ -50,6 +51,38 @@ def stream(n: int, dtype=mx.float16, groups: int = 0, seed: int = 0):
     q = mx.random.normal((B, H * groups, n, D)).astype(dtype) if groups else None
     mx.eval(k, v, q)
     return k, v, q
+
+
+def timed_parts(cache, k, v, q=None) -> dict[str, float]:
+    """One morphkv update split into its parts (seconds): ``python`` (the update's
+    bookkeeping and the MLX graph of the slot write and fetch), ``mlx`` (evaluating it),
+    ``reads`` (the selection step's host reads and reshapes of keys and queries) and
+    ``engine`` (the selection engine's step)."""
+    engine_time = []
+    engine = cache.engine
+    feed = engine.feed
+
+    def timed_feed(*a, **kw):
+        start = time.perf_counter()
+        out = feed(*a, **kw)
+        engine_time.append(time.perf_counter() - start)
+        return out
+
+    engine.feed = timed_feed
+    try:
+        t0 = time.perf_counter()
+        out = cache.update_and_fetch(k, v)
+        if q is not None:
+            cache.prepare_attention(q, D**-0.5, None)
+        t1 = time.perf_counter()
+        mx.eval(out)
+        t2 = time.perf_counter()
+        _ = cache.tokens_kept
+        t3 = time.perf_counter()
+    finally:
+        del engine.feed
+    spent = sum(engine_time)
+    return {"python": t1 - t0, "mlx": t2 - t1, "reads": t3 - t2 - spent, "engine": spent}
 
 
 def timed_update(cache, k, v, q=None) -> float:
@@ -92,6 +125,14 @@ def _at(x, start: int, end: int):
     return None if x is None else x[:, :, start:end]
 
 
+def _token(k, v, q, t: int) -> tuple:
+    """Token t's keys, values and queries, evaluated before any timing (in a model they are
+    computed before the cache sees them)."""
+    token = _at(k, t, t + 1), _at(v, t, t + 1), _at(q, t, t + 1)
+    mx.eval([x for x in token if x is not None])
+    return token
+
+
 def decode_costs(spec: str, budget: int, window: int, repeats: int, k, v, q) -> dict:
     """Median seconds per single-token update once full: the arm and a RotatingKVCache of the
     same size, interleaved token by token; and both caches' bytes."""
@@ -106,11 +147,17 @@ def decode_costs(spec: str, budget: int, window: int, repeats: int, k, v, q) -> 
         for t in range(warm, warm + 8):  # the rotating cache switches to in-place updates
             timed_update(cache, k[:, :, t : t + 1], v[:, :, t : t + 1], _at(q, t, t + 1))
     times = {name: [] for name in caches}
+    parts = []
     for t in range(warm + 8, warm + 8 + repeats):
         for name, cache in caches.items():
-            token = _at(k, t, t + 1), _at(v, t, t + 1), _at(q, t, t + 1)
+            token = _token(k, v, q, t)
             times[name].append(timed_update(cache, *token))
+    arm = caches["arm"]
+    if getattr(arm, "engine", None) is not None:  # the parts, in steps of their own
+        for t in range(warm + 8 + repeats, warm + 8 + 2 * repeats):
+            parts.append(timed_parts(arm, *_token(k, v, q, t)))
     out = {name: statistics.median(ts) for name, ts in times.items()}
+    out["parts"] = {p: statistics.median(x[p] for x in parts) for p in PARTS} if parts else {}
     if hasattr(caches["arm"], "engine_nbytes"):
         out["memory"] = memory(caches["arm"], caches["rotating"])
     return out
@@ -132,6 +179,7 @@ def measure(spec: str, budget: int, window: int, args, k, v, q) -> dict:
         "decode_us": d["arm"] * 1e6,
         "rotating_us": d["rotating"] * 1e6,
         "decode_ratio": d["arm"] / d["rotating"],
+        **{f"{p}_us": d["parts"].get(p, float("nan")) * 1e6 for p in PARTS},
         "chunk_tokens": args.chunk,
         "chunk_ms": chunk * 1e3,
         "groups": groups,
@@ -193,7 +241,7 @@ def execute(args: argparse.Namespace) -> dict:
     todo = cases(args)
     if args.dtype not in DTYPES:
         raise SystemExit(f"morphkv: error: --dtype must be one of {sorted(DTYPES)}")
-    n = max(args.chunk, max(b for _, b, _ in todo) + 24 + args.repeats)
+    n = max(args.chunk, max(b for _, b, _ in todo) + 24 + 2 * args.repeats)
     k, v, q = stream(n, DTYPES[args.dtype], args.groups)
     bar, rows = Progress(len(todo), NAME, getattr(args, "quiet", False)), []
     for spec, budget, window in todo:
@@ -204,7 +252,10 @@ def execute(args: argparse.Namespace) -> dict:
     result.update(grid=args.grid, repeats=args.repeats, environment=environment())
     result.update(groups=args.groups, dtype=args.dtype)
     print("decode_us: one single-token update once full; rotating_us: RotatingKVCache's, "
-          "interleaved; decode_ratio: their ratio; chunk_ms: one chunk into an empty cache; "
+          "interleaved; decode_ratio: their ratio; python/mlx/reads/engine_us: medians of "
+          "the update's parts (bookkeeping and MLX graph, MLX evaluation, host reads of keys "
+          "and queries, the selection engine), timed in steps of their own; "
+          "chunk_ms: one chunk into an empty cache; "
           "engine_pct: selection state / kept K+V bytes; total_vs_rotating: all bytes held / "
           "a RotatingKVCache of the same budget")
     print(markdown_table(list(COLUMNS), [[r[c] for c in COLUMNS] for r in rows]))

@@ -5,7 +5,11 @@ Arms are interleaved and repeated so machine noise hits all of them alike; by de
 model's real queries and with keys as proxy queries (both exact chunks through the attention
 hook). Prefill: a ``--prompt-tokens`` prompt of Python-docs prose in chunks of
 ``--prefill-step`` (mlx_lm's default 2048); decode: ``--decode`` greedy tokens after it,
-per-token median. Ratios: prefill vs ``kvcache``, decode vs ``rotating``.
+per-token median. Ratios: prefill vs ``kvcache``, decode vs ``rotating``. ``--contexts
+1024,4096,8192`` repeats the measurement at each prompt length and prints one table with the
+ratios the speed targets name (prefill and decode vs ``rotating``, decode vs ``kvcache``).
+Beside wall time each figure has its CPU time (``process_time``: all threads of this
+process), which other processes' load changes far less on a shared machine.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 
 import mlx.core as mx
 
+from ..core.engine import warm_up
 from . import plots
 from ._util import (
     RANDOM_TINY,
@@ -23,6 +28,7 @@ from ._util import (
     add_flags,
     environment,
     load_model,
+    markdown_table,
     out_dir,
     require_matplotlib,
     write_json,
@@ -34,22 +40,49 @@ NAME = "overhead"
 ALIASES = {"morphkv": "morphkv:attn", "proxy": "morphkv:proxy"}  # the old script's arm names
 
 
+KEYS = ("prefill_s", "decode_ms", "prefill_cpu_s", "decode_cpu_ms")
+
+
 def run_arm(arm, model, prompt: mx.array, args) -> dict[str, float]:
     caches = arm.caches(model, args.budget, 4)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for i in range(0, prompt.size, args.prefill_step):
         logits = model(prompt[None, i : i + args.prefill_step], cache=caches)
         mx.eval(logits)
-    prefill = time.perf_counter() - start
+    prefill, prefill_cpu = time.perf_counter() - start, time.process_time() - cpu
     token = mx.argmax(logits[:, -1], axis=-1)
-    times = []
+    times, cpus = [], []
     for _ in range(args.decode):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         logits = model(token[None], cache=caches)
         token = mx.argmax(logits[:, -1], axis=-1)
         mx.eval(token)
         times.append(time.perf_counter() - start)
-    return {"prefill_s": prefill, "decode_ms": statistics.median(times) * 1e3}
+        cpus.append(time.process_time() - cpu)
+    return {
+        "prefill_s": prefill,
+        "decode_ms": statistics.median(times) * 1e3,
+        "prefill_cpu_s": prefill_cpu,
+        "decode_cpu_ms": statistics.median(cpus) * 1e3,
+    }
+
+
+def context_table(by_context: dict) -> str:
+    """One row per (context, arm): wall and CPU figures and the ratios the targets name."""
+    headers = ["context", "cache", "prefill s", "prefill vs rotating", "decode ms/token",
+               "decode vs rotating", "decode vs kvcache", "prefill cpu s", "decode cpu ms"]
+    rows = []
+    for context, median in by_context.items():
+        def ratio(m, arm, key, median=median):
+            base = median.get(arm, {}).get(key)
+            return m[key] / base if base else float("nan")
+
+        for name, m in median.items():
+            rows.append([context, name, m["prefill_s"], ratio(m, "rotating", "prefill_s"),
+                         m["decode_ms"], ratio(m, "rotating", "decode_ms"),
+                         ratio(m, "kvcache", "decode_ms"), m["prefill_cpu_s"],
+                         m["decode_cpu_ms"]])
+    return markdown_table(headers, rows)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--model", None, "model (default: the embedded SmolLM2)"),
         ("--budget", 512, "tokens kept per KV head"),
         ("--prompt-tokens", 2048, "prompt length"),
+        ("--contexts", [0], "prompt lengths to measure in turn, e.g. 1024,4096,8192 (0: "
+         "--prompt-tokens)"),
         ("--prefill-step", 2048, "prefill chunk"),
         ("--decode", 48, "decode steps"),
         ("--repeats", 2, "interleaved repeats"),
@@ -79,26 +114,39 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     text = prose_text(PROSE_TOPICS)
     ids = tokenizer.encode(text) if tokenizer is not None else [b % 256 for b in text.encode()]
-    prompt = mx.array(ids[: args.prompt_tokens])
-    runs: dict[str, list] = {name: [] for name in arms}
-    bar = Progress(args.repeats * len(arms), NAME)
-    for _ in range(args.repeats):
-        for name, arm in arms.items():
-            runs[name].append(run_arm(arm, model, prompt, args))
-            r = runs[name][-1]
-            bar.update(1, f"{name}: prefill {r['prefill_s']:.2f} s, decode {r['decode_ms']:.1f} ms")
-    median = {
-        name: {k: statistics.median(r[k] for r in rs) for k in ("prefill_s", "decode_ms")}
-        for name, rs in runs.items()
-    }
-    result = {"benchmark": NAME, "args": vars(args), "runs": runs, "median": median}
+    warm_up()  # the compiled kernels load once per process: not inside the first timing
+    contexts = [c or args.prompt_tokens for c in args.contexts] or [args.prompt_tokens]
+    while len(ids) < max(contexts):  # long contexts: the prose again
+        ids = ids + ids
+    by_context, all_runs = {}, {}
+    bar = Progress(args.repeats * len(arms) * len(contexts), NAME)
+    for context in contexts:
+        prompt = mx.array(ids[:context])
+        runs: dict[str, list] = {name: [] for name in arms}
+        for _ in range(args.repeats):
+            for name, arm in arms.items():
+                runs[name].append(run_arm(arm, model, prompt, args))
+                r = runs[name][-1]
+                bar.update(1, f"{context} {name}: prefill {r['prefill_s']:.2f} s, decode "
+                              f"{r['decode_ms']:.1f} ms")
+        by_context[context] = {
+            name: {k: statistics.median(r[k] for r in rs) for k in KEYS}
+            for name, rs in runs.items()
+        }
+        all_runs[context] = runs
+    first = contexts[0]
+    args.prompt_tokens = first
+    result = {"benchmark": NAME, "args": vars(args), "runs": all_runs[first],
+              "median": by_context[first], "by_context": by_context}
     result["environment"] = environment()
     folder = out_dir(args, NAME)
     write_json(folder / f"{NAME}{'_quick' if args.quick else ''}.json", result)
     from .report import overhead_section  # the same table the report shows
 
     print(overhead_section(result))
+    print(context_table(by_context))
     if not args.no_plot:
+        median = by_context[first]
         fig, axes = plots.panels(2, 5, 4)
         for ax, key in zip(axes[0], ("prefill_s", "decode_ms"), strict=True):
             plots.grouped_bars(ax, list(median), {key: [m[key] for m in median.values()]}, key)

@@ -56,6 +56,17 @@ class _Chunk:
     evicted: np.ndarray | None = None  # (rows, C) position evicted at each step, -1 if none
 
 
+class _Seal(tuple):
+    """The shapes and dtypes of the last accepted update (see ``MorphKVCache._check``); a copy
+    of a cache starts without one (MLX dtypes do not deep-copy)."""
+
+    def __new__(cls, *fields):
+        return super().__new__(cls, fields)
+
+    def __deepcopy__(self, memo):
+        return None
+
+
 class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._BaseCache):
     """A fixed-budget KV cache for one attention layer (see the module docstring)."""
 
@@ -192,7 +203,24 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
         return "causal"
 
     def _check(self, keys: mx.array, values: mx.array) -> None:
-        """Reject malformed input before anything is changed."""
+        """Reject malformed input before anything is changed. Input shaped like the last
+        accepted one (the same config and storage dtype) passes at once: the checks below
+        depend on nothing else."""
+        stored = None
+        if self.keys is not None:
+            group_size = self.config.kv_group_size
+            stored = (quant.dtype(self.keys), quant.dims(self.keys)[:2],
+                      quant.head_dim(self.keys, group_size),
+                      quant.head_dim(self.values, group_size))
+        seal = _Seal(keys.ndim, values.ndim, keys.shape[:2], keys.shape[3:], values.shape[:2],
+                     values.shape[3:], keys.dtype, values.dtype, self.config, stored)
+        if seal == getattr(self, "_accepted", None) and keys.shape[2] == values.shape[2]:
+            return
+        self._full_check(keys, values)
+        if stored is not None:  # checked against the storage too
+            self._accepted = seal
+
+    def _full_check(self, keys: mx.array, values: mx.array) -> None:
         if keys.ndim != 4 or values.ndim != 4:
             raise ValueError(
                 "keys and values must be (batch, n_kv_heads, tokens, head_dim); "

@@ -15,6 +15,14 @@ model's attention scale. A chunk's logits come from one matmul per block of quer
 
 Arrays live in NumPy on the host (the default), or in ``mlx.core`` for single-token decode steps
 on a GPU, where the host must not wait for the device; ``to(xp)`` moves the state.
+
+On the host, the rules ``morphkv.core.kernels.fused_code`` knows (recency, morphkv mean/max,
+tova, h2o) with real-query rows or none run through compiled kernels (``morphkv.core.fused``):
+one call per decode step, one per block of a chunk, the same state and decisions. Any other
+rule (random, proxy rows, a new rule) runs the generic path below, its own ``score()`` in
+NumPy. A new rule joins the fast path with a code in ``kernels`` (a branch of ``_select`` for
+its score, of ``_observe`` for its running state) and a line in ``fused_code``; the test in
+``tests/test_kernels.py`` then holds it to its ``score()``.
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ import mlx.core as mx
 import numpy as np
 
 from .config import KVCacheConfig
+from .fused import Fused
 from .host_blas import one_blas_thread
+from .kernels import fused_code
 from .rows import CausalRows, ProxyRows
 from .rules import make_rule
 
@@ -58,6 +68,7 @@ class Engine:
     """Per-layer selection state for ``rows`` = batch * KV heads independent sequences."""
 
     ARRAYS = ("positions", "accumulated", "value_norms", "dead", "row_index")
+    kernels = True  # False: every rule through its own score() (tests hold the kernels to it)
 
     def __init__(self, config: KVCacheConfig, rows: int, head_dim: int, real_queries: bool) -> None:
         self.config = config
@@ -80,6 +91,9 @@ class Engine:
         self.attention = None
         if self.rule.attention:
             self.attention = (CausalRows if real_queries else ProxyRows)(self)
+        code = fused_code(self.rule)
+        fusable = self.kernels and code is not None and not isinstance(self.attention, ProxyRows)
+        self.fused = Fused(self, code) if fusable else None  # None: the rule's own score()
 
     @property
     def xp(self):
@@ -152,10 +166,23 @@ class Engine:
         return self.attention.window_mean()
 
     # ---- feeding -------------------------------------------------------------------------
+    def _next_capacity(self, capacity: int, needed: int) -> int:
+        limit = self.config.budget + 1 if self.rule.evicts else needed
+        return max(needed, min(max(2 * capacity, 64), limit))
+
     def _grow(self, needed: int) -> None:
         """Widen the slot arrays (below the budget only: at the budget slots are reused)."""
-        limit = self.config.budget + 1 if self.rule.evicts else needed
-        capacity = max(needed, min(max(2 * self.capacity, 64), limit))
+        self._widen(self._next_capacity(self.capacity, needed))
+
+    def _grow_like_steps(self, slots: int) -> None:
+        """The capacity token-by-token steps reach at ``slots`` slots, in one widening."""
+        capacity = self.capacity
+        while capacity < slots:
+            capacity = self._next_capacity(capacity, capacity + 1)
+        if capacity > self.capacity:
+            self._widen(capacity)
+
+    def _widen(self, capacity: int) -> None:
         pad, xp = capacity - self.capacity, self.xp
         self.positions = xp.pad(self.positions, [(0, 0), (0, pad)])
         if self.accumulated is not None:
@@ -185,14 +212,18 @@ class Engine:
         returns (rows, C): the position each token's step evicted, -1 where none."""
         queries = keys[:, :, None] if queries is None else queries
         xp, C = self.xp, keys.shape[1]
-        if xp is np and self.finite and self.rule.attention:
-            self.finite = bool(np.isfinite(keys).all() and np.isfinite(queries).all())
         host = xp is np
+        fused_step = C == 1 and host and self.fused is not None  # the kernel checks finiteness
+        if host and self.finite and self.rule.attention and not fused_step:
+            self.finite = bool(np.isfinite(keys).all() and np.isfinite(queries).all())
         norms = None
         if self.value_norms is not None:
             v = values.astype(np.float32) if host else values.astype(mx.float32)
             norms = xp.sqrt((v * v).sum(axis=-1))  # (rows, C), stored as float16
             norms = xp.minimum(xp.nan_to_num(norms, nan=0.0), 65504.0).astype(xp.float16)
+        if fused_step:
+            self.fused.decode(queries, stored, norms)
+            return None
         if C == 1:  # a decode step: small arrays, no BLAS threads, nothing to report
             slot = self._place()
             logits = None
@@ -203,7 +234,10 @@ class Engine:
             return None
         evicted = np.full((self.rows, C), -1, np.int64)
         with one_blas_thread(), _errors_ignored(self.finite):
-            self._feed_chunk(keys, queries, stored, evicted, norms)
+            if self.fused is not None:
+                self.fused.chunk(keys, queries, stored, evicted, norms, BLOCK)
+            else:
+                self._feed_chunk(keys, queries, stored, evicted, norms)
         return evicted
 
     def _feed_chunk(self, keys, queries, stored, evicted, norms) -> None:
@@ -293,3 +327,20 @@ class Engine:
         scores = xp.where(protected, np.inf, scores)
         tied = scores <= scores.min(axis=1, keepdims=True) * (1.0 + TIE_RTOL)
         return xp.where(tied, positions, self.no_position).argmin(axis=1).astype(self.int)
+
+
+def warm_up() -> None:
+    """Load (or compile, the first time on a machine) the kernels the host path uses: a tiny
+    engine fed a chunk and single tokens, float32 and float16, real-query rows."""
+    from .presets import recommended
+
+    config = recommended(32)
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float16):
+        engine = Engine(config, 1, 8, real_queries=True)
+        keys = rng.standard_normal((1, 48, 8)).astype(dtype)
+        queries = rng.standard_normal((1, 48, 2, 8)).astype(dtype)
+        values = np.ones((1, 48, 8), dtype)
+        engine.feed(keys[:, :40], queries[:, :40], keys[:, :40], values[:, :40])
+        for t in range(40, 48):  # the stored keys: any (1, slots, 8) array will do here
+            engine.feed(keys[:, t : t + 1], queries[:, t : t + 1], keys[:, :40], values[:, :1])
