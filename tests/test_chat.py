@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from morphkv.cli import main
 
-from morphkv.cli import session
+from morphkv.cli import main, session
 
 REPO = Path(__file__).resolve().parents[1]
 MESSAGES = ["What is the capital of France?", "And of Italy?", "Name a river in Italy."]
