@@ -147,7 +147,9 @@ class KVCacheConfig:
         if not isinstance(pool, int) or isinstance(pool, bool) or pool < 1 or pool % 2 == 0:
             raise ValueError(f"morphkv_pool must be an odd int >= 1, got {pool!r}")
         if pool > 1 and self.method not in ATTENTION_METHODS:
-            raise ValueError(f"morphkv_pool pools attention scores: method={self.method!r} has none")
+            raise ValueError(
+                f"morphkv_pool pools attention scores: method={self.method!r} has none"
+            )
 
     def _validate_storage(self) -> None:
         from .quant import BITS, GROUP_SIZES
