@@ -59,7 +59,8 @@ def add_cache_flags(parser, budget: int) -> None:
     g.add_argument(
         "--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS),
         help="Named setting: recommended (morphkv with real queries, window 16, the newest "
-        "half of the budget always kept, value-weighted scores), paper (the published rule: "
+        "half of the budget always kept, value-weighted scores, peak-attention persistence "
+        "(--peak)), paper (the published rule: "
         "window 8, nothing else protected) (default %(default)s).",
     )
     g.add_argument(
@@ -123,14 +124,14 @@ def describe(config: KVCacheConfig) -> str:
     if config.method in ("morphkv", "tova", "h2o", "peak"):
         text += f" window={config.window}"
     text += f" recent={config.recent}"
+    if config.morphkv_value:
+        text += " value-weighted"
     if config.morphkv_peak:
         text += f" peak={config.morphkv_peak:g}"
     if config.morphkv_decay != 1:
         text += f" decay={config.morphkv_decay:g}"
     if config.morphkv_pool > 1:
         text += f" pool={config.morphkv_pool}"
-    if config.morphkv_value:
-        text += " value-weighted"
     if config.kv_bits is not None:
         text += f" {config.kv_bits}-bit (groups of {config.kv_group_size})"
     return text
