@@ -32,6 +32,9 @@ def reference_kept(
     recent: int | None = None,
     scale: float | None = None,
     values: np.ndarray | None = None,
+    peak: float = 0.0,
+    decay: float = 1.0,
+    pool: int = 1,
 ) -> list[int]:
     """Positions kept after feeding ``keys`` (T, D) one token at a time.
 
@@ -41,6 +44,13 @@ def reference_kept(
     (G = 1) and every row is recomputed over the tokens stored now. ``recent`` protects the
     last ``recent`` tokens instead of the last ``window``; with ``values`` (T, Dv) the
     attention scores are multiplied by the values' norms (float32, stored as float16).
+
+    Persistence: every stored token keeps a peak, ``peak_p = max(decay * peak_p, attention of
+    the newest token to p)`` after each token (0 before its first row). Method ``peak`` ranks by
+    it; ``morphkv``/``tova`` with ``peak`` = lambda > 0 rank by ``max(window score, lambda *
+    peak_p)``. ``pool`` > 1: before the value weighting, each unprotected token's score becomes
+    the largest among the ``pool`` stored tokens centred on it in position order, protected
+    tokens counting 0.
     """
     norms = None
     if values is not None:
@@ -57,6 +67,7 @@ def reference_kept(
         n_sink = 0
     stored: list[int] = []
     h2o: dict[int, float] = {}
+    peaks: dict[int, float] = {}
     rows: dict[int, dict[int, float]] = {}  # real queries: token -> {position: probability}
     for t in range(T):
         stored.append(t)
@@ -69,6 +80,12 @@ def reference_kept(
             probs = _softmax(queries[t] @ K.T * scale).sum(axis=0)
             for p in stored:
                 h2o[p] += rows[t][p] if real else probs[stored.index(p)]
+        if method == "peak" or peak > 0:
+            probs = _softmax(queries[t] @ K.T * scale).sum(axis=0)
+            peaks[t] = 0.0
+            for i, p in enumerate(stored):
+                seen = rows[t][p] if real else probs[i]
+                peaks[p] = max(peaks[p] * decay if decay != 1.0 else peaks[p], seen)
         if method == "full" or len(stored) <= budget:
             continue
         if method in ("sliding_window", "streaming_llm"):
@@ -82,8 +99,17 @@ def reference_kept(
             else:
                 probs = _softmax(queries[recent_rows] @ K.T * scale).sum(axis=1)
             scores = probs.max(axis=0) if fusion == "max" else probs.sum(axis=0) / len(probs)
+            if peak > 0:
+                scores = np.maximum(scores, peak * np.array([peaks[p] for p in stored]))
+        elif method == "peak":
+            scores = np.array([peaks[p] for p in stored])
         else:
             raise ValueError(method)
+        guarded = [p < n_sink or p > t - recent for p in stored]
+        if pool > 1:  # stored is in position order
+            base = [0.0 if g else s for s, g in zip(scores, guarded, strict=True)]
+            h = pool // 2
+            scores = np.array([max(base[max(0, i - h) : i + h + 1]) for i in range(len(base))])
         if norms is not None:
             scores = scores * norms[stored]
         candidates = [
@@ -93,4 +119,5 @@ def reference_kept(
         victim = min(p for s, p in candidates if s <= low + TIE_RTOL * abs(low))
         stored.remove(victim)
         h2o.pop(victim, None)
+        peaks.pop(victim, None)
     return stored

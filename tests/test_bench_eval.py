@@ -110,6 +110,9 @@ def test_equal_bytes_budget_is_measured(tiny):
     assert budget < 96  # today the selection engine holds more than the keys it ranks
     with pytest.raises(ValueError, match="smallest budget"):
         budget_for_bytes(tiny, morph, 10)
+    floor = Arm.parse("peak:window=1:recent=32:attn")  # the smallest budget is 4 + 32 + 1
+    budget, held = budget_for_bytes(tiny, floor, target)
+    assert 37 <= budget < 96 and held <= target
 
 
 def test_fidelity_equal_bytes_rows(tiny):

@@ -108,6 +108,10 @@ def test_recommended_preset_is_valid_and_overridable():
     config = recommended(128)
     assert config.method == "morphkv" and config.budget == 128
     assert config.recent == 64 and config.morphkv_value
+    from morphkv.core.presets import PEAK
+
+    assert config.morphkv_peak == PEAK > 0 and config.morphkv_decay == 1  # issue 20
+    assert recommended(128, morphkv_peak=0.0).morphkv_peak == 0
     assert recommended(256, morphkv_window=8).window == 8
     assert PRESETS["paper"](128).recent == PRESETS["paper"](128).window == 8
     with pytest.raises(ValueError, match="morphkv_budget must exceed"):

@@ -1,27 +1,36 @@
-"""``morphkv eval recall``: arm specs, scoring, items, and a smoke run on the embedded model."""
+"""``morphkv eval recall``: arm specs, scoring, items, intervals, retention, and smoke runs on the
+embedded model (answers and the prefill-only screen)."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from morphkv.bench import recall as R
+from morphkv.bench import recall_items as I
+from morphkv.bench.recall_report import wilson
 from morphkv.cli import main
 
 
 def test_arm_specs_map_onto_config_fields():
-    arms = R.parse_arms("full,streaming_llm,morphkv:window=32,fusion=max,tova:morphkv_n_sink=2")
+    arms = R.parse_arms("full,streaming_llm,morphkv:window=32,fusion=max,tova:morphkv_n_sink=2,"
+                        "peak:recent=32:value=true:pool=3,recommended:peak=0.25,rotating")
     assert [a.label for a in arms] == [
-        "full",
-        "streaming_llm",
-        "morphkv:window=32,fusion=max",
-        "tova:morphkv_n_sink=2",
+        "full", "streaming_llm", "morphkv:window=32,fusion=max", "tova:morphkv_n_sink=2",
+        "peak:recent=32:value=true:pool=3", "recommended:peak=0.25", "rotating",
     ]
     config = arms[2].config(128, n_sink=4)
     assert (config.method, config.morphkv_budget) == ("morphkv", 128)
     assert (config.morphkv_window, config.morphkv_fusion, config.morphkv_n_sink) == (32, "max", 4)
     assert arms[3].config(64, n_sink=4).morphkv_n_sink == 2  # the spec beats --n-sink
+    peak = arms[4].config(128, n_sink=4)
+    assert (peak.method, peak.recent, peak.morphkv_value, peak.morphkv_pool) == (
+        "peak", 32, True, 3)
+    fused = arms[5].config(128, n_sink=4)
+    assert fused.morphkv_peak == 0.25 and fused.recent == 64 and fused.morphkv_value
+    assert arms[0].is_full and arms[6].spec.is_baseline
 
 
 @pytest.mark.parametrize(
@@ -46,14 +55,53 @@ def test_bad_settings_fail_before_any_work(tmp_path, capsys):
     assert "morphkv_budget must exceed" in capsys.readouterr().err
     assert main(["eval", "recall", "--arms", "h2o:colour=1", "--out", str(out)]) == 2
     assert "'colour'" in capsys.readouterr().err
+    assert main(["eval", "recall", "--arms", "peak:pool=2", "--out", str(out)]) == 2
+    assert "odd int" in capsys.readouterr().err
     assert not out.exists()
 
 
 def test_exact_match_is_on_whole_words():
-    assert R.is_correct("Mia.", "Mia")
-    assert R.is_correct(" is 47, I remember!", "47")
-    assert not R.is_correct("Miami.", "Mia")
-    assert not R.is_correct("4 and 7", "47")
+    assert I.is_correct("Mia.", "Mia")
+    assert I.is_correct(" is 47, I remember!", "47")
+    assert I.is_correct(" maple-river.", "maple-river")
+    assert not I.is_correct("Miami.", "Mia")
+    assert not I.is_correct("4 and 7", "47")
+    assert not I.is_correct(" maple.", "maple-river")
+
+
+def test_wilson_interval():
+    assert wilson(0, 0) is None
+    lo, hi = wilson(30, 48)
+    assert lo < 30 / 48 < hi and round(lo, 3) == 0.484 and round(hi, 3) == 0.748
+    assert wilson(0, 12)[0] == 0 and wilson(12, 12)[1] == 1
+
+
+def test_fact_kinds_and_distractor_kinds_cover_the_issue():
+    kinds = {f.kind for f in I.FACTS}
+    assert {"name", "number", "place", "password", "job"} <= kinds
+    assert len(I.FILLERS) >= 4
+    text = " ".join(u + " " + r for turns in I.FILLERS.values() for u, r in turns).lower()
+    assert not any(c.isdigit() for c in text)
+    for fact in I.FACTS:  # no distractor says a value
+        assert not any(f" {v.lower()} " in f" {text} " for v in fact.values if len(v) > 3)
+
+
+class _Rotating:  # what stored_positions reads of mlx_lm's RotatingKVCache
+    def __init__(self, offset, max_size, keep):
+        self.offset, self.max_size, self.keep = offset, max_size, keep
+
+
+def test_retention_reads_morphkv_and_mlx_lm_caches():
+    assert R.stored_positions(_Rotating(10, 32, 4)).tolist() == [list(range(10))]
+    kept = R.stored_positions(_Rotating(100, 32, 4))[0]
+    assert kept.tolist() == [0, 1, 2, 3, *range(72, 100)]
+    assert R.retention([_Rotating(100, 32, 4)], (2, 3, 50, 80)) == [0.75]
+    assert R.retention([_Rotating(100, 32, 4)], ()) is None
+
+    class Kept:
+        kept_positions = np.array([[[0, 5, 7], [1, 5, 9]]])
+
+    assert R.retention([Kept()], (5, 7)) == [0.75]
 
 
 @pytest.mark.slow
@@ -61,17 +109,19 @@ def test_items_are_deterministic_split_apart_and_long_enough():
     from smollm2_fixture import load_embedded
 
     _, tok = load_embedded()
-    a = [R.build_item(tok, 0, "tune", i, 200) for i in range(4)]
-    assert a == [R.build_item(tok, 0, "tune", i, 200) for i in range(4)]
-    test = [R.build_item(tok, 0, "test", i, 200) for i in range(4)]
-    assert [x.ids for x in a] != [x.ids for x in test]
+    a = [I.build_item(tok, 0, "tune", i, 200) for i in range(4)]
+    assert a == [I.build_item(tok, 0, "tune", i, 200) for i in range(4)]
+    test = [I.build_item(tok, 0, "test", i, 200) for i in range(len(I.FACTS))]
+    assert [x.ids for x in a] != [x.ids for x in test[:4]]
+    assert {x.kind for x in test} == {f.kind for f in I.FACTS}  # test items cycle the kinds
     for item in a + test:
-        assert item.distance >= 200 and item.turns >= 3 and len(item.fact_positions) >= 2
+        assert item.distance >= 200 and item.turns >= 3 and len(item.fact_positions) >= 1
         assert max(item.fact_positions) < item.fact_end
+        assert len(set(item.distractors)) >= 2
         text = tok.decode(list(item.ids))
         assert item.value in text.split("<|im_start|>user")[1]  # stated in the first user turn
         assert text.count(item.value) == 2  # the statement and its acknowledgement, not later
-        fact = next(f for f in R.FACTS if f.kind == item.kind)
+        fact = next(f for f in I.FACTS if f.kind == item.kind)
         assert text.endswith("<|im_start|>assistant\n" + fact.lead_in)
 
 
@@ -83,7 +133,7 @@ def test_quick_run_writes_table_json_and_png(tmp_path, capsys):
     out = tmp_path / "recall"
     assert main(["eval", "recall", "--quick", "--quiet", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "| streaming_llm |" in printed and "budget 32" in printed
+    assert "| streaming_llm |" in printed and "budget 32" in printed and "95% CI" in printed
     result = json.loads((out / "recall.json").read_text())
     assert (out / "recall.png").stat().st_size > 0
     summary = result["summary"]
@@ -92,11 +142,31 @@ def test_quick_run_writes_table_json_and_png(tmp_path, capsys):
     assert set(rows) == {"streaming_llm", "morphkv"}
     for row in rows.values():
         assert row["n"] == summary["full_correct"] and 0 <= row["correct"] <= row["n"]
-    # equal budget, equal bytes; both below the full cache, which keeps the whole prompt
+        lo, hi = row["interval"]
+        assert lo <= row["accuracy"] <= hi and len(row["layers"]) == 30
     # same K/V storage; morphkv also holds its selection state (a few percent)
     assert rows["streaming_llm"]["nbytes"] <= rows["morphkv"]["nbytes"]
     assert rows["morphkv"]["nbytes"] <= 1.1 * rows["streaming_llm"]["nbytes"]
     assert rows["morphkv"]["nbytes"] < summary["full_nbytes"]
     # the fact lies past the budget: recency keeps none of it, the full cache all of it
-    assert rows["streaming_llm"]["fact_kept"] == 0
-    assert all(r["full"]["fact_kept"] == 1 for r in result["items"])
+    assert rows["streaming_llm"]["retention"] == 0
+    assert all(r["full"]["retention"] == [1.0] * 30 for r in result["items"])
+    assert "load_average" in result
+
+
+@pytest.mark.slow
+def test_screen_is_prefill_only_and_counts_every_item(tmp_path, capsys):
+    from smollm2_fixture import embedded_gguf_path
+
+    embedded_gguf_path()
+    out = tmp_path / "screen"
+    argv = ["eval", "recall", "--screen", "--quiet", "--items", "2", "--budgets", "32",
+            "--distance", "48", "--arms", "streaming_llm,peak:window=1:recent=8", "--out", str(out)]
+    assert main(argv) == 0
+    assert "retention by layer" in capsys.readouterr().out
+    result = json.loads((out / "recall_screen.json").read_text())
+    assert all("full" not in r and all("answer" not in x for x in r["arms"].values())
+               for r in result["items"])
+    rows = {r["arm"]: r for r in result["summary"]["rows"]}
+    assert rows["streaming_llm"]["n"] == 2 and rows["streaming_llm"]["retention"] == 0
+    assert rows["peak:window=1:recent=8"]["retention"] > 0  # peak keeps some of the fact

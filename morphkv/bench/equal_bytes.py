@@ -30,6 +30,16 @@ def measure_bytes(model, arm: Arm, budget: int, n_sink: int = 4, extra: int = 16
     return sum(held_bytes(c) for c in caches)
 
 
+def _valid(arm: Arm, budget: int, n_sink: int) -> bool:
+    if arm.is_baseline:
+        return True
+    try:
+        arm.config(budget, n_sink=n_sink)
+    except ValueError:
+        return False
+    return True
+
+
 def budget_for_bytes(model, arm: Arm, target: int, n_sink: int = 4) -> tuple[int, int]:
     """(budget, bytes): the largest budget whose measured bytes do not exceed ``target``."""
     if arm.method == "kvcache":
@@ -40,6 +50,10 @@ def budget_for_bytes(model, arm: Arm, target: int, n_sink: int = 4) -> tuple[int
         return measure_bytes(model, arm, b, n_sink)
 
     lo = n_sink + arm.window + 1
+    while not _valid(arm, lo, n_sink):  # a recency floor (recent > window) needs more
+        lo += 1
+        if lo > MAX_BUDGET:
+            raise ValueError(f"arm {arm.name} has no valid budget up to {MAX_BUDGET}")
     if size(lo) > target:
         raise ValueError(
             f"arm {arm.name} holds {size(lo)} bytes at its smallest budget {lo}: more than "

@@ -24,6 +24,9 @@ FLAGS = {  # KVCacheConfig field -> the flag that sets it (also for error messag
     "morphkv_recent": "--recent",
     "recent": "--recent",
     "morphkv_value": "--value",
+    "morphkv_peak": "--peak",
+    "morphkv_decay": "--decay",
+    "morphkv_pool": "--pool",
     "morphkv_n_sink": "--sinks",
     "n_sink": "--sinks",
     "morphkv_fusion": "--fusion",
@@ -37,6 +40,9 @@ OVERRIDES = {  # argparse dest -> KVCacheConfig field
     "window": "morphkv_window",
     "recent": "morphkv_recent",
     "value": "morphkv_value",
+    "peak": "morphkv_peak",
+    "decay": "morphkv_decay",
+    "pool": "morphkv_pool",
     "sinks": "morphkv_n_sink",
     "fusion": "morphkv_fusion",
     "scoring": "scoring",
@@ -53,7 +59,8 @@ def add_cache_flags(parser, budget: int) -> None:
     g.add_argument(
         "--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS),
         help="Named setting: recommended (morphkv with real queries, window 16, the newest "
-        "half of the budget always kept, value-weighted scores), paper (the published rule: "
+        "half of the budget always kept, value-weighted scores, peak-attention persistence "
+        "(--peak)), paper (the published rule: "
         "window 8, nothing else protected) (default %(default)s).",
     )
     g.add_argument(
@@ -72,6 +79,14 @@ def add_cache_flags(parser, budget: int) -> None:
     g.add_argument("--value", action=argparse.BooleanOptionalAction, default=None,
                    help="Weight attention scores by the value vectors' norms (default: the "
                    "preset's, on for recommended).")
+    g.add_argument("--peak", type=Number(float, lo=0), default=None,
+                   help="Fuse each token's peak attention into the window score: max(window, "
+                   "PEAK x peak) (a number >= 0; 0: off; default: the preset's).")
+    g.add_argument("--decay", type=Number(float, lo=0, hi=1, lo_open=True), default=None,
+                   help="Per-token decay of the peak, in (0, 1] (default: the preset's, 1).")
+    g.add_argument("--pool", type=Number(int, lo=1), default=None,
+                   help="Span pooling kernel over neighbouring stored tokens (odd; default: the "
+                   "preset's, 1 = none).")
     g.add_argument("--sinks", type=Number(int, lo=0), default=None,
                    help="First tokens never evicted (an integer >= 0; default: 4; none for "
                    "sliding_window).")
@@ -106,11 +121,17 @@ def describe(config: KVCacheConfig) -> str:
     if config.method == "full":
         return "method=full (no bound)"
     text = f"method={config.method} budget={config.budget} sinks={config.n_sink}"
-    if config.method in ("morphkv", "tova", "h2o"):
+    if config.method in ("morphkv", "tova", "h2o", "peak"):
         text += f" window={config.window}"
     text += f" recent={config.recent}"
     if config.morphkv_value:
         text += " value-weighted"
+    if config.morphkv_peak:
+        text += f" peak={config.morphkv_peak:g}"
+    if config.morphkv_decay != 1:
+        text += f" decay={config.morphkv_decay:g}"
+    if config.morphkv_pool > 1:
+        text += f" pool={config.morphkv_pool}"
     if config.kv_bits is not None:
         text += f" {config.kv_bits}-bit (groups of {config.kv_group_size})"
     return text

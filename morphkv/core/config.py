@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass
 
 FUSIONS = ("mean", "max")
+ATTENTION_METHODS = ("morphkv", "tova", "h2o", "peak")
 SCORINGS = ("auto", "attention", "proxy")
 
 
@@ -28,6 +29,12 @@ class KVCacheConfig:
         morphkv_value: attention rules (morphkv, tova, h2o) multiply a token's attention score
             by the norm of its value vector (what it would add to the output), as kvpress's
             ExpectedAttention does.
+        morphkv_peak: lambda >= 0 fusing each token's peak attention into the window's score:
+            ``max(window score, lambda * peak)`` (``morphkv`` and ``tova``; 0, the default, is
+            the paper's rule). Method ``peak`` ranks by the peak alone.
+        morphkv_decay: factor in (0, 1] by which a peak decays per token (1: a running max).
+        morphkv_pool: span pooling kernel (odd, >= 1) of attention rules: a token's score is
+            the largest among the ``pool`` stored tokens centred on it (1: no pooling).
         scoring: ``"attention"`` ranks by the model's real queries (needs the attention hook,
             ``morphkv.attach``, which ``KVCacheBuilder.for_model`` installs); ``"proxy"`` lets
             the stored keys stand in for queries (any cache, no hook); ``"auto"`` (default) is
@@ -48,6 +55,9 @@ class KVCacheConfig:
     morphkv_fusion: str = "mean"
     morphkv_recent: int | None = None
     morphkv_value: bool = False
+    morphkv_peak: float = 0.0
+    morphkv_decay: float = 1.0
+    morphkv_pool: int = 1
     scoring: str = "auto"
     seed: int = 0
     kv_bits: int | None = None
@@ -89,7 +99,7 @@ class KVCacheConfig:
             raise ValueError(f"morphkv_n_sink must be >= 0, got {self.morphkv_n_sink}")
         if not isinstance(self.morphkv_value, bool):
             raise ValueError(f"morphkv_value must be True or False, got {self.morphkv_value!r}")
-        if self.morphkv_value and self.method not in ("morphkv", "tova", "h2o"):
+        if self.morphkv_value and self.method not in ATTENTION_METHODS:
             raise ValueError(
                 f"morphkv_value weights attention scores: method={self.method!r} has none"
             )
@@ -110,12 +120,36 @@ class KVCacheConfig:
                 f"{self.recent} = {self.n_sink + self.recent}, "
                 f"got {self.morphkv_budget}"
             )
+        self._validate_persistence()
         if self.morphkv_fusion not in FUSIONS:
             raise ValueError(f"morphkv_fusion={self.morphkv_fusion!r} is unknown; valid: {FUSIONS}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring={self.scoring!r} is unknown; valid: {SCORINGS}")
         self._validate_storage()
         return self
+
+    def _validate_persistence(self) -> None:
+        """morphkv_peak, morphkv_decay, morphkv_pool."""
+
+        def real(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        peak, decay, pool = self.morphkv_peak, self.morphkv_decay, self.morphkv_pool
+        if not real(peak) or not peak >= 0 or peak == float("inf"):
+            raise ValueError(f"morphkv_peak must be a finite number >= 0, got {peak!r}")
+        if peak and self.method not in ("morphkv", "tova"):
+            raise ValueError(f"morphkv_peak fuses into a window score: method={self.method!r} "
+                             "has none (method='peak' ranks by the peak alone)")
+        if not real(decay) or not 0 < decay <= 1:
+            raise ValueError(f"morphkv_decay must be in (0, 1], got {decay!r}")
+        if decay != 1 and not (peak or self.method == "peak"):
+            raise ValueError("morphkv_decay decays a peak: set morphkv_peak > 0 or method='peak'")
+        if not isinstance(pool, int) or isinstance(pool, bool) or pool < 1 or pool % 2 == 0:
+            raise ValueError(f"morphkv_pool must be an odd int >= 1, got {pool!r}")
+        if pool > 1 and self.method not in ATTENTION_METHODS:
+            raise ValueError(
+                f"morphkv_pool pools attention scores: method={self.method!r} has none"
+            )
 
     def _validate_storage(self) -> None:
         from .quant import BITS, GROUP_SIZES

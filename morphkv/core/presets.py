@@ -1,10 +1,14 @@
-"""Named settings: the recommended one (chosen on evidence, see docs/results.md) and the paper's.
+"""Named settings: the recommended one (chosen on evidence, see docs/results.md and
+docs/recall.md) and the paper's.
 
 ``recommended(budget)`` is what ``morphkv generate`` and ``morphkv serve`` use by default:
 MorphKV's real-query ranking of the older tokens, plus a recency floor (the newest half of the
-budget is always kept: on self-generated text recency is what matters) and value-weighted
-scores (a token whose value vector is small adds little to the output). ``paper(budget)`` is
-the rule exactly as published (recent region = query window).
+budget is always kept: on self-generated text recency is what matters), value-weighted scores
+(a token whose value vector is small adds little to the output) and persistence: a token's
+score is ``max(window mean, PEAK x the largest attention it ever received)``, so a fact the
+conversation attended to strongly once is not evicted as soon as the talk moves on (chosen on
+the tune items and texts of ``morphkv eval recall`` / ``morphkv eval sweep``, docs/recall.md).
+``paper(budget)`` is the rule exactly as published (recent region = query window).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from .config import KVCacheConfig
 
 N_SINK = 4
 WINDOW = 16
+PEAK = 0.02  # peak fusion lambda: best tune retention with tune KL below StreamingLLM
 
 
 def recommended(budget: int = 512, **overrides) -> KVCacheConfig:
@@ -28,6 +33,7 @@ def recommended(budget: int = 512, **overrides) -> KVCacheConfig:
         morphkv_window=window,
         morphkv_recent=max(window, budget // 2),
         morphkv_value=True,
+        morphkv_peak=PEAK,
     )
     fields.update(overrides)
     return KVCacheConfig(**fields).validate()

@@ -64,22 +64,97 @@ class Random(Rule):
         return (x ^ (x >> const(16))).astype(engine.float)
 
 
+def observe_peak(engine, decay: float) -> None:
+    """Running peak per slot: ``accumulated = max(decay * accumulated, newest attention)`` (a
+    new token's slot starts at 0, so its peak is its own first row)."""
+    xp, n = engine.xp, engine.slots
+    newest = engine.newest_probs().astype(engine.float)
+    held = engine.accumulated[:, :n]
+    if decay != 1.0:
+        held = held * decay
+    engine.accumulated[:, :n] = xp.maximum(held, newest)
+
+
 class WindowAttention(Rule):
     """MorphKV: attention of the last ``window`` tokens' queries (``morphkv.core.rows``), fused by
-    mean or max over the window. ``newest_only`` gives TOVA."""
+    mean or max over the window. ``newest_only`` gives TOVA. With ``peak`` = lambda > 0 the
+    score is ``max(window score, lambda * peak)``, peak the running (``decay``-ing) maximum of
+    the attention each token has received (``observe_peak``): a token the conversation attended
+    to strongly once keeps a share of that attention while the window moves on."""
 
     attention = True
 
-    def __init__(self, fusion: str = "mean", newest_only: bool = False) -> None:
+    def __init__(
+        self, fusion: str = "mean", newest_only: bool = False, peak: float = 0.0, decay: float = 1.0
+    ) -> None:
         self.fusion = fusion
         self.newest_only = newest_only
+        self.peak, self.decay = float(peak), float(decay)
+        self.observes = self.peak > 0
+
+    def observe(self, engine) -> None:
+        if self.observes:
+            observe_peak(engine, self.decay)
 
     def score(self, engine) -> Array:
         if self.newest_only:
-            return engine.newest_probs().astype(engine.float)
-        if self.fusion == "max":  # rows (rows, window, slots), GQA: summed over the group
-            return engine.window_probs().max(axis=1).astype(engine.float)
-        return engine.window_mean()
+            window = engine.newest_probs().astype(engine.float)
+        elif self.fusion == "max":  # rows (rows, window, slots), GQA: summed over the group
+            window = engine.window_probs().max(axis=1).astype(engine.float)
+        else:
+            window = engine.window_mean()
+        if not self.observes:
+            return window
+        return engine.xp.maximum(window, self.peak * engine.accumulated[:, : engine.slots])
+
+
+class Peak(Rule):
+    """Peak attention (Scissorhands-like persistence): a token's score is the largest attention
+    it ever received from one query (summed over a KV group's heads), decaying by ``decay`` per
+    token since; a running max instead of H2O's running sum, O(slots) per step."""
+
+    attention = True
+    observes = True
+
+    def __init__(self, decay: float = 1.0) -> None:
+        self.decay = float(decay)
+
+    def observe(self, engine) -> None:
+        observe_peak(engine, self.decay)
+
+    def score(self, engine) -> Array:
+        return engine.accumulated[:, : engine.slots]
+
+
+class Pooled(Rule):
+    """Span pooling (SnapKV-style) around another rule: each unprotected slot's score becomes
+    the largest score among the ``kernel`` stored tokens centred on it in position order
+    (protected tokens count as 0), so the neighbouring sub-word tokens of a fact rise and fall
+    together. Scores stay >= 0; eviction still picks one slot per step."""
+
+    def __init__(self, inner: Rule, kernel: int) -> None:
+        self.inner, self.kernel = inner, kernel
+        self.attention, self.evicts, self.observes = inner.attention, inner.evicts, inner.observes
+
+    def observe(self, engine) -> None:
+        self.inner.observe(engine)
+
+    def score(self, engine) -> Array:
+        xp, c = engine.xp, engine.config
+        scores = self.inner.score(engine)
+        positions = engine.stored_positions
+        protected = (positions < c.n_sink) | (positions > engine.seen - 1 - c.recent)
+        scores = xp.where(protected, 0.0, scores).astype(engine.float)
+        order = xp.argsort(positions, axis=1)
+        ranked = xp.take_along_axis(scores, order, axis=1)
+        half = self.kernel // 2
+        padded = xp.pad(ranked, [(0, 0), (half, half)])
+        n = ranked.shape[1]
+        pooled = ranked
+        for shift in range(self.kernel):
+            if shift != half:
+                pooled = xp.maximum(pooled, padded[:, shift : shift + n])
+        return xp.take_along_axis(pooled, xp.argsort(order, axis=1), axis=1)
 
 
 class Cumulative(Rule):
@@ -97,8 +172,11 @@ class Cumulative(Rule):
 
 
 def make_rule(config) -> Rule:
-    """The rule object for ``config.method``."""
-    return METHODS[config.method](config)
+    """The rule object for ``config.method`` (span-pooled when ``morphkv_pool`` > 1)."""
+    rule = METHODS[config.method](config)
+    if getattr(config, "morphkv_pool", 1) > 1:
+        rule = Pooled(rule, config.morphkv_pool)
+    return rule
 
 
 METHODS = {
@@ -106,7 +184,12 @@ METHODS = {
     "sliding_window": lambda c: Recency(),
     "streaming_llm": lambda c: Recency(),
     "h2o": lambda c: Cumulative(),
-    "tova": lambda c: WindowAttention(newest_only=True),
-    "morphkv": lambda c: WindowAttention(fusion=c.morphkv_fusion),
+    "tova": lambda c: WindowAttention(
+        newest_only=True, peak=c.morphkv_peak, decay=c.morphkv_decay
+    ),
+    "morphkv": lambda c: WindowAttention(
+        fusion=c.morphkv_fusion, peak=c.morphkv_peak, decay=c.morphkv_decay
+    ),
+    "peak": lambda c: Peak(c.morphkv_decay),
     "random": lambda c: Random(c.seed),
 }
