@@ -68,7 +68,7 @@ def test_exp_is_within_one_ulp_of_numpy():
     assert got[-1] == 0.0
 
 
-FUSED = ["streaming_llm", "sliding_window", "h2o", "tova", "morphkv"]
+FUSED = ["streaming_llm", "sliding_window", "h2o", "tova", "morphkv", "peak"]
 
 
 @st.composite
@@ -78,7 +78,9 @@ def cases(draw):
     recent = draw(st.integers(window, window + 5))
     n_sink = draw(st.integers(0, 3))
     budget = draw(st.integers(n_sink + recent + 1, n_sink + recent + 12))
-    attention = method in ("h2o", "tova", "morphkv")
+    attention = method in ("h2o", "tova", "morphkv", "peak")
+    peak = draw(st.sampled_from([0.0, 0.02, 0.5])) if method in ("tova", "morphkv") else 0.0
+    persists = peak > 0 or method == "peak"
     config = KVCacheConfig(
         method=method,
         morphkv_budget=budget,
@@ -87,6 +89,8 @@ def cases(draw):
         morphkv_recent=recent,
         morphkv_fusion=draw(st.sampled_from(["mean", "max"])),
         morphkv_value=attention and draw(st.booleans()),
+        morphkv_peak=peak,
+        morphkv_decay=draw(st.sampled_from([1.0, 0.9])) if persists else 1.0,
         scoring="attention",
     )
     T = draw(st.integers(1, 3 * budget + 6))

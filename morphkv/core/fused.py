@@ -23,6 +23,7 @@ class Fused:
     def __init__(self, engine, code: int) -> None:
         self.engine = engine
         self.code = code
+        self.peak, self.decay = kernels.peak_of(engine.rule)
         rows = engine.rows
         self.no_scores = np.zeros((rows, 1))
         self.no_norms = np.zeros((rows, 1), np.uint16)
@@ -53,7 +54,7 @@ class Fused:
         over, e.finite = kernels.decode_step(
             self.code, q, keys, e.scale, e.finite, e.top, e.positions, ring, scores,
             norms_state, new_norms, weighted, slot, e.slots, e.seen, e.head, e.rule.evicts,
-            c.budget, c.n_sink, c.recent, dead,
+            c.budget, c.n_sink, c.recent, dead, self.peak, self.decay,
         )
         e.seen += 1
         e.dead = dead if over else None
@@ -99,7 +100,7 @@ class Fused:
                 self.code, flat, slot_column, n0, start, needed, keys, slot_keys, e.finite,
                 e.top, e.positions, ring, scores, norms_state, new_norms, weighted, dead,
                 has_dead, slots, seen, head, c.window, e.rule.evicts, c.budget, c.n_sink,
-                c.recent, evicted, window_sum,
+                c.recent, evicted, window_sum, self.peak, self.decay,
             )
         e.slots, e.seen, e.head = slots, seen, head
         e.dead = dead if has_dead else None

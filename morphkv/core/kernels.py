@@ -23,7 +23,7 @@ from numba.extending import overload
 
 TIE_RTOL = 1e-9
 # rule codes (see fused_code)
-RECENCY, MEAN, MAX, NEWEST, CUMULATIVE = 0, 1, 2, 3, 4
+RECENCY, MEAN, MAX, NEWEST, CUMULATIVE, PEAK = 0, 1, 2, 3, 4, 5
 NO_POSITION = np.iinfo(np.int32).max
 
 
@@ -39,7 +39,21 @@ def fused_code(rule) -> int | None:
         return NEWEST if rule.newest_only else (MAX if rule.fusion == "max" else MEAN)
     if kind is rules.Cumulative:
         return CUMULATIVE
+    if kind is rules.Peak:
+        return PEAK
     return None
+
+
+def peak_of(rule) -> tuple[float, float]:
+    """(lambda, decay) of a rule's peak-attention persistence: the fusion weight of
+    ``max(window score, lambda * peak)`` (0: none) and the peak's decay per token."""
+    from . import rules
+
+    if type(rule) is rules.WindowAttention:
+        return rule.peak, rule.decay
+    if type(rule) is rules.Peak:
+        return 0.0, rule.decay
+    return 0.0, 1.0
 
 
 # ---- float16 on the host without float16 support: values as uint16 bit patterns ------------
@@ -244,23 +258,31 @@ def _causal_row(logits, n, finite, top, ring, r, head, row, scratch):
 
 
 @njit(cache=True)
-def _observe(code, ring, r, head, slots, slot, accumulated):
-    """Running scores: a new token's slot starts at 0; h2o adds the newest row."""
+def _observe(code, ring, r, head, slots, slot, accumulated, peak, decay):
+    """Running scores: a new token's slot starts at 0; h2o adds the newest row; a peak (the
+    peak rule, or a window rule fused with one) keeps max(decay * peak, newest row)."""
     if code == CUMULATIVE:
         accumulated[r, slot] = 0.0
         for j in range(slots):
             accumulated[r, j] += _prob(ring[r, head, j])
+    elif code == PEAK or peak > 0.0:
+        accumulated[r, slot] = 0.0
+        for j in range(slots):
+            held = accumulated[r, j]
+            if decay != 1.0:
+                held = held * decay
+            accumulated[r, j] = max(held, _prob(ring[r, head, j]))
 
 
 @njit(cache=True)
 def _select(code, r, positions, slots, seen, n_sink, recent, ring, head, accumulated, norms,
-            weighted, scores, window_sum):
+            weighted, scores, window_sum, peak):
     """Slot to evict in row r: lowest score among unprotected slots, ties to the oldest."""
     W = ring.shape[1]
     if code == RECENCY:
         for j in range(slots):
             scores[j] = np.float64(positions[r, j])
-    elif code == CUMULATIVE:
+    elif code == CUMULATIVE or code == PEAK:
         for j in range(slots):
             scores[j] = accumulated[r, j]
     elif code == NEWEST:
@@ -283,6 +305,9 @@ def _select(code, r, positions, slots, seen, n_sink, recent, ring, head, accumul
                 scores[j] += _prob(ring[r, w, j])
         for j in range(slots):
             scores[j] = scores[j] / W
+    if peak > 0.0:  # max(window score, lambda * peak), before the value weights
+        for j in range(slots):
+            scores[j] = max(scores[j], peak * accumulated[r, j])
     if weighted:
         for j in range(slots):
             scores[j] = scores[j] * _prob(norms[r, j])
@@ -303,7 +328,8 @@ def _select(code, r, positions, slots, seen, n_sink, recent, ring, head, accumul
 
 @njit(cache=True)
 def decode_step(code, q, keys, scale, finite, top, positions, ring, accumulated, norms, new_norms,
-                weighted, slot, slots, seen, head, evicts, budget, n_sink, recent, dead):
+                weighted, slot, slots, seen, head, evicts, budget, n_sink, recent, dead, peak,
+                decay):
     """One token, every row: the token is already placed in ``slot`` (its position and norm
     are written here). ``q`` (rows, G, D) real queries (empty: no attention rows), ``keys``
     (rows, >= slots, D) the stored keys, new token included. Writes ``dead`` (rows,), the slot
@@ -326,17 +352,18 @@ def decode_step(code, q, keys, scale, finite, top, positions, ring, accumulated,
             if finite:
                 finite = _finite(logits, slots)
             _causal_row(logits, slots, finite, top, ring, r, head, row, scratch)
-        _observe(code, ring, r, head, slots, s, accumulated)
+        _observe(code, ring, r, head, slots, s, accumulated, peak, decay)
         if over:
             dead[r] = _select(code, r, positions, slots, seen + 1, n_sink, recent, ring, head,
-                              accumulated, norms, weighted, scores, no_sum)
+                              accumulated, norms, weighted, scores, no_sum, peak)
     return over, finite
 
 
 @njit(cache=True)
 def chunk_block(code, flat, slot_column, n0, start, first_needed, keys, slot_keys, finite, top,
                 positions, ring, accumulated, norms, new_norms, weighted, dead, has_dead, slots,
-                seen, head, window, evicts, budget, n_sink, recent, evicted, window_sum):
+                seen, head, window, evicts, budget, n_sink, recent, evicted, window_sum, peak,
+                decay):
     """Tokens start..start+b of a chunk, token by token, as ``decode_step`` would run them.
     ``flat`` (rows, b, G, N) logits of the block's queries against [the slots' keys at the
     block's start (n0 columns) + the block's keys]; ``slot_column`` (rows, >= slots + b) maps
@@ -376,10 +403,10 @@ def chunk_block(code, flat, slot_column, n0, start, first_needed, keys, slot_key
                     if summed:
                         for j in range(slots):
                             window_sum[r, j] += _prob(ring[r, head, j])
-            _observe(code, ring, r, head, slots, s, accumulated)
+            _observe(code, ring, r, head, slots, s, accumulated, peak, decay)
             if over:
                 dead[r] = _select(code, r, positions, slots, seen + 1, n_sink, recent, ring,
-                                  head, accumulated, norms, weighted, scores, window_sum)
+                                  head, accumulated, norms, weighted, scores, window_sum, peak)
                 evicted[r, start + i] = positions[r, dead[r]]
         seen += 1
         has_dead = over
