@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from morphkv.bench._util import stop_process
 from tests.smollm2_fixture import embedded_gguf_path
 
 openai = pytest.importorskip("openai")
@@ -75,14 +76,7 @@ class Served:
             return json.load(r)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=20)
-        return self.proc.returncode
+        return stop_process(self.proc, 20)
 
 
 @pytest.fixture(scope="module")

@@ -230,3 +230,19 @@ def greedy_tokens(model, caches, prompt, max_tokens: int, prefill_step_size: int
         max_tokens=max_tokens,
     )
     return [int(token) for token, _ in steps]
+
+
+def stop_process(proc, timeout: float = 20) -> int:
+    """Stop a child by its process id: SIGTERM, then SIGKILL after ``timeout`` s. Its status."""
+    import os
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout)
+    return proc.returncode

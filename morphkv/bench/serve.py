@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -25,6 +24,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from ._util import stop_process
 
 PROMPTS = [
     "Write a long story about a lighthouse keeper and a storm.",
@@ -157,13 +158,7 @@ class Server:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc, 20)
 
 
 # ---- the client side -------------------------------------------------------------------------

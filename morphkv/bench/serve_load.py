@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ._util import stop_process
 from .serve_clients import PROBE_BAD, User, long_text, raw_post
 
 
@@ -135,14 +135,7 @@ class Server:
         return [(float(t), int(r), int(a), int(p)) for t, r, a, p in rows]
 
     def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, 30)
 
 
 # ---- the load -------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ model's attention scale. A chunk's logits come from one matmul per block of quer
 Arrays live in NumPy on the host (the default), or in ``mlx.core`` for single-token decode steps
 on a GPU, where the host must not wait for the device; ``to(xp)`` moves the state.
 
-On the host, the rules ``morphkv.core.kernels.fused_code`` knows (recency, morphkv mean/max,
+On the host, the rules ``morphkv.core.fused.fused_code`` knows (recency, morphkv mean/max,
 tova, h2o) with real-query rows or none run through compiled kernels (``morphkv.core.fused``):
 one call per decode step, one per block of a chunk, the same state and decisions. Any other
 rule (random, proxy rows, a new rule) runs the generic path below, its own ``score()`` in
@@ -34,9 +34,8 @@ import mlx.core as mx
 import numpy as np
 
 from .config import KVCacheConfig
-from .fused import Fused
+from .fused import Fused, fused_code
 from .host_blas import one_blas_thread
-from .kernels import fused_code
 from .rows import CausalRows, ProxyRows
 from .rules import make_rule
 

@@ -1,6 +1,6 @@
 """The engine's host fast path: its state handed to the compiled kernels (``kernels``).
 
-Used for a rule ``kernels.fused_code`` knows, with real-query rows or none, on the host; the
+Used for a rule ``fused_code`` knows, with real-query rows or none, on the host; the
 engine's generic path (the rule's ``score()`` in NumPy) runs everything else. Both read and
 write the same arrays, so an engine can move between them (the device path, save/load).
 """
@@ -9,7 +9,34 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels
+from . import kernels, rules
+
+
+def fused_code(rule) -> int | None:
+    """Kernel code of ``rule``, or None when only its ``score()`` knows it. Exact class
+    checks: a subclass that changes a method is not mistaken for its parent."""
+    kind = type(rule)
+    if kind is rules.Recency:
+        return kernels.RECENCY
+    if kind is rules.WindowAttention:
+        if rule.newest_only:
+            return kernels.NEWEST
+        return kernels.MAX if rule.fusion == "max" else kernels.MEAN
+    if kind is rules.Cumulative:
+        return kernels.CUMULATIVE
+    if kind is rules.Peak:
+        return kernels.PEAK
+    return None
+
+
+def peak_of(rule) -> tuple[float, float]:
+    """(lambda, decay) of a rule's peak-attention persistence: the fusion weight of
+    ``max(window score, lambda * peak)`` (0: none) and the peak's decay per token."""
+    if type(rule) is rules.WindowAttention:
+        return rule.peak, rule.decay
+    if type(rule) is rules.Peak:
+        return 0.0, rule.decay
+    return 0.0, 1.0
 
 
 def kernel_view(a: np.ndarray) -> np.ndarray:
@@ -23,7 +50,7 @@ class Fused:
     def __init__(self, engine, code: int) -> None:
         self.engine = engine
         self.code = code
-        self.peak, self.decay = kernels.peak_of(engine.rule)
+        self.peak, self.decay = peak_of(engine.rule)
         rows = engine.rows
         self.no_scores = np.zeros((rows, 1))
         self.no_norms = np.zeros((rows, 1), np.uint16)

@@ -1,6 +1,6 @@
 """Compiled host kernels (numba) of the selection engine's hot loops, for the rules they know.
 
-The engine (``morphkv.core.engine``) runs a rule through these kernels when ``fused_code``
+The engine (``morphkv.core.engine``) runs a rule through these kernels when ``fused.fused_code``
 knows the rule and its attention rows are real-query rows (``CausalRows``) or none; any other
 rule runs through its own ``score()`` in NumPy. The kernels make the same decisions as that
 generic path: they read and write the same state (the float16 ring through a uint16 view,
@@ -22,38 +22,9 @@ from numba import njit, types
 from numba.extending import overload
 
 TIE_RTOL = 1e-9
-# rule codes (see fused_code)
+# rule codes (``morphkv.core.fused.fused_code`` maps rules onto them)
 RECENCY, MEAN, MAX, NEWEST, CUMULATIVE, PEAK = 0, 1, 2, 3, 4, 5
 NO_POSITION = np.iinfo(np.int32).max
-
-
-def fused_code(rule) -> int | None:
-    """Kernel code of ``rule``, or None when only its ``score()`` knows it. Exact class
-    checks: a subclass that changes a method is not mistaken for its parent."""
-    from . import rules
-
-    kind = type(rule)
-    if kind is rules.Recency:
-        return RECENCY
-    if kind is rules.WindowAttention:
-        return NEWEST if rule.newest_only else (MAX if rule.fusion == "max" else MEAN)
-    if kind is rules.Cumulative:
-        return CUMULATIVE
-    if kind is rules.Peak:
-        return PEAK
-    return None
-
-
-def peak_of(rule) -> tuple[float, float]:
-    """(lambda, decay) of a rule's peak-attention persistence: the fusion weight of
-    ``max(window score, lambda * peak)`` (0: none) and the peak's decay per token."""
-    from . import rules
-
-    if type(rule) is rules.WindowAttention:
-        return rule.peak, rule.decay
-    if type(rule) is rules.Peak:
-        return 0.0, rule.decay
-    return 0.0, 1.0
 
 
 # ---- float16 on the host without float16 support: values as uint16 bit patterns ------------
