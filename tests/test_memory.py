@@ -52,8 +52,9 @@ def test_engine_is_small_and_counted(dtype, groups, budget):
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
 def test_recommended_setting_holds_a_little_more(dtype):
-    """Window 16 and value norms: 38 bytes per slot, 14.8% of float16 K+V (7.4% of float32)."""
+    """Window 16, value norms and the running peak: 4 + 32 + 2 + 8 = 46 bytes per slot, 18.0% of
+    float16 K+V (9.0% of float32)."""
     cache, rotating = full_cache(recommended(128, scoring="attention"), dtype, 3)
-    per_slot = 4 + 2 * 16 + 2
+    per_slot = 4 + 2 * 16 + 2 + 8  # position, window rows, value norm, float64 peak
     assert cache.engine_nbytes == H * (128 + 1) * per_slot
-    assert cache.nbytes <= (1.16 if dtype == mx.float16 else 1.09) * rotating.nbytes
+    assert cache.nbytes <= (1.19 if dtype == mx.float16 else 1.10) * rotating.nbytes

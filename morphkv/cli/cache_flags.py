@@ -83,10 +83,11 @@ def add_cache_flags(parser, budget: int) -> None:
                    help="Fuse each token's peak attention into the window score: max(window, "
                    "PEAK x peak) (a number >= 0; 0: off; default: the preset's).")
     g.add_argument("--decay", type=Number(float, lo=0, hi=1, lo_open=True), default=None,
-                   help="Per-token decay of the peak, in (0, 1] (default: the preset's, 1).")
+                   help="Per-token decay of the peak (a number in (0, 1]; default: the "
+                   "preset's, 1).")
     g.add_argument("--pool", type=Number(int, lo=1), default=None,
-                   help="Span pooling kernel over neighbouring stored tokens (odd; default: the "
-                   "preset's, 1 = none).")
+                   help="Span pooling kernel over neighbouring stored tokens (an integer >= 1, "
+                   "odd; default: the preset's, 1 = none).")
     g.add_argument("--sinks", type=Number(int, lo=0), default=None,
                    help="First tokens never evicted (an integer >= 0; default: 4; none for "
                    "sliding_window).")
