@@ -6,9 +6,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from chunked import feed_in_chunks, reference_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import reference_kept
 
 from morphkv import KVCacheBuilder, KVCacheConfig
 from morphkv.mlxlm.hooks import queries_by_hand
@@ -50,32 +50,9 @@ def hook_present():
 @given(knob_streams())
 def test_knobs_match_reference_for_any_chunking(case):
     config, keys, queries, cuts = case
-    B, H, T, D = keys.shape
-    cache = KVCacheBuilder.build(config)
-    start = 0
-    for end in [*cuts, T]:
-        if end <= start:
-            continue
-        k = mx.array(keys[:, :, start:end])
-        cache.update_and_fetch(k, k + 1)
-        if config.scoring == "attention":
-            q = queries[:, :, :, start:end].reshape(B, H * 2, end - start, D)
-            cache.prepare_attention(mx.array(q), D**-0.5, None)
-        start = end
-    real = config.scoring == "attention"
-    for h in range(H):
-        want = reference_kept(
-            keys[0, h],
-            config.method,
-            config.budget,
-            config.morphkv_n_sink,
-            config.window,
-            config.morphkv_fusion,
-            queries=queries[0, h].transpose(1, 0, 2) if real else None,
-            recent=config.recent,
-            values=keys[0, h] + 1 if config.morphkv_value else None,
-        )
-        assert cache.kept_positions[0, h].tolist() == want
+    cache = feed_in_chunks(config, keys, queries, cuts)
+    for h in range(keys.shape[1]):
+        assert cache.kept_positions[0, h].tolist() == reference_for(config, keys, queries, h)
 
 
 def test_recent_protects_the_newest_tokens():

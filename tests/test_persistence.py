@@ -7,9 +7,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from chunked import feed_in_chunks, reference_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import reference_kept
 
 from morphkv import KVCacheBuilder, KVCacheConfig
 from morphkv.core.rules import Peak, Pooled, WindowAttention, make_rule
@@ -54,39 +54,13 @@ def hook_present():
         yield
 
 
-def _feed(config, keys, queries, cuts):
-    B, H, T, D = keys.shape
-    cache = KVCacheBuilder.build(config)
-    start = 0
-    for end in [*cuts, T]:
-        if end <= start:
-            continue
-        k = mx.array(keys[:, :, start:end])
-        cache.update_and_fetch(k, k + 1)
-        if config.scoring == "attention":
-            q = queries[:, :, :, start:end].reshape(B, H * 2, end - start, D)
-            cache.prepare_attention(mx.array(q), D**-0.5, None)
-        start = end
-    return cache
-
-
-def _want(config, keys, queries, h):
-    real = config.scoring == "attention"
-    return reference_kept(
-        keys[0, h], config.method, config.budget, config.morphkv_n_sink, config.window,
-        config.morphkv_fusion, queries=queries[0, h].transpose(1, 0, 2) if real else None,
-        recent=config.recent, values=keys[0, h] + 1 if config.morphkv_value else None,
-        peak=config.morphkv_peak, decay=config.morphkv_decay, pool=config.morphkv_pool,
-    )
-
-
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(persistence_streams())
 def test_persistence_matches_reference_for_any_chunking(case):
     config, keys, queries, cuts = case
-    cache = _feed(config, keys, queries, cuts)
+    cache = feed_in_chunks(config, keys, queries, cuts)
     for h in range(keys.shape[1]):
-        assert cache.kept_positions[0, h].tolist() == _want(config, keys, queries, h)
+        assert cache.kept_positions[0, h].tolist() == reference_for(config, keys, queries, h)
 
 
 @pytest.mark.parametrize("chunks", [[], [7, 40], list(range(1, 60))])
@@ -104,9 +78,10 @@ def test_a_spike_survives_under_peak_and_not_under_the_window(chunks):
     for method, extra in (("morphkv", {}), ("peak", {}), ("morphkv", {"morphkv_peak": 0.5})):
         config = KVCacheConfig(method=method, morphkv_budget=16, morphkv_n_sink=2,
                                morphkv_window=4, morphkv_recent=8, scoring="attention", **extra)
-        cache = _feed(config, keys, queries, chunks)
+        cache = feed_in_chunks(config, keys, queries, chunks)
         kept[method + str(extra)] = set(cache.kept_positions[0, 0].tolist())
-        assert cache.kept_positions[0, 0].tolist() == _want(config.validate(), keys, queries, 0)
+        want = reference_for(config.validate(), keys, queries, 0)
+        assert cache.kept_positions[0, 0].tolist() == want
     assert 10 not in kept["morphkv{}"]
     assert 10 in kept["peak{}"] and 10 in kept["morphkv{'morphkv_peak': 0.5}"]
 
