@@ -8,7 +8,7 @@ chunking of a stream makes identical decisions.
 
 The engine keeps no copy of the stored keys: its state is the position of every slot, the
 attention rows of the last ``window`` tokens (``morphkv.core.rows``) for attention rules, and a
-running score per slot for h2o. Logits are computed when a token arrives, from the keys as
+running score per slot for h2o and the peak rules. Logits are computed when a token arrives, from the keys as
 stored (read through a zero-copy host view on the CPU), as float64 dot products (exact
 products, so the order of summation does not change a decision in practice), scaled by the
 model's attention scale. A chunk's logits come from one matmul per block of queries.
@@ -17,7 +17,8 @@ Arrays live in NumPy on the host (the default), or in ``mlx.core`` for single-to
 on a GPU, where the host must not wait for the device; ``to(xp)`` moves the state.
 
 On the host, the rules ``morphkv.core.fused.fused_code`` knows (recency, morphkv mean/max,
-tova, h2o) with real-query rows or none run through compiled kernels (``morphkv.core.fused``):
+tova, h2o, peak, and the peak fusion of morphkv/tova) with real-query rows or none run through
+compiled kernels (``morphkv.core.fused``):
 one call per decode step, one per block of a chunk, the same state and decisions. Any other
 rule (random, proxy rows, a new rule) runs the generic path below, its own ``score()`` in
 NumPy. A new rule joins the fast path with a code in ``kernels`` (a branch of ``_select`` for
