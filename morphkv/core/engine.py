@@ -9,10 +9,9 @@ chunking of a stream makes identical decisions.
 The engine keeps no copy of the stored keys: its state is the position of every slot, the
 attention rows of the last ``window`` tokens (``morphkv.core.rows``) for attention rules, and a
 running score per slot for h2o and the peak rules. Logits are computed when a token arrives,
-from the keys as
-stored (read through a zero-copy host view on the CPU), as float64 dot products (exact
-products, so the order of summation does not change a decision in practice), scaled by the
-model's attention scale. A chunk's logits come from one matmul per block of queries.
+from the keys as stored (read through a zero-copy host view on the CPU), as float64 dot
+products (exact products, so the order of summation does not change a decision in practice),
+scaled by the model's attention scale. A chunk's logits come from one matmul per block of queries.
 
 Arrays live in NumPy on the host (the default), or in ``mlx.core`` for single-token decode steps
 on a GPU, where the host must not wait for the device; ``to(xp)`` moves the state.
