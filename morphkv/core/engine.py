@@ -1,74 +1,74 @@
-"""The selection engine: decides, token by token, which stored slot each rule evicts.
+"""The selection engine: which stored slots each rule evicts, in blocks.
 
 It works over every (batch row, KV head) pair at once. Slots are the rows of the cache's
-storage: a new token is written into the slot evicted one step earlier (the "dead" slot), or
-appended while the cache is below its budget, so the engine's slot layout is the storage
-layout. A chunk of tokens is processed with the same per-token steps as single tokens, so any
-chunking of a stream makes identical decisions.
+storage, and the live slots are always the first ``slots`` rows: a token is appended at row
+``slots``. Once ``budget`` tokens are stored, the next token (absolute positions ``budget``,
+``budget + block``, ... counting from 0) triggers an eviction of the ``block`` lowest-scoring
+unprotected tokens at once (``select``), and the freed rows are filled by moving live rows from
+the top down into them (``compact``: at most ``block`` row moves, handed to the cache for the
+storage), so the next ``block - 1`` tokens are appended again. The budget is a hard cap: at most
+``budget`` tokens are stored after any update, ``budget + 1`` while the evicting token's own
+query attends. ``block = 1`` is the per-token rule.
 
-The engine keeps no copy of the stored keys: its state is the position of every slot, the
-attention rows of the last ``window`` tokens (``morphkv.core.rows``) for attention rules, and a
-running score per slot for h2o and the peak rules. Logits are computed when a token arrives,
-from the keys as stored (read through a zero-copy host view on the CPU), as float64 dot
-products (exact products, so the order of summation does not change a decision in practice),
-scaled by the model's attention scale. A chunk's logits come from one matmul per block of queries.
+Between evictions a token costs nothing here but its position and a reference to its query
+(``pending``). At an eviction (and whenever ``block`` queries are pending, or a chunk ends)
+the pending queries' attention rows are computed in one batched product with the stored keys
+(``morphkv.core.rows``), each query masked to the keys present at its arrival; the rows feed
+the window ring, the running scores (h2o: a sum; peak: a running, optionally decaying, max)
+and the value norms. The rows do not depend on when they are computed, so any chunking of a
+stream makes the same decisions as token-by-token feeding with the same block.
 
-Arrays live in NumPy on the host (the default), or in ``mlx.core`` for single-token decode steps
-on a GPU, where the host must not wait for the device; ``to(xp)`` moves the state.
-
-On the host, the rules ``morphkv.core.fused.fused_code`` knows (recency, morphkv mean/max,
-tova, h2o, peak, and the peak fusion of morphkv/tova) with real-query rows or none run through
-compiled kernels (``morphkv.core.fused``):
-one call per decode step, one per block of a chunk, the same state and decisions. Any other
-rule (random, proxy rows, a new rule) runs the generic path below, its own ``score()`` in
-NumPy. A new rule joins the fast path with a code in ``kernels`` (a branch of ``_select`` for
-its score, of ``_observe`` for its running state) and a line in ``fused_code``; the test in
-``tests/test_kernels.py`` then holds it to its ``score()``.
+Tie rules: scores are float64 (sums of float16 rows are exact; products of float32 inputs are
+exact in float64; float32 decides nothing on the host). Scores within ``TIE_RTOL`` (relative) of
+the lowest count as tied and the oldest position goes; a block is chosen as ``block``
+successive such picks over the same scores.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import mlx.core as mx
 import numpy as np
 
 from .config import KVCacheConfig
-from .fused import Fused, fused_code
-from .host_blas import one_blas_thread
-from .rows import CausalRows, ProxyRows
-from .rules import make_rule
+from .rows import causal_rows, proxy_rows
+from .rules import Cumulative, Peak, Pooled, WindowAttention, make_rule
 
 TIE_RTOL = 1e-9  # scores this close (relative) to the minimum count as tied; oldest goes
-BLOCK = 64  # queries per logits matmul inside a chunk
-HOST_DTYPES = {  # float arrays come back from the device (float32) in these dtypes
-    "accumulated": np.float64,
-    "value_norms": np.float16,
-    "ring": np.float16,
-    "ring_weights": np.float64,
-    "ring_shift": np.float64,
-    "ring_total": np.float64,
-}
+FLUSH = 64  # most pending queries turned into rows at once inside a chunk
+NO_POSITION = np.iinfo(np.int32).max
+TOP = float(np.finfo(np.float64).max)
 
 
-def _errors_ignored(finite: bool):
-    """NumPy's floating-point warnings off where non-finite logits may occur."""
-    return contextlib.nullcontext() if finite else np.errstate(invalid="ignore", over="ignore")
+def _unwrap(rule):
+    return rule.inner if isinstance(rule, Pooled) else rule
 
 
-def _array_module(xp) -> tuple:
-    """(float dtype, int dtype, largest int, largest safe exponent, largest float) of ``xp``."""
-    if xp is np:
-        return np.float64, np.int32, np.iinfo(np.int32).max, 700.0, float(np.finfo(np.float64).max)
-    return mx.float32, mx.int32, np.iinfo(np.int32).max, 80.0, float(np.finfo(np.float32).max)
+def running_kind(rule) -> tuple[str | None, float]:
+    """('sum' | 'peak' | None, decay) of the running score a rule keeps per slot."""
+    rule = _unwrap(rule)
+    if type(rule) is Cumulative:
+        return "sum", 1.0
+    if type(rule) is Peak or (isinstance(rule, WindowAttention) and rule.peak > 0):
+        return "peak", rule.decay
+    return None, 1.0
+
+
+def host(x) -> np.ndarray | None:
+    """A host float array (float16/float32 as is, others via float32)."""
+    if x is None or isinstance(x, np.ndarray):
+        return x
+    if x.dtype not in (mx.float16, mx.float32):
+        x = x.astype(mx.float32)
+    return np.asarray(x)
 
 
 class Engine:
     """Per-layer selection state for ``rows`` = batch * KV heads independent sequences."""
 
-    ARRAYS = ("positions", "accumulated", "value_norms", "dead", "row_index")
-    kernels = True  # False: every rule through its own score() (tests hold the kernels to it)
+    ARRAYS = ("positions", "accumulated", "value_norms", "ring")
+    xp, float, top = np, np.float64, TOP  # what rules read
 
     def __init__(self, config: KVCacheConfig, rows: int, head_dim: int, real_queries: bool) -> None:
         self.config = config
@@ -76,80 +76,32 @@ class Engine:
         self.rows = rows
         self.head_dim = head_dim
         self.scale = 1.0 / math.sqrt(config.head_dim or head_dim)  # the hook sets the model's
-        self.on_device = False
-        self.float, self.int, self.no_position, self.max_exponent, self.top = _array_module(np)
+        self.block = config.block
+        self.real = bool(real_queries and self.rule.attention)
+        self.running, self.decay = running_kind(self.rule)
+        inner = _unwrap(self.rule)
+        self.window_rule = isinstance(inner, WindowAttention)
+        self.reads = 1 if self.window_rule and inner.newest_only else config.window
         self.seen = 0  # tokens fed; the next token's absolute position
-        self.slots = 0  # slots in use, the dead one included
-        self.dead = None  # (rows,) slot evicted by the last step, or None
-        self.finite = True  # no NaN/inf key or query seen yet: logits need no cleaning
-        self.head = -1  # ring row of the newest token
+        self.slots = 0  # live slots: rows [0, slots) of the storage
         self.capacity = 0
-        self.row_index = np.arange(rows)
+        self.finite = True  # no NaN/inf key or query seen yet: logits need no cleaning
+        self.pending: list = []  # (queries, values) of tokens whose rows are not computed yet
+        self.pending_count = 0
+        self.query_bytes = 0  # bytes of one token's pending query + values (for the bound)
+        self._keys = None  # the stored keys while scores are computed (proxy rows read them)
+        self.read = host  # stored values (plain or quantized) -> host floats; the cache's
+        self.stored_keys = None  # () -> the stored keys (rows, >= slots, D); set by the cache
         self.positions = np.zeros((rows, 0), np.int32)
-        self.accumulated = np.zeros((rows, 0)) if self.rule.observes else None
+        self.accumulated = np.zeros((rows, 0)) if self.running else None
         self.value_norms = np.zeros((rows, 0), np.float16) if config.morphkv_value else None
-        self.attention = None
-        if self.rule.attention:
-            self.attention = (CausalRows if real_queries else ProxyRows)(self)
-        code = fused_code(self.rule)
-        fusable = self.kernels and code is not None and not isinstance(self.attention, ProxyRows)
-        self.fused = Fused(self, code) if fusable else None  # None: the rule's own score()
-
-    @property
-    def xp(self):
-        return mx if self.on_device else np
-
-    def _arrays(self):
-        yield self, self.ARRAYS
-        if self.attention is not None:
-            yield self.attention, self.attention.ARRAYS
-
-    def to(self, xp) -> Engine:
-        """Move every array to array module ``xp`` (numpy or mlx.core); returns self."""
-        if (xp is mx) == self.on_device:
-            return self
-        self.float, self.int, self.no_position, self.max_exponent, self.top = _array_module(xp)
-        for owner, names in self._arrays():
-            for name in names:
-                a = getattr(owner, name)
-                if a is None:
-                    continue
-                if xp is np:
-                    a = np.array(a)
-                    a = a.astype(HOST_DTYPES.get(name, a.dtype), copy=False)
-                else:
-                    a = mx.array(a.astype(np.float32) if a.dtype == np.float64 else a)
-                setattr(owner, name, a)
-        self.on_device = xp is mx
-        if xp is not np:
-            self.finite = False  # the device cannot promise finiteness without a sync
-        return self
-
-    @property
-    def nbytes(self) -> int:
-        return sum(
-            int(getattr(getattr(owner, name), "nbytes", 0))
-            for owner, names in self._arrays()
-            for name in names
-            if name not in ("row_index", "dead")
-        )
-
-    def bound_nbytes(self) -> int | None:
-        """Bytes of this engine's state once its budget is reached (None: never bounded),
-        measured on a fresh engine fed ``budget + 1`` tokens."""
-        if not self.rule.evicts:
-            return None
-        real = isinstance(self.attention, CausalRows)
-        probe = Engine(self.config, self.rows, self.head_dim, real)
-        zeros = np.zeros((self.rows, self.config.budget + 1, self.head_dim), np.float32)
-        probe.feed(zeros, None, zeros[:, :0], zeros)
-        return probe.nbytes
+        ringed = self.window_rule and self.real
+        self.ring = np.zeros((rows, config.window, 0), np.float16) if ringed else None
 
     # ---- what rules read -----------------------------------------------------------------
     @property
     def kept(self) -> int:
-        """Live tokens per row (slots minus the dead one)."""
-        return self.slots - (self.dead is not None)
+        return self.slots
 
     @property
     def stored_positions(self):
@@ -157,190 +109,297 @@ class Engine:
         return self.positions[:, : self.slots]
 
     def window_probs(self):
-        return self.attention.window_probs()
-
-    def newest_probs(self):
-        return self.attention.newest_probs()
+        """(rows, window, slots) attention rows of the last ``window`` tokens."""
+        if self.ring is not None:
+            return self.ring[..., : self.slots]
+        keys = self._stored()
+        return proxy_rows(keys, self.stored_positions, self.config.window, self.scale,
+                          self.finite, TOP)
 
     def window_mean(self):
-        return self.attention.window_mean()
+        """(rows, slots) mean of the window's rows (float16 sums are exact in float64)."""
+        probs = self.window_probs()
+        return probs.sum(axis=1, dtype=np.float64) / probs.shape[1]
 
-    # ---- feeding -------------------------------------------------------------------------
-    def _next_capacity(self, capacity: int, needed: int) -> int:
-        limit = self.config.budget + 1 if self.rule.evicts else needed
-        return max(needed, min(max(2 * capacity, 64), limit))
+    def newest_probs(self):
+        """(rows, slots) attention of the newest token."""
+        if self.ring is not None:
+            return self.ring[:, (self.seen - 1) % self.config.window, : self.slots]
+        keys = self._stored()
+        return proxy_rows(keys, self.stored_positions, 1, self.scale, self.finite, TOP)[:, 0]
 
-    def _grow(self, needed: int) -> None:
-        """Widen the slot arrays (below the budget only: at the budget slots are reused)."""
-        self._widen(self._next_capacity(self.capacity, needed))
+    def _stored(self):
+        keys = self.stored_keys() if self._keys is None else self._keys
+        return keys[:, : self.slots]
 
-    def _grow_like_steps(self, slots: int) -> None:
-        """The capacity token-by-token steps reach at ``slots`` slots, in one widening."""
-        capacity = self.capacity
-        while capacity < slots:
-            capacity = self._next_capacity(capacity, capacity + 1)
-        if capacity > self.capacity:
-            self._widen(capacity)
+    # ---- state ---------------------------------------------------------------------------
+    def _arrays(self):
+        yield self, self.ARRAYS
 
-    def _widen(self, capacity: int) -> None:
-        pad, xp = capacity - self.capacity, self.xp
-        self.positions = xp.pad(self.positions, [(0, 0), (0, pad)])
-        if self.accumulated is not None:
-            self.accumulated = xp.pad(self.accumulated, [(0, 0), (0, pad)])
-        if self.value_norms is not None:
-            self.value_norms = xp.pad(self.value_norms, [(0, 0), (0, pad)])
-        if self.attention is not None:
-            self.attention.widen(pad)
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the selection state, pending queries included."""
+        state = sum(int(getattr(getattr(self, n), "nbytes", 0)) for n in self.ARRAYS)
+        return state + self.pending_count * self.query_bytes
+
+    def bound_nbytes(self, query_bytes: int | None = None) -> int | None:
+        """Bytes of this engine's state at most (None: never bounded): ``budget + 1`` slots of
+        per-slot state, plus ``block`` pending queries (``query_bytes`` per token: this
+        engine's, once it has seen one)."""
+        if not self.rule.evicts:
+            return None
+        n = self.config.budget + 1
+        per_slot = 4 + 8 * (self.accumulated is not None) + 2 * (self.value_norms is not None)
+        per_slot += 2 * self.config.window * (self.ring is not None)
+        per_query = self.query_bytes if query_bytes is None else query_bytes
+        return self.rows * n * per_slot + self.block * per_query
+
+    def _reserve(self, slots: int) -> None:
+        """Widen the slot arrays to hold ``slots`` (never past budget + 1 when evicting)."""
+        if slots <= self.capacity:
+            return
+        limit = self.config.budget + 1 if self.rule.evicts else slots
+        capacity = max(slots, min(max(2 * self.capacity, 64), limit))
+        pad = capacity - self.capacity
+        self.positions = np.pad(self.positions, [(0, 0), (0, pad)])
+        for name in ("accumulated", "value_norms"):
+            if getattr(self, name) is not None:
+                setattr(self, name, np.pad(getattr(self, name), [(0, 0), (0, pad)]))
+        if self.ring is not None:
+            self.ring = np.pad(self.ring, [(0, 0), (0, 0), (0, pad)])
         self.capacity = capacity
 
-    def _logits(self, queries, keys):
-        """Scaled logits (rows, Q, G, N): float64 on the host (products of float32/float16
-        values are exact in float64), float32 on the device. The scale multiplies the
-        queries, the smaller operand."""
-        R, Q, G, D = queries.shape
-        dtype = np.float64 if self.xp is np else mx.float32
-        queries = queries.astype(dtype).reshape(R, Q * G, D) * self.scale
-        dots = queries @ keys.astype(dtype).transpose(0, 2, 1)
-        return dots.reshape(R, Q, G, keys.shape[1])
+    # ---- feeding -------------------------------------------------------------------------
+    def _arrive(self, count: int, queries, values) -> None:
+        """``count`` tokens appended at rows [slots, slots + count); their queries (B, n_heads,
+        count, D) and values (B, H, count, Dv) as the cache holds them (kept, not read)."""
+        self._reserve(self.slots + count)
+        s = self.slots
+        self.positions[:, s : s + count] = self.seen + np.arange(count, dtype=np.int32)
+        self.slots += count
+        self.seen += count
+        if self.real or values is not None:
+            self.pending.append((queries if self.real else None, values))
+        self.pending_count += count
+        if not self.query_bytes:
+            self.query_bytes = sum(
+                _nbytes(x) // count for x in (queries if self.real else None, values)
+            )
 
-    def feed(self, keys, queries, stored, values=None):
-        """Feed a chunk: keys (rows, C, D) in stream order, queries (rows, C, G, D) (None:
-        the keys stand in, one group), ``stored`` (rows, N, D): the cache's storage after this
-        update's keys were placed (for one token it is the slot layout; for a chunk its first
-        ``slots`` rows are the slots before the chunk), ``values`` (rows, C, Dv) (read only
-        with ``morphkv_value``). Arrays of ``self.xp``. For a chunk (C > 1, on the host)
-        returns (rows, C): the position each token's step evicted, -1 where none."""
-        queries = keys[:, :, None] if queries is None else queries
-        xp, C = self.xp, keys.shape[1]
-        host = xp is np
-        fused_step = C == 1 and host and self.fused is not None  # the kernel checks finiteness
-        if host and self.finite and self.rule.attention and not fused_step:
-            self.finite = bool(np.isfinite(keys).all() and np.isfinite(queries).all())
-        norms = None
-        if self.value_norms is not None:
-            v = values.astype(np.float32) if host else values.astype(mx.float32)
-            norms = xp.sqrt((v * v).sum(axis=-1))  # (rows, C), stored as float16
-            norms = xp.minimum(xp.nan_to_num(norms, nan=0.0), 65504.0).astype(xp.float16)
-        if fused_step:
-            self.fused.decode(queries, stored, norms)
-            return None
-        if C == 1:  # a decode step: small arrays, no BLAS threads, nothing to report
-            slot = self._place()
-            logits = None
-            if self.attention is not None:
-                logits = self._logits(queries, stored[:, : self.slots])[:, 0]
-            with _errors_ignored(self.finite):
-                self._step(logits, slot, None if norms is None else norms[:, 0])
-            return None
-        evicted = np.full((self.rows, C), -1, np.int64)
-        with one_blas_thread(), _errors_ignored(self.finite):
-            if self.fused is not None:
-                self.fused.chunk(keys, queries, stored, evicted, norms, BLOCK)
-            else:
-                self._feed_chunk(keys, queries, stored, evicted, norms)
-        return evicted
+    def due(self) -> bool:
+        """Must the pending tokens be settled now (an eviction, or ``block`` pending)?"""
+        return self.over or self.pending_count >= self.block
 
-    def _feed_chunk(self, keys, queries, stored, evicted, norms) -> None:
-        """Token-by-token steps; logits from one matmul per block of ``BLOCK`` queries against
-        [the slots' keys at the block's start + the block's keys], gathered into slot order."""
+    @property
+    def over(self) -> bool:
+        return self.rule.evicts and self.slots > self.config.budget
+
+    def decode(self, queries, values) -> bool:
+        """One token (already written at row ``slots`` of the storage): queries (rows, 1, G, D)
+        and values (rows, 1, Dv) as given (MLX or NumPy; kept, not read). Returns ``due()``:
+        then ``settle(stored keys)`` must run before the next token."""
+        self._arrive(1, queries, values)
+        return self.due()
+
+    def settle(self, keys):
+        """Rows of the pending tokens from the stored keys (rows, >= slots, D) in slot order;
+        an eviction if one is due. Returns the row moves (src, dst), each (rows, block), that
+        the storage must apply, or None."""
+        self._flush(keys)
+        if not self.over:
+            return None
+        _, src, dst = self._evict(keys)
+        return src, dst
+
+    def feed_chunk(self, keys, queries, values, stored):
+        """A chunk of C > 1 tokens: keys (rows, C, D) host, queries (B, n_heads, C, D) or None,
+        values (B, H, C, Dv) or None (as the cache holds them), ``stored`` (rows, >= slots, D) the keys stored before it (all
+        host arrays). The cache returned [the ``slots`` stored rows + the C chunk rows]
+        ("fetched" rows). Returns (source (rows, slots): the fetched row now in each slot,
+        evicted (rows, slots_before + C): the chunk step at which each fetched row was
+        evicted, C if it was not)."""
         R, C, D = keys.shape
-        r = self.row_index
-        slot_keys = None  # the slots' keys as the chunk fills them (attention rules only)
-        if self.attention is not None:
-            width = max(self.capacity, self.config.budget + 1, self.slots + C)
-            slot_keys = np.zeros((R, width, D))
-            slot_keys[:, : self.slots] = stored[:, : self.slots]
-        needed = self._first_row_needed(C)
-        for start in range(0, C, BLOCK):
-            end = min(C, start + BLOCK)
-            n0 = self.slots
-            flat = None
-            if self.attention is not None and end > needed:
-                columns = np.concatenate([slot_keys[:, :n0], keys[:, start:end]], axis=1)
-                logits = self._logits(queries[:, start:end], columns)  # (R, b, G, N)
-                _, b, G, N = logits.shape
-                flat = logits.reshape(-1)
-                # flat index of (row r, step 0, head g, column of slot s); a step adds G * N
-                index = (r[:, None] * (b * G) + np.arange(G)[None, :])[..., None] * N
-                slot_column = np.zeros((R, self.capacity + end - start), np.int64)
-                slot_column[:, :n0] = np.arange(n0)
-            for i in range(start, end):
-                slot = self._place()
-                step_logits = None
-                if slot_keys is not None:
-                    slot_keys[r, slot] = keys[:, i]
-                if flat is not None:
-                    slot_column[r, slot] = n0 + i - start
-                    if i >= needed:
-                        at = index + slot_column[:, None, : self.slots] + (i - start) * G * N
-                        step_logits = flat.take(at)
-                self._step(step_logits, slot, None if norms is None else norms[:, i])
-                if self.dead is not None:
-                    evicted[:, i] = self.positions[r, self.dead]
+        cut = _cutter(queries), _cutter(values)
+        before = self.slots
+        width = before + C if not self.rule.evicts else min(before + C, self.config.budget + 1)
+        slot_keys = np.empty((R, width, D), keys.dtype)
+        slot_keys[:, :before] = stored[:, :before]
+        source = np.zeros((R, width), np.int64)
+        source[:, :before] = np.arange(before)
+        evicted = np.full((R, before + C), C, np.int64)
+        r = np.arange(R)[:, None]
+        i = 0
+        while i < C:
+            room = self.config.budget + 1 - self.slots if self.rule.evicts else C
+            k = min(C - i, room, max(FLUSH, self.block) - self.pending_count)
+            s = self.slots
+            source[:, s : s + k] = before + i + np.arange(k)
+            slot_keys[:, s : s + k] = keys[:, i : i + k]
+            self._arrive(k, cut[0](i, i + k), cut[1](i, i + k))
+            i += k
+            if self.over:
+                self._flush(slot_keys)
+                victims, src, dst = self._evict(slot_keys)
+                evicted[r, source[r, victims]] = i - 1
+                source[r, dst] = source[r, src]
+                slot_keys[r, dst] = slot_keys[r, src]
+            elif self.pending_count >= max(FLUSH, self.block):
+                self._flush(slot_keys)
+        self._flush(slot_keys)
+        return source[:, : self.slots], evicted
 
-    def _first_row_needed(self, C: int) -> int:
-        """Index of the first token of a C-token chunk whose attention row can ever be read.
-        Real-query rows are read only by evicting steps, from the last ``window`` rows: before
-        the budget fills, only the rows of the last ``window`` steps before it matter (h2o and
-        proxy rows need every step)."""
-        if not isinstance(self.attention, CausalRows) or self.rule.observes:
-            return 0
-        first_evicting = 0 if self.dead is not None else self.config.budget - self.slots
-        return max(0, min(first_evicting, C) - self.config.window + 1)
+    # ---- rows, scores, eviction ----------------------------------------------------------
+    def _needed(self, first: int, count: int) -> np.ndarray:
+        """Which of the positions first .. first + count - 1 have a row anything reads."""
+        t = first + np.arange(count)
+        if self.running:
+            return np.ones(count, bool)
+        if self.ring is None:
+            return np.zeros(count, bool)
+        budget, block = self.config.budget, self.block
+        nxt = np.where(t <= budget, budget, budget + -(-(t - budget) // block) * block)
+        return nxt <= t + self.reads - 1
 
-    def _place(self):
-        """Slot of the next token: the dead one, else a new one."""
-        if self.dead is not None:
-            return self.dead
-        if self.slots == self.capacity:
-            self._grow(self.slots + 1)
-        self.slots += 1
-        return self.xp.full((self.rows,), self.slots - 1, dtype=self.int)
+    def _flush(self, keys) -> None:
+        """Turn the pending tokens into rows, running scores and value norms."""
+        P = self.pending_count
+        if P == 0:
+            return
+        n, first = self.slots, self.seen - P
+        s0 = n - P
+        pending, self.pending, self.pending_count = self.pending, [], 0
+        if self.value_norms is not None:
+            v = _concat([self.read(p[1]) for p in pending]).astype(np.float32)
+            v = v.reshape(self.rows, P, -1)
+            norms = np.minimum(np.nan_to_num(np.sqrt((v * v).sum(axis=-1)), nan=0.0), 65504.0)
+            self.value_norms[:, s0:n] = norms.astype(np.float16)
+        need = np.nonzero(self._needed(first, P))[0]
+        if need.size == 0:
+            return
+        keys = keys[:, :n]
+        if self.real:
+            q = _concat([host(p[0]) for p in pending])  # (B, n_heads, P, D)
+            B, D = q.shape[0], q.shape[-1]
+            H = self.rows // B
+            q = q.reshape(B, H, -1, P, D).transpose(0, 1, 3, 2, 4).reshape(self.rows, P, -1, D)
+            q = q[:, need]
+        else:
+            q = keys[:, s0 + need, None]
+        if self.finite:
+            self.finite = bool(np.isfinite(q).all() and np.isfinite(keys).all())
+        with np.errstate(invalid="ignore", over="ignore"):
+            rows = causal_rows(q, keys, s0 + need, self.scale, self.finite, TOP)
+        if self.real:
+            rows = rows.astype(np.float16)
+        if self.ring is not None:
+            last = need[-self.config.window :]
+            self.ring[:, (first + last) % self.config.window, :n] = rows[:, -last.size :]
+        if self.running:
+            self._run(rows, s0, n)
 
-    def _step(self, logits, slot, norm=None) -> None:
-        """The token placed in ``slot`` arrives: rows, scores, eviction."""
-        r = self.row_index
-        self.positions[r, slot] = self.seen
-        if norm is not None:
-            self.value_norms[r, slot] = norm
-        if self.attention is not None:
-            self.head = (self.head + 1) % self.config.window
-            if logits is not None:  # None: a row no step will read (see _first_row_needed)
-                self.attention.add(logits, slot, self.head)
-        if self.accumulated is not None:
-            self.accumulated[r, slot] = 0.0
-        self.seen += 1
-        self.rule.observe(self)
-        over = self.rule.evicts and self.slots > self.config.budget
-        self.dead = self._select() if over else None
+    def _run(self, rows, s0: int, n: int) -> None:
+        """Running scores over the new rows (in arrival order); new slots start at 0."""
+        acc = self.accumulated
+        acc[:, s0:n] = 0.0
+        if self.running == "sum":
+            if rows.dtype == np.float16:  # float16 sums are exact in float64: any order
+                acc[:, :n] += rows.sum(axis=1, dtype=np.float64)
+            else:
+                for k in range(rows.shape[1]):
+                    acc[:, :n] += rows[:, k]
+        elif self.decay == 1.0:  # a max is exact in any order
+            np.maximum(acc[:, :n], rows.max(axis=1), out=acc[:, :n])
+        else:
+            for k in range(rows.shape[1]):
+                acc[:, :n] = np.maximum(acc[:, :n] * self.decay, rows[:, k])
 
-    def _select(self):
-        """Slot to evict per row: lowest score among unprotected slots, ties to the oldest.
-        Scores are >= 0, so the relative tie tolerance needs no sign handling."""
+    def _evict(self, keys):
+        """Pick ``block`` victims per row and compact; returns (victims, src, dst)."""
+        self._keys = keys
+        try:
+            victims = self.select()
+        finally:
+            self._keys = None
+        src, dst = compaction(victims, self.slots, self.block)
+        r = np.arange(self.rows)[:, None]
+        self.positions[r, dst] = self.positions[r, src]
+        for name in ("accumulated", "value_norms"):
+            a = getattr(self, name)
+            if a is not None:
+                a[r, dst] = a[r, src]
+        if self.ring is not None:
+            self.ring[r, :, dst] = self.ring[r, :, src]
+        self.slots -= self.block
+        return victims, src, dst
+
+    def select(self):
+        """(rows, block) slots to evict: lowest scores among unprotected slots, ties to the
+        oldest, picked ``block`` times. Scores are >= 0."""
+        c = self.config
         positions = self.stored_positions
         newest = self.seen - 1
-        protected = (positions < self.config.n_sink) | (positions > newest - self.config.recent)
-        xp = self.xp
-        scores = self.rule.score(self)
-        if self.value_norms is not None:
-            scores = scores * self.value_norms[:, : self.slots]
-        scores = xp.where(protected, np.inf, scores)
-        tied = scores <= scores.min(axis=1, keepdims=True) * (1.0 + TIE_RTOL)
-        return xp.where(tied, positions, self.no_position).argmin(axis=1).astype(self.int)
+        protected = (positions < c.n_sink) | (positions > newest - c.recent)
+        with np.errstate(invalid="ignore", over="ignore"):
+            scores = np.asarray(self.rule.score(self), np.float64)
+            if self.value_norms is not None:
+                scores = scores * self.value_norms[:, : self.slots]
+        scores = np.where(protected, np.inf, scores)
+        return pick(scores, positions, self.block)
+
+
+def _nbytes(x) -> int:
+    if x is None:
+        return 0
+    return sum(int(p.nbytes) for p in (x if isinstance(x, tuple) else (x,)))
+
+
+def _concat(arrays):
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=2)
+
+
+def _cutter(x):
+    """Slices [i, j) of axis 2 of an array or a quantized triplet (None stays None)."""
+    if x is None:
+        return lambda i, j: None
+    if isinstance(x, tuple):
+        return lambda i, j: tuple(p[:, :, i:j] for p in x)
+    return lambda i, j: x[:, :, i:j]
+
+
+def pick(scores, positions, block: int):
+    """``block`` successive picks per row of the lowest score, ties (within ``TIE_RTOL``) to
+    the oldest position; each picked slot leaves the candidates."""
+    scores, positions = scores.copy(), np.array(positions, np.int64)
+    r = np.arange(scores.shape[0])
+    out = np.empty((scores.shape[0], block), np.int64)
+    for k in range(block):
+        low = scores.min(axis=1, keepdims=True)
+        tied = scores <= low * (1.0 + TIE_RTOL)
+        out[:, k] = np.where(tied, positions, NO_POSITION).argmin(axis=1)
+        scores[r, out[:, k]] = np.inf
+        positions[r, out[:, k]] = NO_POSITION
+    return out
+
+
+def compaction(victims, n: int, block: int):
+    """Row moves (src, dst), each (rows, block), that fill the victims' rows below the line
+    ``n - block`` with the live rows above it; the other pairs move a victim's row above the
+    line onto itself. Afterwards the live slots are the rows [0, n - block)."""
+    R = victims.shape[0]
+    dst = np.sort(victims, axis=1)  # holes below the line first, then victims above it
+    above = np.broadcast_to(np.arange(n - block, n), (R, block))
+    dead = (victims[:, :, None] == above[:, None, :]).any(axis=1)  # (rows, block)
+    order = np.argsort(dead, axis=1, kind="stable")  # live rows above first, then victims
+    return np.take_along_axis(above, order, axis=1), dst
 
 
 def warm_up() -> None:
-    """Load (or compile, the first time on a machine) the kernels the host path uses: a tiny
-    engine fed a chunk and single tokens, float32 and float16, real-query rows."""
+    """Run a tiny engine once (first-call costs of NumPy's paths stay out of timings)."""
     from .presets import recommended
 
-    config = recommended(32)
     rng = np.random.default_rng(0)
-    for dtype in (np.float32, np.float16):
-        engine = Engine(config, 1, 8, real_queries=True)
-        keys = rng.standard_normal((1, 48, 8)).astype(dtype)
-        queries = rng.standard_normal((1, 48, 2, 8)).astype(dtype)
-        values = np.ones((1, 48, 8), dtype)
-        engine.feed(keys[:, :40], queries[:, :40], keys[:, :40], values[:, :40])
-        for t in range(40, 48):  # the stored keys: any (1, slots, 8) array will do here
-            engine.feed(keys[:, t : t + 1], queries[:, t : t + 1], keys[:, :40], values[:, :1])
+    engine = Engine(recommended(40), 1, 8, real_queries=True)
+    keys = rng.standard_normal((1, 48, 8)).astype(np.float32)
+    queries = rng.standard_normal((1, 2, 48, 8)).astype(np.float32)
+    values = np.ones((1, 1, 48, 8), np.float32)
+    engine.feed_chunk(keys, queries, values, keys[:, :0])

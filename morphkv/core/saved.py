@@ -1,8 +1,8 @@
 """Saving and loading the selection engine's state, checked before it is trusted.
 
 A saved cache is untrusted input: ``restore`` checks every array's dtype and shape against the
-config and the storage, and every value against the others (slot counts, positions, the dead
-slot, ring rows), and raises one ``ValueError`` naming what is wrong before anything is built.
+config and the storage, and every value against the others (slot counts, positions, ring
+rows), and raises one ``ValueError`` naming what is wrong before anything is built.
 Arrays travel as raw bytes with a spec string ``name:dtype:d0xd1;...`` (float64 has no
 portable MLX dtype).
 """
@@ -51,18 +51,15 @@ def unpack(spec: str, data: list) -> dict[str, np.ndarray]:
 
 
 def snapshot(engine: Engine) -> dict[str, np.ndarray]:
-    """Host arrays describing the engine completely."""
-    engine.to(np)
+    """Host arrays describing the engine completely (settled: no pending queries)."""
+    assert engine.pending_count == 0, "settle the cache before a snapshot"
     out = {
-        name: getattr(owner, name)
-        for owner, names in engine._arrays()
-        for name in names
-        if name not in ("row_index", "dead") and getattr(owner, name) is not None
+        name: getattr(engine, name)
+        for name in engine.ARRAYS
+        if getattr(engine, name) is not None
     }
-    dead = np.full(engine.rows, -1, np.int64) if engine.dead is None else engine.dead
-    out["dead"] = np.asarray(dead, np.int64)
     out["scalars"] = np.array(
-        [engine.seen, engine.slots, engine.head, engine.finite, engine.capacity], np.int64
+        [engine.seen, engine.slots, engine.finite, engine.capacity], np.int64
     )
     out["scale"] = np.array([engine.scale], np.float64)
     return out
@@ -76,33 +73,24 @@ def _need(ok: bool, what: str) -> None:
 def restore(config: KVCacheConfig, rows: int, head_dim: int, stored_rows: int, saved: dict):
     """An engine rebuilt from ``snapshot`` output, after checking it (see module doc)."""
     engine = Engine(config, rows, head_dim, config.scoring == "attention")
-    expected = {"dead", "scalars", "scale"} | {
-        n for owner, names in engine._arrays() for n in names if getattr(owner, n) is not None
-    } - {"row_index"}
+    expected = {"scalars", "scale"} | {
+        n for n in engine.ARRAYS if getattr(engine, n) is not None
+    }
     _need(set(saved) == expected, f"arrays {sorted(saved)} != {sorted(expected)}")
     scalars, scale = saved["scalars"], saved["scale"]
-    _need(scalars.shape == (5,) and scalars.dtype == np.int64, "scalars")
-    seen, slots, head, finite, capacity = (int(x) for x in scalars)
+    _need(scalars.shape == (4,) and scalars.dtype == np.int64, "scalars")
+    seen, slots, finite, capacity = (int(x) for x in scalars)
     W, budget = config.window, config.budget
     _need(0 <= slots <= min(capacity, stored_rows, seen), f"slots={slots}")
-    _need(-1 <= head < W and finite in (0, 1), f"head={head}, finite={finite}")
+    _need(finite in (0, 1), f"finite={finite}")
     _need(scale.shape == (1,) and np.isfinite(scale).all() and scale[0] > 0, "scale")
     if engine.rule.evicts:
-        _need(slots <= budget + 1 and capacity <= budget + 1, f"{slots} slots for budget {budget}")
+        _need(slots <= budget and capacity <= budget + 1, f"{slots} slots for budget {budget}")
     else:
         _need(slots == seen, f"{slots} slots after {seen} tokens without eviction")
-    dead = saved["dead"]
-    _need(dead.shape == (rows,) and dead.dtype == np.int64, "dead slots shape")
-    has_dead = bool((dead >= 0).any())
-    _need(not has_dead or ((dead >= 0) & (dead < slots)).all(), "dead slot out of range")
-    _need(not has_dead or slots == budget + 1, "a dead slot below the budget")
     positions = saved["positions"]
     _need(positions.shape == (rows, capacity) and positions.dtype == np.int32, "positions shape")
-    live = np.ones((rows, slots), bool)
-    if has_dead:
-        live[np.arange(rows), dead] = False  # the dead slot's token is gone
-    kept = positions[:, :slots][live].reshape(rows, -1).astype(np.int64)
-    _need(not engine.rule.evicts or kept.shape[1] <= budget, "more kept tokens than the budget")
+    kept = positions[:, :slots].astype(np.int64)
     _need(bool(((kept >= 0) & (kept < seen)).all()), "positions out of range")
     ordered = np.sort(kept, axis=1)
     _need(not (ordered[:, 1:] == ordered[:, :-1]).any(), "a position stored twice")
@@ -112,36 +100,16 @@ def restore(config: KVCacheConfig, rows: int, head_dim: int, stored_rows: int, s
             a = saved[name]
             _need(a.shape == (rows, capacity) and a.dtype == dtype, f"{name} shape")
             _need(bool((a[:, :slots] >= 0).all()), f"{name} negative")
-    _check_rows(engine, saved, rows, W, capacity, slots)
-    engine.seen, engine.slots, engine.head, engine.finite = seen, slots, head, bool(finite)
+    if "ring" in saved:
+        a = saved["ring"]
+        _need(a.shape == (rows, W, capacity) and a.dtype == np.float16, f"ring is {a.dtype}{a.shape}")
+        _need(bool(((a >= 0) & np.isfinite(a)).all()), "ring holds a negative or NaN")
+    engine.seen, engine.slots, engine.finite = seen, slots, bool(finite)
     engine.capacity, engine.scale = capacity, float(scale[0])
-    engine.dead = dead.astype(np.int32) if has_dead else None
-    for owner, names in engine._arrays():
-        for name in names:
-            if name in saved and name != "dead":
-                setattr(owner, name, saved[name].copy())
+    for name in engine.ARRAYS:
+        if name in saved:
+            setattr(engine, name, saved[name].copy())
     return engine
-
-
-def _check_rows(engine: Engine, saved: dict, rows: int, W: int, capacity: int, slots: int):
-    if engine.attention is None:
-        return
-    shapes = {
-        "ring": ((rows, W, capacity), np.float16),
-        "ring_weights": ((rows, W, capacity), np.float64),
-        "ring_shift": ((rows, W), np.float64),
-        "ring_total": ((rows, W), np.float64),
-        "ring_slot": ((rows, W), np.int32),
-    }
-    for name in engine.attention.ARRAYS:
-        shape, dtype = shapes[name]
-        a = saved[name]
-        _need(a.shape == shape and a.dtype == dtype, f"{name} is {a.dtype}{a.shape}")
-        if a.dtype.kind == "f" and name != "ring_shift":
-            _need(bool(((a >= 0) & np.isfinite(a)).all()), f"{name} holds a negative or NaN")
-    if "ring_slot" in saved:
-        _need(bool(((saved["ring_slot"] >= 0) & (saved["ring_slot"] < max(slots, 1))).all()),
-              "ring_slot out of range")
 
 
 class SavedState:
@@ -153,7 +121,7 @@ class SavedState:
         """[config JSON] when empty, else [config JSON, keys, values, array spec, arrays...]
         (the engine's state, see ``morphkv.core.saved``); quantized keys and values are three
         arrays each (packed, scales, biases)."""
-        self._flush()
+        self.settle()
         if self.engine is None:
             return [self.config.to_json()]
         keys, values = self._fetch()
@@ -179,6 +147,7 @@ class SavedState:
             B, H, N = quant.dims(keys)
             D = quant.head_dim(keys, config.kv_group_size)
             engine = restore(config, B * H, D, N, unpack(spec, arrays))
+            engine.read, engine.stored_keys = self._host, self._host_keys
             if engine.slots != N:
                 raise ValueError(f"saved cache: {N} stored rows for {engine.slots} slots")
         self.config, self.keys, self.values, self.engine = config, keys, values, engine
