@@ -31,7 +31,9 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from . import kernels
 from .config import KVCacheConfig
+from .host_blas import one_blas_thread
 from .rows import causal_rows, proxy_rows
 from .rules import Cumulative, Peak, Pooled, WindowAttention, make_rule
 
@@ -205,13 +207,18 @@ class Engine:
         """Rows of the pending tokens from the stored keys (rows, >= slots, D) in slot order;
         an eviction if one is due. Returns the row moves (src, dst), each (rows, block), that
         the storage must apply, or None."""
-        self._flush(keys)
-        if not self.over:
-            return None
-        _, src, dst = self._evict(keys)
+        with one_blas_thread():
+            self._flush(keys)
+            if not self.over:
+                return None
+            _, src, dst = self._evict(keys)
         return src, dst
 
     def feed_chunk(self, keys, queries, values, stored):
+        with one_blas_thread():
+            return self._feed_chunk(keys, queries, values, stored)
+
+    def _feed_chunk(self, keys, queries, values, stored):
         """A chunk of C > 1 tokens: keys (rows, C, D) host, queries (B, n_heads, C, D) or None,
         values (B, H, C, Dv) or None (as the cache holds them), ``stored`` (rows, >= slots, D) the keys stored before it (all
         host arrays). The cache returned [the ``slots`` stored rows + the C chunk rows]
@@ -287,10 +294,7 @@ class Engine:
             q = keys[:, s0 + need, None]
         if self.finite:
             self.finite = bool(np.isfinite(q).all() and np.isfinite(keys).all())
-        with np.errstate(invalid="ignore", over="ignore"):
-            rows = causal_rows(q, keys, s0 + need, self.scale, self.finite, TOP)
-        if self.real:
-            rows = rows.astype(np.float16)
+        rows = causal_rows(q, keys, s0 + need, self.scale, self.finite, TOP, self.real)
         if self.ring is not None:
             last = need[-self.config.window :]
             self.ring[:, (first + last) % self.config.window, :n] = rows[:, -last.size :]
@@ -343,8 +347,10 @@ class Engine:
             scores = np.asarray(self.rule.score(self), np.float64)
             if self.value_norms is not None:
                 scores = scores * self.value_norms[:, : self.slots]
-        scores = np.where(protected, np.inf, scores)
-        return pick(scores, positions, self.block)
+        scores = np.ascontiguousarray(np.where(protected, np.inf, scores))
+        out = np.empty((self.rows, self.block), np.int64)
+        kernels.pick(scores, np.ascontiguousarray(positions, np.int64), self.block, out)
+        return out
 
 
 def _nbytes(x) -> int:

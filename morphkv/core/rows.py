@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import kernels
+
 
 def clean(logits, top: float):
     """NaN logits become -inf (zero attention); +inf becomes the largest finite float."""
@@ -54,9 +56,20 @@ def logits_of(queries, keys, scale: float):
     return dots.reshape(R, P, G, keys.shape[1])
 
 
-def causal_rows(queries, keys, slots, scale: float, finite: bool, top: float):
-    """Rows (rows, P, n) float64 of P queries held in ``slots`` (P,) (the same for every row),
-    each over the stored keys (rows, n, D) in slots <= its own."""
+def causal_rows(queries, keys, slots, scale: float, finite: bool, top: float, half: bool):
+    """Rows (rows, P, n) of P queries held in ``slots`` (P,) (the same for every row), each
+    over the stored keys (rows, n, D) in slots <= its own: float64, or float16 with ``half``
+    (compiled: ``kernels.rows``)."""
+    logits = np.ascontiguousarray(logits_of(queries, keys, scale))
+    R, P, _, n = logits.shape
+    out = np.empty((R, P, n))
+    bits = np.empty((R, P, n) if half else (1, 1, 1), np.uint16)
+    kernels.rows(logits, np.asarray(slots, np.int64), finite, top, half, out, bits)
+    return bits.view(np.float16) if half else out
+
+
+def causal_rows_numpy(queries, keys, slots, scale: float, finite: bool, top: float):
+    """``causal_rows`` (float64) in NumPy: the definition the kernel is held to."""
     n = keys.shape[1]
     logits = logits_of(queries, keys, scale)
     seen = np.arange(n)[None, :] <= np.asarray(slots)[:, None]  # (P, n)
