@@ -95,7 +95,10 @@ class Engine:
         self.read = host  # stored values (plain or quantized) -> host floats; the cache's
         self.stored_keys = None  # () -> the stored keys (rows, >= slots, D); set by the cache
         self.positions = np.zeros((rows, 0), np.int32)
-        self.accumulated = np.zeros((rows, 0)) if self.running else None
+        # a running max of float16 rows is a float16 value: stored as such (exact)
+        exact16 = self.running == "peak" and self.decay == 1.0 and self.real
+        acc = np.float16 if exact16 else np.float64
+        self.accumulated = np.zeros((rows, 0), acc) if self.running else None
         self.value_norms = np.zeros((rows, 0), np.float16) if config.morphkv_value else None
         ringed = self.window_rule and self.real
         self.ring = np.zeros((rows, config.window, 0), np.float16) if ringed else None
@@ -151,7 +154,8 @@ class Engine:
         if not self.rule.evicts:
             return None
         n = self.config.budget + 1
-        per_slot = 4 + 8 * (self.accumulated is not None) + 2 * (self.value_norms is not None)
+        per_slot = 4 + 2 * (self.value_norms is not None)
+        per_slot += 0 if self.accumulated is None else self.accumulated.itemsize
         per_slot += 2 * self.config.window * (self.ring is not None)
         per_query = self.query_bytes if query_bytes is None else query_bytes
         return self.rows * n * per_slot + self.block * per_query
@@ -188,20 +192,25 @@ class Engine:
                 _nbytes(x) // count for x in (queries if self.real else None, values)
             )
 
-    def due(self) -> bool:
-        """Must the pending tokens be settled now (an eviction, or ``block`` pending)?"""
-        return self.over or self.pending_count >= self.block
-
     @property
     def over(self) -> bool:
         return self.rule.evicts and self.slots > self.config.budget
 
     def decode(self, queries, values) -> bool:
         """One token (already written at row ``slots`` of the storage): queries (rows, 1, G, D)
-        and values (rows, 1, Dv) as given (MLX or NumPy; kept, not read). Returns ``due()``:
-        then ``settle(stored keys)`` must run before the next token."""
+        and values (rows, 1, Dv) as given (MLX or NumPy; kept, not read). Returns True when
+        ``settle(stored keys)`` must run before the next token (an eviction is due, or
+        ``block`` tokens are pending whose rows something reads)."""
         self._arrive(1, queries, values)
-        return self.due()
+        if self.over:
+            return True
+        if self.pending_count < self.block:
+            return False
+        first = self.seen - self.pending_count
+        if self.running or self._needed(first, self.pending_count).any():
+            return True  # rows to compute: the stored keys are needed
+        self._flush(None)  # value norms at most: no keys read
+        return False
 
     def settle(self, keys):
         """Rows of the pending tokens from the stored keys (rows, >= slots, D) in slot order;

@@ -87,7 +87,8 @@ class WindowAttention(Rule):
             window = engine.window_mean()
         if not self.observes:
             return window
-        return engine.xp.maximum(window, self.peak * engine.accumulated[:, : engine.slots])
+        peak = engine.accumulated[:, : engine.slots].astype(engine.float)
+        return engine.xp.maximum(window, self.peak * peak)
 
 
 class Peak(Rule):
@@ -102,7 +103,7 @@ class Peak(Rule):
         self.decay = float(decay)
 
     def score(self, engine) -> Array:
-        return engine.accumulated[:, : engine.slots]
+        return engine.accumulated[:, : engine.slots].astype(engine.float)
 
 
 class Pooled(Rule):
@@ -140,7 +141,7 @@ class Cumulative(Rule):
     observes = True
 
     def score(self, engine) -> Array:
-        return engine.accumulated[:, : engine.slots]
+        return engine.accumulated[:, : engine.slots].astype(engine.float)
 
 
 def make_rule(config) -> Rule:

@@ -95,7 +95,8 @@ def restore(config: KVCacheConfig, rows: int, head_dim: int, stored_rows: int, s
     ordered = np.sort(kept, axis=1)
     _need(not (ordered[:, 1:] == ordered[:, :-1]).any(), "a position stored twice")
     _need(seen == 0 or bool((kept == seen - 1).any(axis=1).all()), "newest token missing")
-    for name, dtype in (("accumulated", np.float64), ("value_norms", np.float16)):
+    for name in ("accumulated", "value_norms"):
+        dtype = None if getattr(engine, name) is None else getattr(engine, name).dtype
         if name in saved:
             a = saved[name]
             _need(a.shape == (rows, capacity) and a.dtype == dtype, f"{name} shape")
