@@ -20,7 +20,6 @@ is therefore the same for any chunking of a stream, and at most ``budget`` token
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -162,18 +161,14 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
         else:
             keys = self._host(chunk.keys).reshape(B * H, C, D)
             stored = self._host(chunk.fetched[0]).reshape(B * H, -1, D)
-            source, chunk.evicted = engine.feed_chunk(keys, chunk.queries, chunk.values, stored)
+            queries = None if chunk.queries is None else to_numpy(chunk.queries)
+            values = None if chunk.values is None else self._host(chunk.values)
+            source, chunk.evicted = engine.feed_chunk(keys, queries, values, stored)
             if source.shape[1] < chunk.rows or (source != np.arange(source.shape[1])).any():
                 self._compact(chunk.fetched, source)
         chunk.fed = True
         chunk.keys = chunk.values = chunk.queries = chunk.fetched = None
         return chunk
-
-    def settle(self) -> None:
-        """Turn pending queries into the engine's state now (before a save or a copy)."""
-        self._flush()
-        if self.engine is not None and self.engine.pending_count:
-            self.engine.settle(self._host_keys())
 
     def _host_keys(self) -> np.ndarray:
         """The stored keys on the host, (rows, stored rows, head_dim), in slot order."""

@@ -11,8 +11,9 @@ storage), so the next ``block - 1`` tokens are appended again. The budget is a h
 query attends. ``block = 1`` is the per-token rule.
 
 Between evictions a token costs nothing here but its position and a reference to its query
-(``pending``). At an eviction (and whenever ``block`` queries are pending, or a chunk ends)
-the pending queries' attention rows are computed in one batched product with the stored keys
+(``pending``). At an eviction (and at the same grid of absolute positions before the budget
+fills: ``at_grid``) the pending queries' attention rows are computed in one batched product
+with the stored keys
 (``morphkv.core.rows``), each query masked to the keys present at its arrival; the rows feed
 the window ring, the running scores (h2o: a sum; peak: a running, optionally decaying, max)
 and the value norms. The rows do not depend on when they are computed, so any chunking of a
@@ -28,18 +29,15 @@ from __future__ import annotations
 
 import math
 
-import mlx.core as mx
 import numpy as np
 
 from . import kernels
+from .blocks import _concat, _cutter, _nbytes, compaction, host
 from .config import KVCacheConfig
 from .host_blas import one_blas_thread
 from .rows import causal_rows, proxy_rows
 from .rules import Cumulative, Peak, Pooled, WindowAttention, make_rule
 
-TIE_RTOL = 1e-9  # scores this close (relative) to the minimum count as tied; oldest goes
-FLUSH = 64  # most pending queries turned into rows at once inside a chunk
-NO_POSITION = np.iinfo(np.int32).max
 TOP = float(np.finfo(np.float64).max)
 
 
@@ -55,15 +53,6 @@ def running_kind(rule) -> tuple[str | None, float]:
     if type(rule) is Peak or (isinstance(rule, WindowAttention) and rule.peak > 0):
         return "peak", rule.decay
     return None, 1.0
-
-
-def host(x) -> np.ndarray | None:
-    """A host float array (float16/float32 as is, others via float32)."""
-    if x is None or isinstance(x, np.ndarray):
-        return x
-    if x.dtype not in (mx.float16, mx.float32):
-        x = x.astype(mx.float32)
-    return np.asarray(x)
 
 
 class Engine:
@@ -100,8 +89,11 @@ class Engine:
         acc = np.float16 if exact16 else np.float64
         self.accumulated = np.zeros((rows, 0), acc) if self.running else None
         self.value_norms = np.zeros((rows, 0), np.float16) if config.morphkv_value else None
-        ringed = self.window_rule and self.real
+        # the window's rows: kept in a ring across evictions only when a block is shorter
+        # than the rows read (else all of them are computed at the eviction itself)
+        ringed = self.window_rule and self.real and self.reads > self.block
         self.ring = np.zeros((rows, config.window, 0), np.float16) if ringed else None
+        self._window = None  # (rows, reads, slots) the window's rows during a ringless eviction
 
     # ---- what rules read -----------------------------------------------------------------
     @property
@@ -117,6 +109,8 @@ class Engine:
         """(rows, window, slots) attention rows of the last ``window`` tokens."""
         if self.ring is not None:
             return self.ring[..., : self.slots]
+        if self.real:
+            return self._window[..., : self.slots]
         keys = self._stored()
         return proxy_rows(keys, self.stored_positions, self.config.window, self.scale,
                           self.finite, TOP)
@@ -130,6 +124,8 @@ class Engine:
         """(rows, slots) attention of the newest token."""
         if self.ring is not None:
             return self.ring[:, (self.seen - 1) % self.config.window, : self.slots]
+        if self.real:
+            return self._window[:, -1, : self.slots]
         keys = self._stored()
         return proxy_rows(keys, self.stored_positions, 1, self.scale, self.finite, TOP)[:, 0]
 
@@ -199,18 +195,24 @@ class Engine:
     def decode(self, queries, values) -> bool:
         """One token (already written at row ``slots`` of the storage): queries (rows, 1, G, D)
         and values (rows, 1, Dv) as given (MLX or NumPy; kept, not read). Returns True when
-        ``settle(stored keys)`` must run before the next token (an eviction is due, or
-        ``block`` tokens are pending whose rows something reads)."""
+        ``settle(stored keys)`` must run before the next token (an eviction is due, or the
+        token is on the settling grid with rows something reads)."""
         self._arrive(1, queries, values)
         if self.over:
             return True
-        if self.pending_count < self.block:
+        if not self.at_grid(self.seen - 1):
             return False
         first = self.seen - self.pending_count
         if self.running or self._needed(first, self.pending_count).any():
             return True  # rows to compute: the stored keys are needed
         self._flush(None)  # value norms at most: no keys read
         return False
+
+    def at_grid(self, t: int) -> bool:
+        """Is position t one where pending tokens are settled: budget, budget +- block, ...
+        (every eviction point, and the same grid before the budget fills). Settling at fixed
+        absolute positions makes every batch of rows the same for any chunking."""
+        return (t - self.config.budget) % self.block == 0
 
     def settle(self, keys):
         """Rows of the pending tokens from the stored keys (rows, >= slots, D) in slot order;
@@ -228,9 +230,9 @@ class Engine:
             return self._feed_chunk(keys, queries, values, stored)
 
     def _feed_chunk(self, keys, queries, values, stored):
-        """A chunk of C > 1 tokens: keys (rows, C, D) host, queries (B, n_heads, C, D) or None,
-        values (B, H, C, Dv) or None (as the cache holds them), ``stored`` (rows, >= slots, D) the keys stored before it (all
-        host arrays). The cache returned [the ``slots`` stored rows + the C chunk rows]
+        """A chunk of C > 1 tokens: keys (rows, C, D), queries (B, n_heads, C, D) or None,
+        values (B, H, C, Dv) or None, ``stored`` (rows, >= slots, D) the keys stored before it
+        (all host arrays). The cache returned [the ``slots`` stored rows + the C chunk rows]
         ("fetched" rows). Returns (source (rows, slots): the fetched row now in each slot,
         evicted (rows, slots_before + C): the chunk step at which each fetched row was
         evicted, C if it was not)."""
@@ -246,23 +248,22 @@ class Engine:
         r = np.arange(R)[:, None]
         i = 0
         while i < C:
-            room = self.config.budget + 1 - self.slots if self.rule.evicts else C
-            k = min(C - i, room, max(FLUSH, self.block) - self.pending_count)
+            k = min(C - i, (self.config.budget - self.seen) % self.block + 1)  # to the grid
             s = self.slots
             source[:, s : s + k] = before + i + np.arange(k)
             slot_keys[:, s : s + k] = keys[:, i : i + k]
             self._arrive(k, cut[0](i, i + k), cut[1](i, i + k))
             i += k
+            if not self.at_grid(self.seen - 1):
+                continue  # the chunk ends before the grid: its last tokens stay pending
+            self._flush(slot_keys)
             if self.over:
-                self._flush(slot_keys)
                 victims, src, dst = self._evict(slot_keys)
                 evicted[r, source[r, victims]] = i - 1
                 source[r, dst] = source[r, src]
                 slot_keys[r, dst] = slot_keys[r, src]
-            elif self.pending_count >= max(FLUSH, self.block):
-                self._flush(slot_keys)
-        self._flush(slot_keys)
-        return source[:, : self.slots], evicted
+        self.pending = [tuple(None if x is None else np.array(x) for x in p) for p in self.pending]
+        return source[:, : self.slots], evicted  # the pending slices copied: the chunk goes
 
     # ---- rows, scores, eviction ----------------------------------------------------------
     def _needed(self, first: int, count: int) -> np.ndarray:
@@ -270,11 +271,20 @@ class Engine:
         t = first + np.arange(count)
         if self.running:
             return np.ones(count, bool)
-        if self.ring is None:
+        if not (self.window_rule and self.real):
             return np.zeros(count, bool)
         budget, block = self.config.budget, self.block
         nxt = np.where(t <= budget, budget, budget + -(-(t - budget) // block) * block)
         return nxt <= t + self.reads - 1
+
+    def pending_queries(self, pending=None):
+        """Host (B, n_heads, P, D) queries of the pending tokens (real queries only)."""
+        return _concat([host(p[0]) for p in (self.pending if pending is None else pending)])
+
+    def pending_values(self, pending=None):
+        """Host (B, H, P, Dv) values of the pending tokens (``morphkv_value`` only)."""
+        items = self.pending if pending is None else pending
+        return _concat([p[1] if isinstance(p[1], np.ndarray) else self.read(p[1]) for p in items])
 
     def _flush(self, keys) -> None:
         """Turn the pending tokens into rows, running scores and value norms."""
@@ -285,7 +295,7 @@ class Engine:
         s0 = n - P
         pending, self.pending, self.pending_count = self.pending, [], 0
         if self.value_norms is not None:
-            v = _concat([self.read(p[1]) for p in pending]).astype(np.float32)
+            v = self.pending_values(pending).astype(np.float32)
             v = v.reshape(self.rows, P, -1)
             norms = np.minimum(np.nan_to_num(np.sqrt((v * v).sum(axis=-1)), nan=0.0), 65504.0)
             self.value_norms[:, s0:n] = norms.astype(np.float16)
@@ -294,7 +304,7 @@ class Engine:
             return
         keys = keys[:, :n]
         if self.real:
-            q = _concat([host(p[0]) for p in pending])  # (B, n_heads, P, D)
+            q = self.pending_queries(pending)  # (B, n_heads, P, D)
             B, D = q.shape[0], q.shape[-1]
             H = self.rows // B
             q = q.reshape(B, H, -1, P, D).transpose(0, 1, 3, 2, 4).reshape(self.rows, P, -1, D)
@@ -307,6 +317,8 @@ class Engine:
         if self.ring is not None:
             last = need[-self.config.window :]
             self.ring[:, (first + last) % self.config.window, :n] = rows[:, -last.size :]
+        elif self.window_rule and self.real:
+            self._window = rows[:, -self.reads :]  # all the window's rows: see _needed
         if self.running:
             self._run(rows, s0, n)
 
@@ -332,7 +344,7 @@ class Engine:
         try:
             victims = self.select()
         finally:
-            self._keys = None
+            self._keys = self._window = None
         src, dst = compaction(victims, self.slots, self.block)
         r = np.arange(self.rows)[:, None]
         self.positions[r, dst] = self.positions[r, src]
@@ -360,52 +372,6 @@ class Engine:
         out = np.empty((self.rows, self.block), np.int64)
         kernels.pick(scores, np.ascontiguousarray(positions, np.int64), self.block, out)
         return out
-
-
-def _nbytes(x) -> int:
-    if x is None:
-        return 0
-    return sum(int(p.nbytes) for p in (x if isinstance(x, tuple) else (x,)))
-
-
-def _concat(arrays):
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=2)
-
-
-def _cutter(x):
-    """Slices [i, j) of axis 2 of an array or a quantized triplet (None stays None)."""
-    if x is None:
-        return lambda i, j: None
-    if isinstance(x, tuple):
-        return lambda i, j: tuple(p[:, :, i:j] for p in x)
-    return lambda i, j: x[:, :, i:j]
-
-
-def pick(scores, positions, block: int):
-    """``block`` successive picks per row of the lowest score, ties (within ``TIE_RTOL``) to
-    the oldest position; each picked slot leaves the candidates."""
-    scores, positions = scores.copy(), np.array(positions, np.int64)
-    r = np.arange(scores.shape[0])
-    out = np.empty((scores.shape[0], block), np.int64)
-    for k in range(block):
-        low = scores.min(axis=1, keepdims=True)
-        tied = scores <= low * (1.0 + TIE_RTOL)
-        out[:, k] = np.where(tied, positions, NO_POSITION).argmin(axis=1)
-        scores[r, out[:, k]] = np.inf
-        positions[r, out[:, k]] = NO_POSITION
-    return out
-
-
-def compaction(victims, n: int, block: int):
-    """Row moves (src, dst), each (rows, block), that fill the victims' rows below the line
-    ``n - block`` with the live rows above it; the other pairs move a victim's row above the
-    line onto itself. Afterwards the live slots are the rows [0, n - block)."""
-    R = victims.shape[0]
-    dst = np.sort(victims, axis=1)  # holes below the line first, then victims above it
-    above = np.broadcast_to(np.arange(n - block, n), (R, block))
-    dead = (victims[:, :, None] == above[:, None, :]).any(axis=1)  # (rows, block)
-    order = np.argsort(dead, axis=1, kind="stable")  # live rows above first, then victims
-    return np.take_along_axis(above, order, axis=1), dst
 
 
 def warm_up() -> None:

@@ -51,8 +51,9 @@ def logits_of(queries, keys, scale: float):
     """(rows, P, G, n) float64 scaled logits of queries (rows, P, G, D) against keys (rows, n, D).
     The scale multiplies the queries, the smaller operand."""
     R, P, G, D = queries.shape
-    q = queries.astype(np.float64).reshape(R, P * G, D) * scale
-    dots = q @ keys.astype(np.float64).transpose(0, 2, 1)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf keys: cleaned after
+        q = queries.astype(np.float64).reshape(R, P * G, D) * scale
+        dots = q @ keys.astype(np.float64).transpose(0, 2, 1)
     return dots.reshape(R, P, G, keys.shape[1])
 
 

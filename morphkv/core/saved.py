@@ -16,7 +16,7 @@ from . import quant
 from .config import KVCacheConfig
 from .engine import Engine
 
-DTYPES = ("float64", "float16", "int32", "int64")
+DTYPES = ("float64", "float32", "float16", "int32", "int64")
 
 
 def pack(arrays: dict[str, np.ndarray]) -> tuple[str, list[mx.array]]:
@@ -51,16 +51,20 @@ def unpack(spec: str, data: list) -> dict[str, np.ndarray]:
 
 
 def snapshot(engine: Engine) -> dict[str, np.ndarray]:
-    """Host arrays describing the engine completely (settled: no pending queries)."""
-    assert engine.pending_count == 0, "settle the cache before a snapshot"
+    """Host arrays describing the engine completely, pending queries (values) included."""
     out = {
         name: getattr(engine, name)
         for name in engine.ARRAYS
         if getattr(engine, name) is not None
     }
     out["scalars"] = np.array(
-        [engine.seen, engine.slots, engine.finite, engine.capacity], np.int64
+        [engine.seen, engine.slots, engine.finite, engine.capacity, engine.pending_count],
+        np.int64,
     )
+    if engine.pending and engine.real:
+        out["pending_queries"] = engine.pending_queries()
+    if engine.pending and engine.value_norms is not None:
+        out["pending_values"] = engine.pending_values()
     out["scale"] = np.array([engine.scale], np.float64)
     return out
 
@@ -76,10 +80,21 @@ def restore(config: KVCacheConfig, rows: int, head_dim: int, stored_rows: int, s
     expected = {"scalars", "scale"} | {
         n for n in engine.ARRAYS if getattr(engine, n) is not None
     }
-    _need(set(saved) == expected, f"arrays {sorted(saved)} != {sorted(expected)}")
     scalars, scale = saved["scalars"], saved["scale"]
-    _need(scalars.shape == (4,) and scalars.dtype == np.int64, "scalars")
-    seen, slots, finite, capacity = (int(x) for x in scalars)
+    _need(scalars.shape == (5,) and scalars.dtype == np.int64, "scalars")
+    seen, slots, finite, capacity, pending = (int(x) for x in scalars)
+    _need(0 <= pending <= min(config.block, seen), f"{pending} pending tokens")
+    if pending and engine.real:
+        expected.add("pending_queries")
+    if pending and engine.value_norms is not None:
+        expected.add("pending_values")
+    _need(set(saved) == expected, f"arrays {sorted(saved)} != {sorted(expected)}")
+    queries, values = saved.get("pending_queries"), saved.get("pending_values")
+    for name, a in (("pending_queries", queries), ("pending_values", values)):
+        if a is not None:
+            _need(a.ndim == 4 and a.shape[2] == pending and a.dtype.kind == "f"
+                  and rows % a.shape[0] == 0 and a.shape[1] % (rows // a.shape[0]) == 0,
+                  f"{name} {a.dtype}{a.shape}")
     W, budget = config.window, config.budget
     _need(0 <= slots <= min(capacity, stored_rows, seen), f"slots={slots}")
     _need(finite in (0, 1), f"finite={finite}")
@@ -103,9 +118,12 @@ def restore(config: KVCacheConfig, rows: int, head_dim: int, stored_rows: int, s
             _need(bool((a[:, :slots] >= 0).all()), f"{name} negative")
     if "ring" in saved:
         a = saved["ring"]
-        _need(a.shape == (rows, W, capacity) and a.dtype == np.float16, f"ring is {a.dtype}{a.shape}")
+        _need(a.shape == (rows, W, capacity) and a.dtype == np.float16,
+              f"ring is {a.dtype}{a.shape}")
         _need(bool(((a >= 0) & np.isfinite(a)).all()), "ring holds a negative or NaN")
     engine.seen, engine.slots, engine.finite = seen, slots, bool(finite)
+    engine.pending_count = pending
+    engine.pending = [(queries, values)] if queries is not None or values is not None else []
     engine.capacity, engine.scale = capacity, float(scale[0])
     for name in engine.ARRAYS:
         if name in saved:
@@ -122,7 +140,7 @@ class SavedState:
         """[config JSON] when empty, else [config JSON, keys, values, array spec, arrays...]
         (the engine's state, see ``morphkv.core.saved``); quantized keys and values are three
         arrays each (packed, scales, biases)."""
-        self.settle()
+        self._flush()
         if self.engine is None:
             return [self.config.to_json()]
         keys, values = self._fetch()
