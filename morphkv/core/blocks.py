@@ -30,11 +30,9 @@ def _concat(arrays):
 
 
 def _cutter(x):
-    """Slices [i, j) of axis 2 of an array or a quantized triplet (None stays None)."""
+    """Slices [i, j) of axis 2 of an array (None stays None)."""
     if x is None:
         return lambda i, j: None
-    if isinstance(x, tuple):
-        return lambda i, j: tuple(p[:, :, i:j] for p in x)
     return lambda i, j: x[:, :, i:j]
 
 
@@ -63,3 +61,10 @@ def compaction(victims, n: int, block: int):
     dead = (victims[:, :, None] == above[:, None, :]).any(axis=1)  # (rows, block)
     order = np.argsort(dead, axis=1, kind="stable")  # live rows above first, then victims
     return np.take_along_axis(above, order, axis=1), dst
+
+
+def norms_of(values) -> np.ndarray:
+    """(rows, n) float16 norms of values (rows, n, Dv): float32, NaN as 0, capped at 65504."""
+    v = values.astype(np.float32)
+    norms = np.sqrt((v * v).sum(axis=-1))
+    return np.minimum(np.nan_to_num(norms, nan=0.0), 65504.0).astype(np.float16)

@@ -95,7 +95,6 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
             )
         if self.engine is None:
             self.engine = Engine(self.config, B * H, D, self.config.scoring == "attention")
-            self.engine.read = self._host
             self.engine.stored_keys = self._host_keys
         if self.config.kv_bits is not None:  # the engine reads the keys (values) as stored
             keys, values = stored_keys, stored_values
@@ -154,16 +153,20 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
         B, H, C = quant.dims(chunk.keys)
         D = quant.head_dim(chunk.keys, self.config.kv_group_size)
         if C == 1:  # a decode step: nothing is read unless an eviction (or a flush) is due
-            if engine.decode(chunk.queries, chunk.values):
-                moves = engine.settle(self._host_keys())
+            if engine.decode(chunk.queries):
+                moves = engine.settle(self._host_keys(), self._host_values())
                 if moves is not None:
                     self._move(moves)
         else:
             keys = self._host(chunk.keys).reshape(B * H, C, D)
             stored = self._host(chunk.fetched[0]).reshape(B * H, -1, D)
             queries = None if chunk.queries is None else to_numpy(chunk.queries)
-            values = None if chunk.values is None else self._host(chunk.values)
-            source, chunk.evicted = engine.feed_chunk(keys, queries, values, stored)
+            values = stored_values = None
+            if chunk.values is not None:
+                values = self._host(chunk.values).reshape(B * H, C, -1)
+                stored_values = self._host(chunk.fetched[1]).reshape(B * H, chunk.rows, -1)
+            source, chunk.evicted = engine.feed_chunk(keys, queries, values, stored,
+                                                      stored_values)
             if source.shape[1] < chunk.rows or (source != np.arange(source.shape[1])).any():
                 self._compact(chunk.fetched, source)
         chunk.fed = True
@@ -174,6 +177,13 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
         """The stored keys on the host, (rows, stored rows, head_dim), in slot order."""
         B, H, N = quant.dims(self.keys)
         return self._host(self.keys).reshape(B * H, N, -1)
+
+    def _host_values(self) -> np.ndarray | None:
+        """The stored values on the host (rows, stored rows, Dv) with ``morphkv_value``."""
+        if not self.config.morphkv_value:
+            return None
+        B, H, N = quant.dims(self.values)
+        return self._host(self.values).reshape(B * H, N, -1)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for N new queries against [stored + N new] keys, as mlx_lm expects."""

@@ -32,7 +32,7 @@ import math
 import numpy as np
 
 from . import kernels
-from .blocks import _concat, _cutter, _nbytes, compaction, host
+from .blocks import _concat, _cutter, _nbytes, compaction, host, norms_of
 from .config import KVCacheConfig
 from .host_blas import one_blas_thread
 from .rows import causal_rows, proxy_rows
@@ -77,11 +77,11 @@ class Engine:
         self.slots = 0  # live slots: rows [0, slots) of the storage
         self.capacity = 0
         self.finite = True  # no NaN/inf key or query seen yet: logits need no cleaning
-        self.pending: list = []  # (queries, values) of tokens whose rows are not computed yet
+        self.pending: list = []  # queries (B, n_heads, c, D) of tokens without rows yet
         self.pending_count = 0
-        self.query_bytes = 0  # bytes of one token's pending query + values (for the bound)
+        self.query_bytes = 0  # bytes of one token's pending query (for the bound)
+        self.norms_from = 0  # first slot whose value norm is not computed yet
         self._keys = None  # the stored keys while scores are computed (proxy rows read them)
-        self.read = host  # stored values (plain or quantized) -> host floats; the cache's
         self.stored_keys = None  # () -> the stored keys (rows, >= slots, D); set by the cache
         self.positions = np.zeros((rows, 0), np.int32)
         # a running max of float16 rows is a float16 value: stored as such (exact)
@@ -172,32 +172,29 @@ class Engine:
         self.capacity = capacity
 
     # ---- feeding -------------------------------------------------------------------------
-    def _arrive(self, count: int, queries, values) -> None:
+    def _arrive(self, count: int, queries) -> None:
         """``count`` tokens appended at rows [slots, slots + count); their queries (B, n_heads,
-        count, D) and values (B, H, count, Dv) as the cache holds them (kept, not read)."""
+        count, D) as the cache holds them (kept, not read)."""
         self._reserve(self.slots + count)
         s = self.slots
         self.positions[:, s : s + count] = self.seen + np.arange(count, dtype=np.int32)
         self.slots += count
         self.seen += count
-        if self.real or values is not None:
-            self.pending.append((queries if self.real else None, values))
+        if self.real:
+            self.pending.append(queries)
+            self.query_bytes = self.query_bytes or _nbytes(queries) // count
         self.pending_count += count
-        if not self.query_bytes:
-            self.query_bytes = sum(
-                _nbytes(x) // count for x in (queries if self.real else None, values)
-            )
 
     @property
     def over(self) -> bool:
         return self.rule.evicts and self.slots > self.config.budget
 
-    def decode(self, queries, values) -> bool:
-        """One token (already written at row ``slots`` of the storage): queries (rows, 1, G, D)
-        and values (rows, 1, Dv) as given (MLX or NumPy; kept, not read). Returns True when
+    def decode(self, queries) -> bool:
+        """One token (already written at row ``slots`` of the storage): its queries (B,
+        n_heads, 1, D) as given (MLX or NumPy; kept, not read). Returns True when
         ``settle(stored keys)`` must run before the next token (an eviction is due, or the
         token is on the settling grid with rows something reads)."""
-        self._arrive(1, queries, values)
+        self._arrive(1, queries)
         if self.over:
             return True
         if not self.at_grid(self.seen - 1):
@@ -205,7 +202,7 @@ class Engine:
         first = self.seen - self.pending_count
         if self.running or self._needed(first, self.pending_count).any():
             return True  # rows to compute: the stored keys are needed
-        self._flush(None)  # value norms at most: no keys read
+        self._flush(None)  # nothing to compute: no keys read
         return False
 
     def at_grid(self, t: int) -> bool:
@@ -214,10 +211,12 @@ class Engine:
         absolute positions makes every batch of rows the same for any chunking."""
         return (t - self.config.budget) % self.block == 0
 
-    def settle(self, keys):
-        """Rows of the pending tokens from the stored keys (rows, >= slots, D) in slot order;
-        an eviction if one is due. Returns the row moves (src, dst), each (rows, block), that
-        the storage must apply, or None."""
+    def settle(self, keys, values=None):
+        """Rows of the pending tokens from the stored keys (rows, >= slots, D) in slot order
+        (and value norms from the stored values, with ``morphkv_value``); an eviction if one
+        is due. Returns the row moves (src, dst), each (rows, block), that the storage must
+        apply, or None."""
+        self.fill_norms(values)
         with one_blas_thread():
             self._flush(keys)
             if not self.over:
@@ -225,19 +224,30 @@ class Engine:
             _, src, dst = self._evict(keys)
         return src, dst
 
-    def feed_chunk(self, keys, queries, values, stored):
+    def fill_norms(self, values) -> None:
+        """Value norms of the slots that have none yet, from the stored values (rows, >=
+        slots, Dv) host (float32 norms, stored as float16; NaN counts 0)."""
+        if self.value_norms is None or self.norms_from >= self.slots:
+            return
+        s0, n = self.norms_from, self.slots
+        self.value_norms[:, s0:n] = norms_of(values[:, s0:n])
+        self.norms_from = n
+
+    def feed_chunk(self, keys, queries, values, stored, stored_values=None):
+        self.fill_norms(stored_values)
         with one_blas_thread():
             return self._feed_chunk(keys, queries, values, stored)
 
     def _feed_chunk(self, keys, queries, values, stored):
         """A chunk of C > 1 tokens: keys (rows, C, D), queries (B, n_heads, C, D) or None,
-        values (B, H, C, Dv) or None, ``stored`` (rows, >= slots, D) the keys stored before it
+        values (rows, C, Dv) or None, ``stored`` (rows, >= slots, D) the keys stored before it
         (all host arrays). The cache returned [the ``slots`` stored rows + the C chunk rows]
         ("fetched" rows). Returns (source (rows, slots): the fetched row now in each slot,
         evicted (rows, slots_before + C): the chunk step at which each fetched row was
         evicted, C if it was not)."""
         R, C, D = keys.shape
-        cut = _cutter(queries), _cutter(values)
+        cut = _cutter(queries)
+        norms = None if self.value_norms is None else norms_of(values)
         before = self.slots
         width = before + C if not self.rule.evicts else min(before + C, self.config.budget + 1)
         slot_keys = np.empty((R, width, D), keys.dtype)
@@ -252,7 +262,10 @@ class Engine:
             s = self.slots
             source[:, s : s + k] = before + i + np.arange(k)
             slot_keys[:, s : s + k] = keys[:, i : i + k]
-            self._arrive(k, cut[0](i, i + k), cut[1](i, i + k))
+            self._arrive(k, cut(i, i + k))
+            if norms is not None:
+                self.value_norms[:, s : s + k] = norms[:, i : i + k]
+                self.norms_from = self.slots
             i += k
             if not self.at_grid(self.seen - 1):
                 continue  # the chunk ends before the grid: its last tokens stay pending
@@ -262,7 +275,7 @@ class Engine:
                 evicted[r, source[r, victims]] = i - 1
                 source[r, dst] = source[r, src]
                 slot_keys[r, dst] = slot_keys[r, src]
-        self.pending = [tuple(None if x is None else np.array(x) for x in p) for p in self.pending]
+        self.pending = [np.array(q) for q in self.pending]
         return source[:, : self.slots], evicted  # the pending slices copied: the chunk goes
 
     # ---- rows, scores, eviction ----------------------------------------------------------
@@ -279,26 +292,16 @@ class Engine:
 
     def pending_queries(self, pending=None):
         """Host (B, n_heads, P, D) queries of the pending tokens (real queries only)."""
-        return _concat([host(p[0]) for p in (self.pending if pending is None else pending)])
-
-    def pending_values(self, pending=None):
-        """Host (B, H, P, Dv) values of the pending tokens (``morphkv_value`` only)."""
-        items = self.pending if pending is None else pending
-        return _concat([p[1] if isinstance(p[1], np.ndarray) else self.read(p[1]) for p in items])
+        return _concat([host(q) for q in (self.pending if pending is None else pending)])
 
     def _flush(self, keys) -> None:
-        """Turn the pending tokens into rows, running scores and value norms."""
+        """Turn the pending tokens into rows and running scores."""
         P = self.pending_count
         if P == 0:
             return
         n, first = self.slots, self.seen - P
         s0 = n - P
         pending, self.pending, self.pending_count = self.pending, [], 0
-        if self.value_norms is not None:
-            v = self.pending_values(pending).astype(np.float32)
-            v = v.reshape(self.rows, P, -1)
-            norms = np.minimum(np.nan_to_num(np.sqrt((v * v).sum(axis=-1)), nan=0.0), 65504.0)
-            self.value_norms[:, s0:n] = norms.astype(np.float16)
         need = np.nonzero(self._needed(first, P))[0]
         if need.size == 0:
             return
@@ -355,6 +358,7 @@ class Engine:
         if self.ring is not None:
             self.ring[r, :, dst] = self.ring[r, :, src]
         self.slots -= self.block
+        self.norms_from = self.slots
         return victims, src, dst
 
     def select(self):
@@ -382,5 +386,5 @@ def warm_up() -> None:
     engine = Engine(recommended(40), 1, 8, real_queries=True)
     keys = rng.standard_normal((1, 48, 8)).astype(np.float32)
     queries = rng.standard_normal((1, 2, 48, 8)).astype(np.float32)
-    values = np.ones((1, 1, 48, 8), np.float32)
-    engine.feed_chunk(keys, queries, values, keys[:, :0])
+    values = np.ones((1, 48, 8), np.float32)
+    engine.feed_chunk(keys, queries, values, keys[:, :0], values[:, :0])

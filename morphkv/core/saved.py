@@ -63,8 +63,7 @@ def snapshot(engine: Engine) -> dict[str, np.ndarray]:
     )
     if engine.pending and engine.real:
         out["pending_queries"] = engine.pending_queries()
-    if engine.pending and engine.value_norms is not None:
-        out["pending_values"] = engine.pending_values()
+
     out["scale"] = np.array([engine.scale], np.float64)
     return out
 
@@ -86,15 +85,13 @@ def restore(config: KVCacheConfig, rows: int, head_dim: int, stored_rows: int, s
     _need(0 <= pending <= min(config.block, seen), f"{pending} pending tokens")
     if pending and engine.real:
         expected.add("pending_queries")
-    if pending and engine.value_norms is not None:
-        expected.add("pending_values")
     _need(set(saved) == expected, f"arrays {sorted(saved)} != {sorted(expected)}")
-    queries, values = saved.get("pending_queries"), saved.get("pending_values")
-    for name, a in (("pending_queries", queries), ("pending_values", values)):
-        if a is not None:
-            _need(a.ndim == 4 and a.shape[2] == pending and a.dtype.kind == "f"
-                  and rows % a.shape[0] == 0 and a.shape[1] % (rows // a.shape[0]) == 0,
-                  f"{name} {a.dtype}{a.shape}")
+    queries = saved.get("pending_queries")
+    if queries is not None:
+        a = queries
+        _need(a.ndim == 4 and a.shape[2] == pending and a.dtype.kind == "f"
+              and rows % a.shape[0] == 0 and a.shape[1] % (rows // a.shape[0]) == 0,
+              f"pending_queries {a.dtype}{a.shape}")
     W, budget = config.window, config.budget
     _need(0 <= slots <= min(capacity, stored_rows, seen), f"slots={slots}")
     _need(finite in (0, 1), f"finite={finite}")
@@ -122,8 +119,8 @@ def restore(config: KVCacheConfig, rows: int, head_dim: int, stored_rows: int, s
               f"ring is {a.dtype}{a.shape}")
         _need(bool(((a >= 0) & np.isfinite(a)).all()), "ring holds a negative or NaN")
     engine.seen, engine.slots, engine.finite = seen, slots, bool(finite)
-    engine.pending_count = pending
-    engine.pending = [(queries, values)] if queries is not None or values is not None else []
+    engine.pending_count, engine.norms_from = pending, slots
+    engine.pending = [] if queries is None else [queries]
     engine.capacity, engine.scale = capacity, float(scale[0])
     for name in engine.ARRAYS:
         if name in saved:
@@ -143,6 +140,7 @@ class SavedState:
         self._flush()
         if self.engine is None:
             return [self.config.to_json()]
+        self.engine.fill_norms(self._host_values())  # the pending tokens' norms, from storage
         keys, values = self._fetch()
         spec, arrays = pack(snapshot(self.engine))
         storage = [keys, values] if self.config.kv_bits is None else [*keys, *values]
@@ -166,7 +164,7 @@ class SavedState:
             B, H, N = quant.dims(keys)
             D = quant.head_dim(keys, config.kv_group_size)
             engine = restore(config, B * H, D, N, unpack(spec, arrays))
-            engine.read, engine.stored_keys = self._host, self._host_keys
+            engine.stored_keys = self._host_keys
             if engine.slots != N:
                 raise ValueError(f"saved cache: {N} stored rows for {engine.slots} slots")
         self.config, self.keys, self.values, self.engine = config, keys, values, engine
