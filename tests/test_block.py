@@ -221,3 +221,30 @@ def test_float16_rounding_matches_numpy_everywhere():
     with np.errstate(over="ignore"):
         want = x.astype(np.float16).view(np.uint16)
     assert np.array_equal(bits(x), want)
+
+
+@pytest.mark.parametrize("extra", [dict(morphkv_peak=0.5, morphkv_value=True),
+                                   dict(morphkv_window=6), dict(method="h2o")])
+def test_a_save_mid_block_continues_identically(extra, tmp_path):
+    """Pending queries travel with the saved state: a cache saved between evictions and
+    loaded again makes the decisions of the one that kept going."""
+    from mlx_lm.models import cache as mlx_cache
+
+    rng = np.random.default_rng(4)
+    keys = rng.standard_normal((1, 2, 90, 8)).astype(np.float32)
+    queries = rng.standard_normal((1, 4, 90, 8)).astype(np.float32)
+    config = KVCacheConfig(**{**dict(method="morphkv", morphkv_budget=24, morphkv_window=3,
+                                     morphkv_recent=8, morphkv_block=5, scoring="attention"),
+                              **extra})
+    with queries_by_hand():
+        cache = run(config, keys[:, :, :43], queries[:, :, :43], [30, 41], mx.float32)
+        assert cache.engine.pending_count > 0
+        path = str(tmp_path / "c.safetensors")
+        mlx_cache.save_prompt_cache(path, [cache])
+        loaded = mlx_cache.load_prompt_cache(path)[0]
+        for c in (cache, loaded):
+            for t in range(43, 90):
+                k = mx.array(keys[:, :, t : t + 1])
+                c.update_and_fetch(k, k + 1)
+                c.prepare_attention(mx.array(queries[:, :, t : t + 1]), 0.35, None)
+    np.testing.assert_array_equal(loaded.kept_positions, cache.kept_positions)

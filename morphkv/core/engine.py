@@ -79,6 +79,7 @@ class Engine:
         self.finite = True  # no NaN/inf key or query seen yet: logits need no cleaning
         self.pending: list = []  # queries (B, n_heads, c, D) of tokens without rows yet
         self.pending_count = 0
+        self.queries_held = 0  # pending queries kept (the rows something reads)
         self.query_bytes = 0  # bytes of one token's pending query (for the bound)
         self.norms_from = 0  # first slot whose value norm is not computed yet
         self._keys = None  # the stored keys while scores are computed (proxy rows read them)
@@ -141,12 +142,13 @@ class Engine:
     def nbytes(self) -> int:
         """Bytes of the selection state, pending queries included."""
         state = sum(int(getattr(getattr(self, n), "nbytes", 0)) for n in self.ARRAYS)
-        return state + self.pending_count * self.query_bytes
+        return state + self.queries_held * self.query_bytes
 
     def bound_nbytes(self, query_bytes: int | None = None) -> int | None:
         """Bytes of this engine's state at most (None: never bounded): ``budget + 1`` slots of
-        per-slot state, plus ``block`` pending queries (``query_bytes`` per token: this
-        engine's, once it has seen one)."""
+        per-slot state, plus the pending queries: ``block`` of them for running scores, at
+        most ``min(block, window)`` otherwise (``query_bytes`` per token: this engine's, once
+        it has seen one)."""
         if not self.rule.evicts:
             return None
         n = self.config.budget + 1
@@ -154,7 +156,8 @@ class Engine:
         per_slot += 0 if self.accumulated is None else self.accumulated.itemsize
         per_slot += 2 * self.config.window * (self.ring is not None)
         per_query = self.query_bytes if query_bytes is None else query_bytes
-        return self.rows * n * per_slot + self.block * per_query
+        held = self.block if self.running else min(self.block, self.reads)
+        return self.rows * n * per_slot + held * per_query * self.real
 
     def _reserve(self, slots: int) -> None:
         """Widen the slot arrays to hold ``slots`` (never past budget + 1 when evicting)."""
@@ -176,14 +179,18 @@ class Engine:
         """``count`` tokens appended at rows [slots, slots + count); their queries (B, n_heads,
         count, D) as the cache holds them (kept, not read)."""
         self._reserve(self.slots + count)
-        s = self.slots
-        self.positions[:, s : s + count] = self.seen + np.arange(count, dtype=np.int32)
+        s, first = self.slots, self.seen
+        self.positions[:, s : s + count] = first + np.arange(count, dtype=np.int32)
         self.slots += count
         self.seen += count
-        if self.real:
-            self.pending.append(queries)
-            self.query_bytes = self.query_bytes or _nbytes(queries) // count
         self.pending_count += count
+        if self.real:  # only the queries whose rows something reads (a suffix: see _needed)
+            self.query_bytes = self.query_bytes or _nbytes(queries) // count
+            need = self._needed(first, count)
+            if need.any():
+                j = int(np.argmax(need))
+                self.pending.append(queries if j == 0 else queries[:, :, j:])
+                self.queries_held += count - j
 
     @property
     def over(self) -> bool:
@@ -302,16 +309,16 @@ class Engine:
         n, first = self.slots, self.seen - P
         s0 = n - P
         pending, self.pending, self.pending_count = self.pending, [], 0
+        self.queries_held = 0
         need = np.nonzero(self._needed(first, P))[0]
         if need.size == 0:
             return
         keys = keys[:, :n]
         if self.real:
-            q = self.pending_queries(pending)  # (B, n_heads, P, D)
-            B, D = q.shape[0], q.shape[-1]
+            q = self.pending_queries(pending)  # (B, n_heads, needed, D): the last P - need[0]
+            B, K, D = q.shape[0], q.shape[2], q.shape[-1]
             H = self.rows // B
-            q = q.reshape(B, H, -1, P, D).transpose(0, 1, 3, 2, 4).reshape(self.rows, P, -1, D)
-            q = q[:, need]
+            q = q.reshape(B, H, -1, K, D).transpose(0, 1, 3, 2, 4).reshape(self.rows, K, -1, D)
         else:
             q = keys[:, s0 + need, None]
         if self.finite:

@@ -83,13 +83,14 @@ def restore(config: KVCacheConfig, rows: int, head_dim: int, stored_rows: int, s
     _need(scalars.shape == (5,) and scalars.dtype == np.int64, "scalars")
     seen, slots, finite, capacity, pending = (int(x) for x in scalars)
     _need(0 <= pending <= min(config.block, seen), f"{pending} pending tokens")
-    if pending and engine.real:
+    held = int(engine._needed(seen - pending, pending).sum()) if engine.real else 0
+    if held:
         expected.add("pending_queries")
     _need(set(saved) == expected, f"arrays {sorted(saved)} != {sorted(expected)}")
     queries = saved.get("pending_queries")
     if queries is not None:
         a = queries
-        _need(a.ndim == 4 and a.shape[2] == pending and a.dtype.kind == "f"
+        _need(a.ndim == 4 and a.shape[2] == held and a.dtype.kind == "f"
               and rows % a.shape[0] == 0 and a.shape[1] % (rows // a.shape[0]) == 0,
               f"pending_queries {a.dtype}{a.shape}")
     W, budget = config.window, config.budget
@@ -121,6 +122,7 @@ def restore(config: KVCacheConfig, rows: int, head_dim: int, stored_rows: int, s
     engine.seen, engine.slots, engine.finite = seen, slots, bool(finite)
     engine.pending_count, engine.norms_from = pending, slots
     engine.pending = [] if queries is None else [queries]
+    engine.queries_held = 0 if queries is None else queries.shape[2]
     engine.capacity, engine.scale = capacity, float(scale[0])
     for name in engine.ARRAYS:
         if name in saved:
