@@ -64,7 +64,8 @@ def add_cache_flags(parser, budget: int) -> None:
         help="Named setting: recommended (morphkv with real queries, window 16, the newest "
         "half of the budget always kept, value-weighted scores, peak-attention persistence "
         "(--peak)), paper (the published rule: "
-        "window 8, nothing else protected) (default %(default)s).",
+        "window 8, nothing else protected, evicting 8 tokens every 8 as its coarse "
+        "variant) (default %(default)s).",
     )
     g.add_argument(
         "--method", default=None, choices=sorted(METHODS), metavar="METHOD",
@@ -94,7 +95,8 @@ def add_cache_flags(parser, budget: int) -> None:
     g.add_argument("--block", type=Number(int, lo=1), default=None,
                    help="Tokens evicted at once: once the budget is full, every BLOCK-th token "
                    "evicts BLOCK tokens and the tokens between only append (an integer >= 1; "
-                   "budget >= sinks + recent + block; default: the preset's, 1).")
+                   "budget >= sinks + recent + block; default: the preset's: 1 for "
+                   "recommended, 8 for paper, 1 for other methods).")
     g.add_argument("--sinks", type=Number(int, lo=0), default=None,
                    help="First tokens never evicted (an integer >= 0; default: 4; none for "
                    "sliding_window).")
@@ -118,6 +120,7 @@ def config_from_flags(args, seed: int = 0) -> KVCacheConfig:
     preset = args.preset if fields.get("method", "morphkv") == "morphkv" else "paper"
     if preset == "paper" and fields.get("method") not in (None, "morphkv"):
         fields.setdefault("morphkv_value", False)
+        fields.setdefault("morphkv_block", 1)  # other methods: one token per step
     try:
         return PRESETS[preset](args.budget, seed=seed, **fields)
     except ValueError as e:
