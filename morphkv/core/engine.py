@@ -180,12 +180,20 @@ class Engine:
         count, D) as the cache holds them (kept, not read)."""
         self._reserve(self.slots + count)
         s, first = self.slots, self.seen
-        self.positions[:, s : s + count] = first + np.arange(count, dtype=np.int32)
+        if count == 1:
+            self.positions[:, s] = first
+        else:
+            self.positions[:, s : s + count] = first + np.arange(count, dtype=np.int32)
         self.slots += count
         self.seen += count
         self.pending_count += count
         if self.real:  # only the queries whose rows something reads (a suffix: see _needed)
             self.query_bytes = self.query_bytes or _nbytes(queries) // count
+            if count == 1:
+                if self._needs(first):
+                    self.pending.append(queries)
+                    self.queries_held += 1
+                return
             need = self._needed(first, count)
             if need.any():
                 j = int(np.argmax(need))
@@ -206,8 +214,7 @@ class Engine:
             return True
         if not self.at_grid(self.seen - 1):
             return False
-        first = self.seen - self.pending_count
-        if self.running or self._needed(first, self.pending_count).any():
+        if self.running or self.queries_held:
             return True  # rows to compute: the stored keys are needed
         self._flush(None)  # nothing to compute: no keys read
         return False
@@ -286,6 +293,16 @@ class Engine:
         return source[:, : self.slots], evicted  # the pending slices copied: the chunk goes
 
     # ---- rows, scores, eviction ----------------------------------------------------------
+    def _needs(self, t: int) -> bool:
+        """``_needed`` of one position."""
+        if self.running:
+            return True
+        if not (self.window_rule and self.real):
+            return False
+        budget, block = self.config.budget, self.block
+        nxt = budget if t <= budget else budget + -(-(t - budget) // block) * block
+        return nxt <= t + self.reads - 1
+
     def _needed(self, first: int, count: int) -> np.ndarray:
         """Which of the positions first .. first + count - 1 have a row anything reads."""
         t = first + np.arange(count)
