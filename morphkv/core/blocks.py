@@ -1,10 +1,12 @@
 """Block eviction's small parts: picking a block of victims, the row moves that compact the
-storage afterwards, and the pending arrays' plumbing."""
+storage afterwards, the pending arrays' plumbing, the running score a rule keeps."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+
+from .rules import Cumulative, Peak, Pooled, WindowAttention
 
 TIE_RTOL = 1e-9  # scores this close (relative) to the minimum count as tied; oldest goes
 NO_POSITION = np.iinfo(np.int32).max
@@ -68,3 +70,17 @@ def norms_of(values) -> np.ndarray:
     v = values.astype(np.float32)
     norms = np.sqrt((v * v).sum(axis=-1))
     return np.minimum(np.nan_to_num(norms, nan=0.0), 65504.0).astype(np.float16)
+
+
+def _unwrap(rule):
+    return rule.inner if isinstance(rule, Pooled) else rule
+
+
+def running_kind(rule) -> tuple[str | None, float]:
+    """('sum' | 'peak' | None, decay) of the running score a rule keeps per slot."""
+    rule = _unwrap(rule)
+    if type(rule) is Cumulative:
+        return "sum", 1.0
+    if type(rule) is Peak or (isinstance(rule, WindowAttention) and rule.peak > 0):
+        return "peak", rule.decay
+    return None, 1.0

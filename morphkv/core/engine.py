@@ -1,28 +1,24 @@
 """The selection engine: which stored slots each rule evicts, in blocks.
 
-It works over every (batch row, KV head) pair at once. Slots are the rows of the cache's
-storage, and the live slots are always the first ``slots`` rows: a token is appended at row
-``slots``. Once ``budget`` tokens are stored, the next token (absolute positions ``budget``,
-``budget + block``, ... counting from 0) triggers an eviction of the ``block`` lowest-scoring
-unprotected tokens at once (``select``), and the freed rows are filled by moving live rows from
-the top down into them (``compact``: at most ``block`` row moves, handed to the cache for the
-storage), so the next ``block - 1`` tokens are appended again. The budget is a hard cap: at most
-``budget`` tokens are stored after any update, ``budget + 1`` while the evicting token's own
-query attends. ``block = 1`` is the per-token rule.
+It works over every (batch row, KV head) pair at once. The live slots are always the first
+``slots`` rows of the cache's storage; a token is appended at row ``slots``. Once ``budget``
+tokens are stored, the next token (absolute positions ``budget``, ``budget + block``, ...,
+counting from 0) evicts the ``block`` lowest-scoring unprotected tokens at once (``select``)
+and at most ``block`` live rows move down into the freed rows (``compaction``; the cache moves
+its storage alike), so the next ``block - 1`` tokens are appended again. At most ``budget``
+tokens are stored after any update (``budget + 1`` while the evicting token's query attends).
+``block = 1`` is the per-token rule.
 
-Between evictions a token costs nothing here but its position and a reference to its query
-(``pending``). At an eviction (and at the same grid of absolute positions before the budget
-fills: ``at_grid``) the pending queries' attention rows are computed in one batched product
-with the stored keys
-(``morphkv.core.rows``), each query masked to the keys present at its arrival; the rows feed
-the window ring, the running scores (h2o: a sum; peak: a running, optionally decaying, max)
-and the value norms. The rows do not depend on when they are computed, so any chunking of a
-stream makes the same decisions as token-by-token feeding with the same block.
+Between evictions a token costs its position and a reference to its query (``pending``). At an
+eviction (and on the same grid of absolute positions before the budget fills: ``at_grid``) the
+pending queries' rows come from one batched product with the stored keys (``morphkv.core.rows``),
+each query masked to the keys present at its arrival; they feed the window, the running scores
+(h2o: a sum; peak: a running, optionally decaying, max). The batches are the same for any
+chunking, so any chunking makes the decisions of token-by-token feeding with the same block.
 
 Tie rules: scores are float64 (sums of float16 rows are exact; products of float32 inputs are
 exact in float64; float32 decides nothing on the host). Scores within ``TIE_RTOL`` (relative) of
-the lowest count as tied and the oldest position goes; a block is chosen as ``block``
-successive such picks over the same scores.
+the lowest count as tied and the oldest position goes; a block is ``block`` successive picks.
 """
 
 from __future__ import annotations
@@ -32,27 +28,13 @@ import math
 import numpy as np
 
 from . import kernels
-from .blocks import _concat, _cutter, _nbytes, compaction, host, norms_of
+from .blocks import _concat, _cutter, _nbytes, _unwrap, compaction, host, norms_of, running_kind
 from .config import KVCacheConfig
 from .host_blas import one_blas_thread
 from .rows import causal_rows, proxy_rows
-from .rules import Cumulative, Peak, Pooled, WindowAttention, make_rule
+from .rules import WindowAttention, make_rule
 
 TOP = float(np.finfo(np.float64).max)
-
-
-def _unwrap(rule):
-    return rule.inner if isinstance(rule, Pooled) else rule
-
-
-def running_kind(rule) -> tuple[str | None, float]:
-    """('sum' | 'peak' | None, decay) of the running score a rule keeps per slot."""
-    rule = _unwrap(rule)
-    if type(rule) is Cumulative:
-        return "sum", 1.0
-    if type(rule) is Peak or (isinstance(rule, WindowAttention) and rule.peak > 0):
-        return "peak", rule.decay
-    return None, 1.0
 
 
 class Engine:
