@@ -143,13 +143,19 @@ def rows(logits, slots, finite, top, half, out, out_bits):
 @njit(cache=True)
 def pick(scores, positions, block, out):
     """``block`` successive picks per row of the lowest score (R, n), ties within TIE_RTOL
-    (relative) to the oldest position; a picked slot leaves the candidates. The candidates
-    tied with the lowest remaining score are a prefix of the remaining ones in score order,
-    so one sort per row serves every pick."""
+    (relative) to the oldest position; a picked slot leaves the candidates. Small blocks scan;
+    larger ones sort once per row (the candidates tied with the lowest remaining score are a
+    prefix of the remaining ones in score order)."""
     R, n = scores.shape
+    taken = np.zeros(n, np.bool_)
     for r in range(R):
+        taken[:] = False
+        if block <= 4:
+            for k in range(block):
+                out[r, k] = _scan(scores[r], positions[r], taken)
+                taken[out[r, k]] = True
+            continue
         order = np.argsort(scores[r])
-        taken = np.zeros(n, np.bool_)
         first = 0  # the lowest untaken entry of ``order``
         for k in range(block):
             while taken[order[first]]:
@@ -164,3 +170,38 @@ def pick(scores, positions, block, out):
                 i += 1
             taken[best] = True
             out[r, k] = best
+
+
+@njit(cache=True)
+def _scan(scores, positions, taken):
+    """The oldest untaken slot among those within TIE_RTOL of the lowest untaken score."""
+    low = np.inf
+    for j in range(scores.size):
+        if not taken[j] and scores[j] < low:
+            low = scores[j]
+    limit = low * (1.0 + TIE_RTOL)
+    best, oldest = 0, NO_POSITION
+    for j in range(scores.size):
+        if not taken[j] and scores[j] <= limit and positions[j] < oldest:
+            best, oldest = j, positions[j]
+    return best
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def dots(q, keys, scale, out):
+    """out[r, p, g, j] = (q[r, p, g] * scale) . keys[r, j] in float64 (exact products; the
+    summation order is the compiler's), for few queries: no float64 copy of the keys."""
+    R, P, G, D = q.shape
+    n = keys.shape[1]
+    qs = np.empty((P * G, D))
+    for r in range(R):
+        for p in range(P):
+            for g in range(G):
+                for d in range(D):
+                    qs[p * G + g, d] = np.float64(q[r, p, g, d]) * scale
+        for j in range(n):
+            for i in range(P * G):
+                acc = 0.0
+                for d in range(D):
+                    acc += qs[i, d] * np.float64(keys[r, j, d])
+                out[r, i // G, i % G, j] = acc

@@ -27,6 +27,8 @@ import numpy as np
 
 from . import kernels
 
+SMALL = 4  # at most this many queries: products in a compiled loop, else one BLAS matmul
+
 
 def clean(logits, top: float):
     """NaN logits become -inf (zero attention); +inf becomes the largest finite float."""
@@ -61,8 +63,13 @@ def causal_rows(queries, keys, slots, scale: float, finite: bool, top: float, ha
     """Rows (rows, P, n) of P queries held in ``slots`` (P,) (the same for every row), each
     over the stored keys (rows, n, D) in slots <= its own: float64, or float16 with ``half``
     (compiled: ``kernels.rows``)."""
-    logits = np.ascontiguousarray(logits_of(queries, keys, scale))
-    R, P, _, n = logits.shape
+    R, P, G, _ = queries.shape
+    if P <= SMALL and keys.dtype in (np.float32, np.float64):  # no float64 copy of the keys
+        logits = np.empty((R, P, G, keys.shape[1]))
+        kernels.dots(np.ascontiguousarray(queries), np.ascontiguousarray(keys), scale, logits)
+    else:
+        logits = np.ascontiguousarray(logits_of(queries, keys, scale))
+    n = logits.shape[-1]
     out = np.empty((R, P, n))
     bits = np.empty((R, P, n) if half else (1, 1, 1), np.uint16)
     kernels.rows(logits, np.asarray(slots, np.int64), finite, top, half, out, bits)
