@@ -157,8 +157,8 @@ def test_pick_takes_successive_lowest_with_ties_to_the_oldest():
 
 def test_compaction_moves_live_rows_down_into_holes():
     rng = np.random.default_rng(1)
-    n, block = 20, 6
-    for _ in range(200):
+    n = 20
+    for block in [1, 2, 6] * 70:
         victims = np.stack([rng.choice(n, block, replace=False) for _ in range(3)])
         src, dst = compaction(victims, n, block)
         for r in range(3):

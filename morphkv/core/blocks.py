@@ -58,6 +58,8 @@ def compaction(victims, n: int, block: int):
     ``n - block`` with the live rows above it; the other pairs move a victim's row above the
     line onto itself. Afterwards the live slots are the rows [0, n - block)."""
     R = victims.shape[0]
+    if block == 1:  # the top row moves into the hole (onto itself when it is the victim)
+        return np.full((R, 1), n - 1, np.int64), victims.astype(np.int64)
     dst = np.sort(victims, axis=1)  # holes below the line first, then victims above it
     above = np.broadcast_to(np.arange(n - block, n), (R, block))
     dead = (victims[:, :, None] == above[:, None, :]).any(axis=1)  # (rows, block)
