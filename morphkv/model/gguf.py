@@ -23,10 +23,11 @@ from .gguf_arch import build_model, model_args, norm_shift
 from .gguf_check import ModelSpec, check_model
 from .gguf_header import GGUFError, GGUFHeader, read_header
 from .gguf_names import map_tensor_name
-from .gguf_tensors import GROUP_SIZE, convert
+from .gguf_tensors import GROUP_SIZE, convert, dequantize
 
 __all__ = [
-    "GGUFError", "check_gguf", "load_gguf", "map_tensor_name", "model_args", "read_metadata",
+    "GGUFError", "check_gguf", "load_gguf", "map_tensor_name", "model_args", "read_gguf",
+    "read_metadata",
 ]  # fmt: skip
 
 
@@ -66,6 +67,14 @@ def read_metadata(reader) -> dict[str, Any]:
             continue
         meta[key] = field.contents()
     return meta
+
+
+def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """Check the header, then read every tensor dequantized to float32 by the library:
+    (tensors by GGUF name, metadata)."""
+    header, _ = check_gguf(path)
+    reader = open_reader(header)
+    return {t.name: mx.array(dequantize(t)) for t in reader.tensors}, read_metadata(reader)
 
 
 def dequantize_model(model: nn.Module, dtype: mx.Dtype = mx.float32) -> nn.Module:
