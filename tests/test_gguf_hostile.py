@@ -16,7 +16,8 @@ import pytest
 
 from morphkv.model import MODEL_ERRORS, GGUFError, load_gguf_model
 from morphkv.model.gguf import check_gguf
-from morphkv.model.gguf_writer import Meta, tiny_llama_gguf, tiny_llama_meta, tiny_llama_tensors
+from morphkv.model.gguf_tiny import tiny_llama_gguf, tiny_llama_meta, tiny_llama_tensors
+from morphkv.model.gguf_writer import Meta
 from morphkv.model.gguf_writer import write_gguf as _write
 
 AS_LIMIT = 2 << 30  # bytes of address space for the loading subprocess

@@ -152,10 +152,4 @@ def patch_field(data: bytes, lay: Layout, name: str, value) -> bytes:
     return bytes(out)
 
 
-# the tiny models: kept importable from here (the tests' first home for them)
-from .gguf_tiny import tiny_llama_gguf, tiny_llama_meta, tiny_llama_tensors  # noqa: E402
-
-__all__ = [
-    "Layout", "Meta", "Tensor", "patch_field", "tensor_data", "tiny_llama_gguf",
-    "tiny_llama_meta", "tiny_llama_tensors", "write_gguf",
-]  # fmt: skip
+__all__ = ["Layout", "Meta", "Tensor", "patch_field", "tensor_data", "write_gguf"]
