@@ -107,10 +107,12 @@ def hashed_once(path: Path) -> str:
 
 
 def verify_gguf(
-    path: str | os.PathLike, *, delete_bad: bool = True, sha256: str = GGUF_SHA256
+    path: str | os.PathLike, *, delete_bad: bool = True, sha256: str | None = None
 ) -> Path:
-    """Check the sha256 of ``path`` (hashed in full once per process). Raise on mismatch."""
+    """Check the sha256 of ``path`` (hashed in full once per process) against ``sha256``
+    (default: the embedded SmolLM2 file's). Raise on mismatch."""
     path = Path(path)
+    sha256 = sha256 or GGUF_SHA256
     _old_marker(path)
     digest = hashed_once(path)
     if digest != sha256:
