@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from .cache_flags import describe
+from ..runtime.cache_flags import describe
 
 RULE = "=========="
 
@@ -107,11 +107,11 @@ def format_stats(resp, stats: CacheStats, peak_gb: float, config) -> str:
 
 def blas_status() -> str:
     """Whether MLX runs with the preloaded OpenBLAS (Linux CPU) in this process."""
-    from .blas import find_blas, is_preloaded
+    from ..runtime.blas import find_blas, is_preloaded
 
     if not sys.platform.startswith("linux"):
         return "platform default"
     lib = find_blas()
     if lib is None:
-        return "MLX default (no OpenBLAS found or preload disabled; see morphkv.cli.blas)"
+        return "MLX default (no OpenBLAS found or preload disabled; see morphkv.runtime.blas)"
     return f"preloaded {lib}" if is_preloaded(lib) else f"not preloaded ({lib} available)"
