@@ -10,6 +10,7 @@ from ..core.config import KVCacheConfig
 from ..runtime.argtypes import Number, UsageError, add_number, model_ref
 from ..runtime.cache_flags import add_cache_flags, config_from_flags
 from .gen_stats import CacheStats, blas_status, cache_stats, format_stats  # noqa: F401 (API)
+from .gen_stats import other_layers
 
 DEFAULT_BUDGET = 64  # demo-sized: the README's first command evicts within seconds
 DEFAULT_MAX_TOKENS = 128
@@ -169,6 +170,9 @@ def run(args) -> int:
     if resp is not None and not args.no_stats:
         stats = cache_stats(morph_caches(caches))
         print(format_stats(resp, stats, mx.get_peak_memory() / 1e9, config))
+        others = other_layers(caches)
+        if others:
+            print(others)
         print(f"Load:        {load_s:.2f} s")
         print(f"BLAS:        {blas_status()}")
     return 0
