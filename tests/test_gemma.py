@@ -41,8 +41,9 @@ def test_config_from_the_gguf(loaded):
     model, tok = loaded
     a = model.args
     assert isinstance(model, gemma3_text.Model)
-    assert (a.num_hidden_layers, a.hidden_size, a.num_attention_heads, a.num_key_value_heads,
-            a.head_dim, a.sliding_window, a.vocab_size) == (18, 640, 4, 1, 256, 512, 262144)  # fmt: skip
+    got = (a.num_hidden_layers, a.hidden_size, a.num_attention_heads, a.num_key_value_heads,
+           a.head_dim, a.sliding_window, a.vocab_size)  # fmt: skip
+    assert got == (18, 640, 4, 1, 256, 512, 262144)
     kinds = [type(c).__name__ for c in model.make_cache()]
     assert [i for i, k in enumerate(kinds) if k == "KVCache"] == [5, 11, 17]
     assert tok.bos_token_id == 2 and 1 in tok.eos_token_ids

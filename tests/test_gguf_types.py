@@ -104,7 +104,10 @@ def test_families_map_to_mlx_lm_classes(files):
     gemma, _ = load_gguf(files["gemma3", "Q8_0"])
     a = gemma.args
     assert (a.head_dim, a.query_pre_attn_scalar, a.sliding_window, a.sliding_window_pattern) == (
-        128, 128, 8, 6
+        128,
+        128,
+        8,
+        6,
     )
     assert load_gguf(files["llama", "Q8_0"])[0].args.rope_traditional is True
     assert load_gguf(files["qwen2", "Q8_0"])[0].args.rope_traditional is False

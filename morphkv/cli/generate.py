@@ -9,8 +9,7 @@ import time
 from ..core.config import KVCacheConfig
 from ..runtime.argtypes import Number, UsageError, add_number, model_ref
 from ..runtime.cache_flags import add_cache_flags, config_from_flags
-from .gen_stats import CacheStats, blas_status, cache_stats, format_stats  # noqa: F401 (API)
-from .gen_stats import other_layers
+from .gen_stats import CacheStats, blas_status, cache_stats, format_stats, other_layers  # noqa: F401 (API)
 
 DEFAULT_BUDGET = 64  # demo-sized: the README's first command evicts within seconds
 DEFAULT_MAX_TOKENS = 128

@@ -282,9 +282,7 @@ def _parse(buf, size: int, path: str) -> GGUFHeader:
     if h.value_types.get("general.alignment", "uint32") != "uint32" or not (
         isinstance(align, int) and 0 < align <= MAX_ALIGNMENT and align & (align - 1) == 0
     ):
-        raise GGUFError(
-            f"GGUF general.alignment={align!r} is not a uint32 power of two <= 65536"
-        )
+        raise GGUFError(f"GGUF general.alignment={align!r} is not a uint32 power of two <= 65536")
     h.data_start = -(-r.pos // align) * align
     room = size - h.data_start
     for name, dims, type_id, offset in raw:

@@ -31,7 +31,10 @@ _PARTS = {
     "qwen2": {**_LLAMA_PARTS, "attn_q.bias": "q", "attn_k.bias": "kv", "attn_v.bias": "kv"},
     "qwen3": {**_LLAMA_PARTS, **_QK_NORM},
     "gemma3": {
-        **_LLAMA_PARTS, **_QK_NORM, "post_attention_norm.weight": "H", "post_ffw_norm.weight": "H",
+        **_LLAMA_PARTS,
+        **_QK_NORM,
+        "post_attention_norm.weight": "H",
+        "post_ffw_norm.weight": "H",
     },  # fmt: skip
 }
 

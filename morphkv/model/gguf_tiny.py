@@ -82,7 +82,8 @@ def tiny_tensors(
     """Every 2-D tensor of type ``ttype``, every 1-D one F32."""
     hd = head_dim or hidden // heads
     dims = {"H": (hidden,), "q": (heads * hd,), "kv": (kv_heads * hd,), "hd": (hd,),
-            "H,q": (hidden, heads * hd), "H,kv": (hidden, kv_heads * hd), "q,H": (heads * hd, hidden),
+            "H,q": (hidden, heads * hd), "H,kv": (hidden, kv_heads * hd),
+            "q,H": (heads * hd, hidden),
             "H,ffn": (hidden, ffn), "ffn,H": (ffn, hidden)}  # fmt: skip
     vocab = vocab or n_tokens(arch)
     ts = [Tensor("token_embd.weight", (hidden, vocab), ttype)]

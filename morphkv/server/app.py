@@ -107,8 +107,12 @@ def load_served(args, config) -> ServedModel:
     """Load ``--model`` (or the embedded model) and install morphkv caches on it (``config``
     None: keep mlx_lm's default cache, for comparisons)."""
     from ..mlxlm.builder import patch_model
-    from ..model import DEFAULT_MODEL_NAME, load_gguf_model, resolve_default_gguf
-    from ..model import resolve_embedded
+    from ..model import (
+        DEFAULT_MODEL_NAME,
+        load_gguf_model,
+        resolve_default_gguf,
+        resolve_embedded,
+    )
 
     name = args.model
     tokenizer_config = {"trust_remote_code": args.trust_remote_code}
