@@ -65,7 +65,7 @@ TENSOR_TYPES = _tensor_types()
 
 
 class GGUFError(ValueError):
-    """The GGUF file is malformed or not a Llama-family model this loader understands."""
+    """The GGUF file is malformed or not a model of a family this loader understands."""
 
 
 @dataclass(frozen=True)
