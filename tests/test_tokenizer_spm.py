@@ -65,7 +65,9 @@ def test_base_model_gets_a_plain_text_template():
     text = tok.apply_chat_template(
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
     )
-    assert text == "User: Hi\n\nAssistant:"
+    assert text == "<bos>User: Hi\n\nAssistant:"
+    ids = tok.apply_chat_template([{"role": "user", "content": "ab"}], add_generation_prompt=True)
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
 
 
 def test_inconsistent_lengths_are_a_gguf_error():

@@ -6,9 +6,11 @@ tokens (token_type 3) and user-defined tokens (4) become added tokens so ``<|im_
 ``<|im_end|>`` are encoded whole.
 
 A file without a chat template (a base model such as Gemma 3 270M) gets ``PLAIN_TEMPLATE``:
-the messages as plain text, one ``Role: content`` paragraph each, ending with ``Assistant:``
-when a reply is wanted, so ``morphkv chat`` and ``serve`` accept it; a base model then simply
-continues a transcript.
+BOS (templates carry it: mlx_lm's server and chat tokenize the rendered text without adding
+special tokens, and Gemma without BOS answers "Assistant:" again and again), then the messages
+as plain text, one ``Role: content`` paragraph each, ending with ``Assistant:`` when a reply is
+wanted, so ``morphkv chat`` and ``serve`` accept it; a base model then simply continues a
+transcript.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ _QWEN2_RE = (
 )
 
 PLAIN_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
+    "{{ bos_token or '' }}{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 
