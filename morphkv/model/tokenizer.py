@@ -33,7 +33,8 @@ _QWEN2_RE = (
 )
 
 PLAIN_TEMPLATE = (
-    "{{ bos_token or '' }}{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
+    "{{ bos_token or '' }}"
+    "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 
