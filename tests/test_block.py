@@ -20,6 +20,10 @@ EVICTING = sorted(set(METHODS) - {"full"})
 ATTENTION = ("h2o", "tova", "morphkv", "peak")
 
 
+# (KV heads, head dim): a small llama-like layout and Gemma 3's one KV head of 256 dims
+KV_LAYOUTS = [(2, 8), (1, 256)]
+
+
 @st.composite
 def cases(draw):
     method = draw(st.sampled_from(EVICTING))
@@ -47,13 +51,14 @@ def cases(draw):
     )
     T = draw(st.integers(1, 3 * budget + 2 * block))
     rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
-    G = draw(st.integers(1, 3))
+    G = draw(st.integers(1, 4))
+    H, D = draw(st.sampled_from(KV_LAYOUTS))
     if draw(st.booleans()):  # few distinct values: exact ties everywhere
-        keys = rng.integers(-2, 3, size=(1, 2, T, 8)).astype(np.float32)
-        queries = rng.integers(-1, 2, size=(1, 2 * G, T, 8)).astype(np.float32)
+        keys = rng.integers(-2, 3, size=(1, H, T, D)).astype(np.float32)
+        queries = rng.integers(-1, 2, size=(1, H * G, T, D)).astype(np.float32)
     else:
-        keys = rng.standard_normal((1, 2, T, 8)).astype(np.float32) * 2
-        queries = rng.standard_normal((1, 2 * G, T, 8)).astype(np.float32)
+        keys = rng.standard_normal((1, H, T, D)).astype(np.float32) * 2 / np.sqrt(D / 8)
+        queries = rng.standard_normal((1, H * G, T, D)).astype(np.float32)
     dtype = draw(st.sampled_from([mx.float32, mx.float16]))
     cuts = sorted(draw(st.lists(st.integers(1, max(1, T - 1)), max_size=4)))
     return config, keys, queries, cuts, dtype

@@ -16,7 +16,7 @@ from test_gguf_hostile import load_in_subprocess
 
 from morphkv.model.gguf_check import check_llama
 from morphkv.model.gguf_header import GGUFError, parse_header
-from morphkv.model.gguf_writer import tiny_llama_gguf
+from morphkv.model.gguf_tiny import tiny_llama_gguf
 
 DATA, LAYOUT = tiny_llama_gguf()
 FIELDS = sorted(LAYOUT.fields)

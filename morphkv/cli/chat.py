@@ -46,7 +46,8 @@ Ctrl-C during a reply stops the reply; it stays in the conversation."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", type=model_ref, default=None,
-        help="A .gguf file (Llama family), an mlx_lm model folder or Hugging Face repo id; "
+        help="A .gguf file (llama, qwen2, qwen3, gemma3), gemma3-270m (Gemma 3 270M base: "
+        "a plain-text User/Assistant transcript), an mlx_lm model folder or Hugging Face repo id; "
         "default: the embedded SmolLM2-135M-Instruct.")
     parser.add_argument("--system-prompt", default=None,
                         help="System message (default: the template's own).")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from ..mlxlm.layout import morph_caches
 from ..runtime.cache_flags import describe
 
 RULE = "=========="
@@ -103,6 +104,21 @@ def format_stats(resp, stats: CacheStats, peak_gb: float, config) -> str:
         lines.append(f"Note:        {note}")
     lines.append(f"Peak memory: {peak_gb:.3f} GB")
     return "\n".join(lines)
+
+
+def other_layers(caches) -> str | None:
+    """One line for the layers morphkv leaves to mlx_lm (Gemma 3's sliding-window layers ...):
+    their caches, bounds and bytes; None when morphkv bounds every layer."""
+    from ..mlxlm.layout import describe_layout
+
+    morph = {id(c) for c in morph_caches(caches)}
+    rest = [c for c in caches if id(c) not in morph]
+    if not rest or len(rest) == len(caches):
+        return None
+    held = sum(getattr(c, "nbytes", 0) for c in rest)
+    layout = describe_layout(caches).splitlines()
+    kept = "; ".join(x for x in layout if "morphkv" not in x and " budget " not in x)
+    return f"Other layers: {kept}; {fmt_bytes(held)} held (not in the figures above)"
 
 
 def blas_status() -> str:

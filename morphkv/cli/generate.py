@@ -9,7 +9,7 @@ import time
 from ..core.config import KVCacheConfig
 from ..runtime.argtypes import Number, UsageError, add_number, model_ref
 from ..runtime.cache_flags import add_cache_flags, config_from_flags
-from .gen_stats import CacheStats, blas_status, cache_stats, format_stats  # noqa: F401 (API)
+from .gen_stats import CacheStats, blas_status, cache_stats, format_stats, other_layers  # noqa: F401 (API)
 
 DEFAULT_BUDGET = 64  # demo-sized: the README's first command evicts within seconds
 DEFAULT_MAX_TOKENS = 128
@@ -28,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model", type=model_ref, default=None,
-        help="A .gguf file (Llama family), an mlx_lm model folder or Hugging Face repo id; "
+        help="A .gguf file (llama, qwen2, qwen3, gemma3), gemma3-270m (the second embedded "
+        "model: Gemma 3 270M base, fetched once, 253 MB), an mlx_lm model folder or Hugging "
+        "Face repo id; "
         "default: the embedded SmolLM2-135M-Instruct (fetched once, 93 MB).",
     )
     add_cache_flags(parser, DEFAULT_BUDGET)
@@ -102,8 +104,12 @@ def read_prompt(args) -> str:
 
 
 def build_prompt(tokenizer, text: str, chat: bool | None, system_prompt: str | None = None):
-    """Token ids for ``text``; chat template applied when ``chat`` (None: when available)."""
-    use_chat = tokenizer.has_chat_template if chat is None else chat
+    """Token ids for ``text``; chat template applied when ``chat`` (None: when the model has
+    its own; a base model's plain-text transcript template only with ``--chat``)."""
+    from ..model.tokenizer import PLAIN_TEMPLATE
+
+    own = tokenizer.has_chat_template and tokenizer.chat_template != PLAIN_TEMPLATE
+    use_chat = own if chat is None else chat
     if use_chat:
         if not tokenizer.has_chat_template:
             raise UsageError("--chat given but the tokenizer has no chat template")
@@ -163,6 +169,9 @@ def run(args) -> int:
     if resp is not None and not args.no_stats:
         stats = cache_stats(morph_caches(caches))
         print(format_stats(resp, stats, mx.get_peak_memory() / 1e9, config))
+        others = other_layers(caches)
+        if others:
+            print(others)
         print(f"Load:        {load_s:.2f} s")
         print(f"BLAS:        {blas_status()}")
     return 0

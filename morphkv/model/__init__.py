@@ -1,4 +1,5 @@
-"""Model loading: the embedded SmolLM2-135M-Instruct GGUF, any Llama GGUF, or mlx_lm models."""
+"""Model loading: the embedded models (SmolLM2-135M-Instruct by default, ``gemma3-270m`` by
+name), any GGUF of the llama, qwen2, qwen3 or gemma3 family, or mlx_lm models."""
 
 from __future__ import annotations
 
@@ -10,19 +11,34 @@ from .resolve import DEFAULT_MODEL_NAME, ModelUnavailableError, resolve_default_
 # What a command line should catch around ``load``: one line, exit 2, no traceback.
 MODEL_ERRORS = (GGUFError, ModelUnavailableError, FileNotFoundError)
 
+# names --model accepts for the embedded models besides the default
+EMBEDDED_NAMES = ("gemma3-270m",)
+
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "EMBEDDED_NAMES",
     "GGUFError",
     "MODEL_ERRORS",
     "ModelUnavailableError",
     "load",
     "load_gguf_model",
     "resolve_default_gguf",
+    "resolve_embedded",
 ]
 
 
+def resolve_embedded(name: str):
+    """Path of the verified GGUF of an embedded model named ``name`` (fetched once), or None
+    when ``name`` names no embedded model."""
+    if str(name).lower() == "gemma3-270m":
+        from .resolve_gemma import resolve_gemma_gguf
+
+        return resolve_gemma_gguf()
+    return None
+
+
 def load_gguf_model(path: str | Path, *, rope_traditional: bool = True):
-    """(model, TokenizerWrapper) from a Llama-family GGUF file."""
+    """(model, TokenizerWrapper) from a GGUF file (llama, qwen2, qwen3, gemma3 family)."""
     from .gguf import load_gguf
     from .tokenizer import build_tokenizer
 
@@ -37,11 +53,15 @@ def load(model: str | None = None, *, rope_traditional: bool = True):
     """Load ``(model, tokenizer)``.
 
     - ``None``: the embedded SmolLM2-135M-Instruct (fetched once, then cached);
-    - a path ending in ``.gguf``: the GGUF loader (Llama family);
+    - ``"gemma3-270m"``: the embedded Gemma 3 270M base model (fetched once, then cached);
+    - a path ending in ``.gguf``: the GGUF loader (llama, qwen2, qwen3, gemma3);
     - anything else: ``mlx_lm.load(model)`` (local MLX directory or Hugging Face repo).
     """
     if model is None:
         return load_gguf_model(resolve_default_gguf(), rope_traditional=rope_traditional)
+    named = resolve_embedded(model)
+    if named is not None:
+        return load_gguf_model(named)
     if str(model).lower().endswith(".gguf"):
         if not Path(model).is_file():
             raise FileNotFoundError(f"GGUF file not found: {model}")

@@ -1,19 +1,13 @@
-"""Load a Llama-family GGUF file into mlx_lm's own ``mlx_lm.models.llama.Model``.
+"""Load a GGUF file (llama, qwen2, qwen3 or gemma3 family) into mlx_lm's own model class.
 
-``mx.load(path, return_metadata=True)`` reads GGUF natively: Q4_0 / Q4_1 / Q8_0 tensors come
-back as MLX affine-quantized triplets (``weight`` uint32, ``scales``, ``biases``; group size 32,
-bits per tensor), F16/F32 tensors as plain arrays. This module maps the llama.cpp tensor names
-to mlx_lm's names, quantizes exactly the layers that are stored quantized (with the bits read
-from each tensor), and builds the hyperparameters from the GGUF metadata.
-
-Nothing reaches ``mx.load`` before ``check_gguf`` has read the header in pure Python and
-checked it (``gguf_header``: counts, lengths, dims, offsets, types; ``gguf_check``: the
-metadata and every tensor's shape describe a Llama model): ``mx.load`` trusts the header, and
-a crafted one crashes it or exhausts memory. Every failure is a ``GGUFError`` (a ValueError).
-
-llama.cpp stores the Q and K projections permuted for its interleaved ("traditional") RoPE
-layout, so the model must be built with ``rope_traditional=True``; the argument exists so a
-test can load it the wrong way on purpose.
+1. ``check_gguf``: the header is walked in pure Python with every count, length, dimension,
+   type and offset bounded by the file (``gguf_header``) and checked to describe a model of a
+   supported family (``gguf_check``). The ``gguf`` library does not bound these itself, so
+   nothing reaches it before this check; every failure is a ``GGUFError`` (a ValueError).
+2. ``gguf.GGUFReader`` (llama.cpp's own Python reader) memory-maps the checked file; metadata
+   and tensors come from it, and each tensor is dequantized by the library and turned into MLX
+   weights (``gguf_tensors``: dense float32, or MLX 4/8-bit affine on a GPU).
+3. The family's mlx_lm model (``gguf_arch``) is built and loaded with ``strict=True``.
 """
 
 from __future__ import annotations
@@ -24,87 +18,63 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
-from mlx_lm.models import llama
 
-from .gguf_check import LlamaSpec, check_llama, map_tensor_name
+from .gguf_arch import build_model, model_args, norm_shift
+from .gguf_check import ModelSpec, check_model
 from .gguf_header import GGUFError, GGUFHeader, read_header
+from .gguf_names import map_tensor_name
+from .gguf_tensors import GROUP_SIZE, convert, dequantize
 
-__all__ = ["GGUFError", "check_gguf", "load_gguf", "map_tensor_name", "read_gguf"]
+__all__ = [
+    "GGUFError", "check_gguf", "load_gguf", "map_tensor_name", "model_args", "read_gguf",
+    "read_metadata",
+]  # fmt: skip
 
-GGUF_GROUP_SIZE = 32
 
-
-def check_gguf(path: str | Path) -> tuple[GGUFHeader, LlamaSpec]:
+def check_gguf(path: str | Path) -> tuple[GGUFHeader, ModelSpec]:
     """Parse and validate the header of ``path`` (nothing allocated beyond the header)."""
     try:
         header = read_header(path)
-        return header, check_llama(header)
+        return header, check_model(header)
     except GGUFError as e:
         if str(path) in str(e):
             raise
         raise GGUFError(f"{path}: {e}") from None
 
 
-def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Validate the header, then ``mx.load`` the file; returns (tensors by GGUF name, metadata)."""
-    header, _ = check_gguf(path)
-    return _mx_load(header)
+def open_reader(header: GGUFHeader):
+    """``gguf.GGUFReader`` of a checked file; its tensors must be the header's."""
+    from gguf import GGUFReader
 
-
-def _mx_load(header: GGUFHeader) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """``mx.load`` a checked file; the tensors it returns must be the header's."""
     try:
-        weights, meta = mx.load(header.path, return_metadata=True)
-    except Exception as e:  # mx.load raises plain ValueError/RuntimeError
+        reader = GGUFReader(header.path)
+    except Exception as e:  # the library raises ValueError / KeyError / numpy errors
         first = (str(e).splitlines() or [type(e).__name__])[0][:300]
         raise GGUFError(f"cannot read GGUF {header.path}: {first}") from e
-    want = set()
-    for name, t in header.tensors.items():
-        if t.type_name.startswith("Q"):
-            base = name[: -len(".weight")]
-            want |= {name, base + ".scales", base + ".biases"}
-        else:
-            want.add(name)
-    if set(weights) != want:
-        odd = sorted(set(weights) ^ want)[:3]
-        raise GGUFError(f"mx.load read tensors that differ from the GGUF header: {odd}")
-    return weights, meta
+    got = {t.name: (tuple(int(d) for d in t.shape), int(t.tensor_type)) for t in reader.tensors}
+    want = {n: (t.dims, t.type_id) for n, t in header.tensors.items()}
+    if got != want:
+        odd = sorted(set(got.items()) ^ set(want.items()))[:2]
+        raise GGUFError(f"the gguf library read tensors that differ from the checked header: {odd}")
+    return reader
 
 
-def _f32_round(x: float) -> float:
-    """1e-05 stored as float32 reads back as 9.99999974e-06; give the decimal value."""
-    return float(f"{float(x):.7g}")
+def read_metadata(reader) -> dict[str, Any]:
+    """Metadata key -> value (str, int, float, bool or a list of them) from a ``GGUFReader``."""
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = field.contents()
+    return meta
 
 
-def model_args(
-    header: GGUFHeader, spec: LlamaSpec, *, rope_traditional: bool = True
-) -> llama.ModelArgs:
-    """mlx_lm ``ModelArgs`` of a checked header."""
-    meta, p = header.metadata, "llama."
-    rope_scaling = None
-    if meta.get(p + "rope.scaling.type") == "linear":
-        rope_scaling = {"type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
-    return llama.ModelArgs(
-        model_type="llama",
-        hidden_size=spec.hidden,
-        num_hidden_layers=spec.layers,
-        intermediate_size=spec.ffn,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
-        rms_norm_eps=_f32_round(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        vocab_size=spec.vocab,
-        max_position_embeddings=int(meta.get(p + "context_length", 4096)),
-        rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
-        rope_traditional=rope_traditional,
-        rope_scaling=rope_scaling,
-        tie_word_embeddings=spec.tied,
-    )
-
-
-def _bits_of(weight: mx.array, scales: mx.array, group_size: int = GGUF_GROUP_SIZE) -> int:
-    # packed uint32 columns * 32 bits == input_dims * bits; input_dims == scales cols * group
-    return (weight.shape[-1] * 32) // (scales.shape[-1] * group_size)
+def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """Check the header, then read every tensor dequantized to float32 by the library:
+    (tensors by GGUF name, metadata)."""
+    header, _ = check_gguf(path)
+    reader = open_reader(header)
+    return {t.name: mx.array(dequantize(t)) for t in reader.tensors}, read_metadata(reader)
 
 
 def dequantize_model(model: nn.Module, dtype: mx.Dtype = mx.float32) -> nn.Module:
@@ -112,7 +82,6 @@ def dequantize_model(model: nn.Module, dtype: mx.Dtype = mx.float32) -> nn.Modul
 
     def _dense(m):
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            # scales/biases in the target dtype first: dequantizing in float16 would round
             w = mx.dequantize(
                 m.weight, m.scales.astype(dtype), m.biases.astype(dtype), m.group_size, m.bits
             )
@@ -136,58 +105,59 @@ def _default_dequantize() -> bool:
     return mx.default_device() == mx.cpu
 
 
+def mlx_weights(reader, arch: str, *, quantized: bool) -> tuple[dict[str, mx.array], dict]:
+    """mlx_lm parameter name -> array for every tensor, and module path -> bits."""
+    shift = norm_shift(arch)
+    weights: dict[str, mx.array] = {}
+    qbits: dict[str, int] = {}
+    for t in reader.tensors:
+        base = map_tensor_name(t.name, arch).rsplit(".", 1)[0]
+        is_norm = t.name.endswith("norm.weight")
+        c = convert(t, quantized=quantized, shift=shift if is_norm else 0.0)
+        kind = "bias" if t.name.endswith(".bias") else None
+        for part, arr in c.arrays.items():
+            weights[f"{base}.{kind or part}"] = arr
+        if c.bits is not None:
+            qbits[base] = c.bits
+    return weights, qbits
+
+
 def load_gguf(
     path: str | Path,
     *,
     rope_traditional: bool = True,
-    float_dtype: mx.Dtype | None = None,
     dequantize: bool | None = None,
     lazy: bool = False,
-) -> tuple[llama.Model, dict[str, Any]]:
-    """Build ``mlx_lm.models.llama.Model`` from a GGUF file. Returns (model, metadata).
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Build the family's mlx_lm model from a GGUF file. Returns (model, metadata).
 
-    The quantized tensors are loaded into QuantizedLinear / QuantizedEmbedding layers with
-    the bits stored in the file. ``dequantize`` then expands them to dense float32 layers
-    (default: on the CPU device, where that is much faster; the weights' values are the
-    same). ``float_dtype`` (e.g. ``mx.float32``) casts the non-integer tensors (norms,
-    scales, biases, unquantized weights); None keeps the file's dtypes.
+    ``dequantize`` (default: on the CPU device) keeps every weight as dense float32, exactly
+    the ``gguf`` library's dequantized values; otherwise quantized tensors become MLX 4/8-bit
+    affine layers (``gguf_tensors``). ``rope_traditional``: llama files only (see gguf_arch).
     """
-    header, spec = check_gguf(path)  # GGUFError before anything is allocated
-    raw, meta = _mx_load(header)
-    args = model_args(header, spec, rope_traditional=rope_traditional)
-    weights: dict[str, mx.array] = {}
-    for name, arr in raw.items():
-        if float_dtype is not None and mx.issubdtype(arr.dtype, mx.floating):
-            arr = arr.astype(float_dtype)
-        weights[map_tensor_name(name)] = arr
-
-    # bits per quantized module, read from the stored tensors
-    qbits: dict[str, int] = {}
-    for key, arr in weights.items():
-        if key.endswith(".scales"):
-            base = key[: -len(".scales")]
-            qbits[base] = _bits_of(weights[base + ".weight"], arr)
-
-    model = llama.Model(args)
-
-    def predicate(module_path: str, module: nn.Module):
-        bits = qbits.get(module_path)
-        if bits is None:
-            return False
-        return {"group_size": GGUF_GROUP_SIZE, "bits": bits, "mode": "affine"}
-
+    header, spec = check_gguf(path)  # GGUFError before the library is handed the file
+    reader = open_reader(header)
+    meta = read_metadata(reader)
+    if dequantize is None:
+        dequantize = _default_dequantize()
+    try:
+        weights, qbits = mlx_weights(reader, spec.arch, quantized=not dequantize)
+    except (ValueError, NotImplementedError) as e:
+        raise GGUFError(f"GGUF {header.path}: {str(e).splitlines()[0][:300]}") from e
+    model = build_model(header, spec, rope_traditional=rope_traditional)
     if qbits:
-        nn.quantize(model, class_predicate=predicate)
-
+        nn.quantize(
+            model,
+            class_predicate=lambda p, _m: (
+                {"group_size": GROUP_SIZE, "bits": qbits[p], "mode": "affine"} if p in qbits
+                else False
+            ),
+        )  # fmt: skip
     weights = model.sanitize(weights)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:  # should not happen after check_gguf; keep the message short
         raise GGUFError(f"GGUF {header.path}: {str(e).splitlines()[0][:300]}") from e
-    if dequantize is None:
-        dequantize = _default_dequantize()
-    if dequantize and qbits:
-        dequantize_model(model, float_dtype or mx.float32)
     if not lazy:
         mx.eval(model.parameters())
     model.eval()

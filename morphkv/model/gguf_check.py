@@ -1,60 +1,31 @@
-"""Check a parsed GGUF header describes a Llama model this loader can build, before building it.
+"""Check a parsed GGUF header describes a model this loader can build, before building it.
 
-Required metadata (architecture, sizes, head counts, vocabulary, EOS id) must be present, of
-the right type and in range, and the tensors must be exactly the ones a Llama model of those
-sizes has, each with the shape the metadata implies. Nothing here touches MLX.
+Families: ``llama``, ``qwen2``, ``qwen3`` and ``gemma3``. Required metadata (architecture,
+sizes, head counts, vocabulary, EOS id) must be present, of the right type and in range, and the
+tensors must be exactly the ones a model of that family and those sizes has, each with the shape
+the metadata implies. Nothing here reads tensor data or touches MLX.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from .gguf_header import FLOAT_TYPES, INT_TYPES, GGUFArray, GGUFError, GGUFHeader
+from .gguf_names import FAMILIES, layer_parts, map_tensor_name
 
-P = "llama."
 MAX_SIZE = 1 << 31  # any single hyperparameter
-
-_LAYER_MAP = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_MAP = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
-_TOP_RE = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
 _TOKEN_IDS = ("bos", "eos", "unknown", "padding", "eot", "eom", "sep", "cls", "mask")
+_FLOAT_1D = ("F32", "F16", "BF16")
 
-
-def map_tensor_name(name: str) -> str:
-    """GGUF tensor name -> mlx_lm llama parameter name."""
-    m = _BLK_RE.match(name)
-    if m:
-        idx, part, kind = m.groups()
-        if part not in _LAYER_MAP:
-            raise GGUFError(f"unsupported GGUF tensor {name}")
-        return f"model.layers.{int(idx)}.{_LAYER_MAP[part]}.{kind}"
-    m = _TOP_RE.match(name)
-    if m and m.group(1) in _TOP_MAP:
-        return f"{_TOP_MAP[m.group(1)]}.{m.group(2)}"
-    raise GGUFError(f"unsupported GGUF tensor {name}")
+__all__ = ["ModelSpec", "check_model", "map_tensor_name"]
 
 
 @dataclass(frozen=True)
-class LlamaSpec:
+class ModelSpec:
     """The hyperparameters of a checked GGUF header."""
 
+    arch: str
     hidden: int
     layers: int
     ffn: int
@@ -109,11 +80,14 @@ def _array(h: GGUFHeader, key: str, elem: frozenset | str, n: int | None, requir
 
 
 def _tokenizer(h: GGUFHeader) -> int:
-    _str(h, "tokenizer.ggml.model", ("gpt2",), True)
+    """``gpt2`` (byte-level BPE) or ``llama`` (SentencePiece: scores and types required)."""
+    _str(h, "tokenizer.ggml.model", ("gpt2", "llama"), True)
+    spm = h.metadata["tokenizer.ggml.model"] == "llama"
     _str(h, "tokenizer.ggml.pre", None, False)
     _str(h, "tokenizer.chat_template", None, False)
     n = _array(h, "tokenizer.ggml.tokens", "string", None, True).count
-    _array(h, "tokenizer.ggml.token_type", INT_TYPES, n, False)
+    _array(h, "tokenizer.ggml.token_type", INT_TYPES, n, spm)
+    _array(h, "tokenizer.ggml.scores", "float32", n, spm)
     _array(h, "tokenizer.ggml.merges", "string", None, False)
     _int(h, "tokenizer.ggml.eos_token_id", lo=0)  # required: else generation never stops
     for name in _TOKEN_IDS:
@@ -123,95 +97,101 @@ def _tokenizer(h: GGUFHeader) -> int:
     return n
 
 
-def _expected_shapes(s: LlamaSpec) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> GGUF dims (innermost first) for a Llama model of spec ``s``."""
-    H, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+def _expected_shapes(s: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> GGUF dims (innermost first) for a model of spec ``s``."""
+    H, q, kv, hd = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.head_dim
+    dims = {"H": (H,), "q": (q,), "kv": (kv,), "hd": (hd,), "H,q": (H, q), "H,kv": (H, kv),
+            "q,H": (q, H), "H,ffn": (H, s.ffn), "ffn,H": (s.ffn, H)}  # fmt: skip
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (H, s.vocab),
         "output_norm.weight": (H,),
     }
     if not s.tied:
         shapes["output.weight"] = (H, s.vocab)
-    per_layer = {
-        "attn_q": (H, q),
-        "attn_k": (H, kv),
-        "attn_v": (H, kv),
-        "attn_output": (q, H),
-        "ffn_gate": (H, s.ffn),
-        "ffn_up": (H, s.ffn),
-        "ffn_down": (s.ffn, H),
-        "attn_norm": (H,),
-        "ffn_norm": (H,),
-    }
+    per_layer = layer_parts(s.arch)
     for i in range(s.layers):
-        for part, dims in per_layer.items():
-            shapes[f"blk.{i}.{part}.weight"] = dims
+        for name, key in per_layer.items():
+            shapes[f"blk.{i}.{name}"] = dims[key]
     return shapes
 
 
-def _check_tensors(h: GGUFHeader, s: LlamaSpec) -> None:
-    if len(h.tensors) > 9 * s.layers + 3:  # cheap bound before building the expected set
+def _check_tensors(h: GGUFHeader, s: ModelSpec) -> None:
+    per = len(layer_parts(s.arch))
+    if len(h.tensors) > per * s.layers + 3:  # cheap bound before building the expected set
         raise GGUFError(f"GGUF has {len(h.tensors)} tensors, too many for {s.layers} blocks")
-    if s.layers * 9 + 2 > len(h.tensors):
+    if s.layers * per + 2 > len(h.tensors):
         raise GGUFError(
-            f"GGUF metadata llama.block_count={s.layers} needs at least {s.layers * 9 + 2} "
+            f"GGUF metadata {s.arch}.block_count={s.layers} needs at least {s.layers * per + 2} "
             f"tensors, the file has {len(h.tensors)}"
         )
     want = _expected_shapes(s)
     for name, t in h.tensors.items():
         if name not in want:
-            map_tensor_name(name)  # names an unsupported tensor kind first
+            map_tensor_name(name, s.arch)  # names an unsupported tensor kind first
             raise GGUFError(f"GGUF tensor {name!r} does not belong to a {s.layers}-block model")
         if t.dims != want[name]:
             raise GGUFError(
                 f"GGUF tensor {name!r} has dims {list(t.dims)}, expected {list(want[name])} "
                 "from the metadata"
             )
-        if len(t.dims) == 1 and t.type_name not in ("F32", "F16"):
+        if len(t.dims) == 1 and t.type_name not in _FLOAT_1D:
             raise GGUFError(f"GGUF tensor {name!r} is 1-D but stored as {t.type_name}")
     missing = [n for n in want if n not in h.tensors]
     if missing:
         raise GGUFError(f"GGUF lacks tensor {missing[0]!r} ({len(missing)} missing)")
 
 
-def check_llama(h: GGUFHeader) -> LlamaSpec:
-    """Validate ``h`` as a Llama-family model; return its hyperparameters."""
-    _str(h, "general.architecture", ("llama",), True)
-    heads = _int(h, P + "attention.head_count")
-    kv = _int(h, P + "attention.head_count_kv", heads)
+def _heads(h: GGUFHeader, p: str, arch: str) -> tuple[int, int, int, int]:
+    heads = _int(h, p + "attention.head_count")
+    kv = _int(h, p + "attention.head_count_kv", heads)
     if heads % kv:
         raise GGUFError(
-            f"GGUF metadata {P}attention.head_count_kv={kv} does not divide "
-            f"{P}attention.head_count={heads}"
+            f"GGUF metadata {p}attention.head_count_kv={kv} does not divide "
+            f"{p}attention.head_count={heads}"
         )
-    hidden = _int(h, P + "embedding_length")
-    if P + "attention.key_length" not in h.metadata and hidden % heads:
+    hidden = _int(h, p + "embedding_length")
+    if p + "attention.key_length" not in h.metadata and hidden % heads:
         raise GGUFError(
-            f"GGUF metadata {P}embedding_length={hidden} is not a multiple of "
-            f"{P}attention.head_count={heads}"
+            f"GGUF metadata {p}embedding_length={hidden} is not a multiple of "
+            f"{p}attention.head_count={heads}"
         )
-    head_dim = _int(h, P + "attention.key_length", hidden // heads)
-    vdim = _int(h, P + "attention.value_length", head_dim)
+    head_dim = _int(h, p + "attention.key_length", hidden // heads)
+    vdim = _int(h, p + "attention.value_length", head_dim)
     if vdim != head_dim:
-        raise GGUFError(f"GGUF metadata {P}attention.value_length={vdim} != key_length {head_dim}")
-    layers = _int(h, P + "block_count")
-    ffn = _int(h, P + "feed_forward_length")
-    _int(h, P + "context_length", 4096)
-    _float(h, P + "attention.layer_norm_rms_epsilon", 0.0, 1.0)
-    _float(h, P + "rope.freq_base", 0.0, 1e12)
-    _str(h, P + "rope.scaling.type", ("none", "linear"), False)
-    if h.metadata.get(P + "rope.scaling.type") == "linear":
-        _float(h, P + "rope.scaling.factor", 0.0, 1e6)
-        if P + "rope.scaling.factor" not in h.metadata:
-            raise GGUFError(f"GGUF metadata lacks {P}rope.scaling.factor")
+        raise GGUFError(f"GGUF metadata {p}attention.value_length={vdim} != key_length {head_dim}")
+    if arch == "qwen2" and head_dim * heads != hidden:  # mlx_lm's qwen2 derives head_dim
+        raise GGUFError(f"GGUF metadata {p}attention.key_length={head_dim} != hidden / heads")
+    return hidden, heads, kv, head_dim
+
+
+def check_model(h: GGUFHeader) -> ModelSpec:
+    """Validate ``h`` as a model of a supported family; return its hyperparameters."""
+    _str(h, "general.architecture", FAMILIES, True)
+    arch = h.metadata["general.architecture"]
+    p = arch + "."
+    hidden, heads, kv, head_dim = _heads(h, p, arch)
+    layers = _int(h, p + "block_count")
+    ffn = _int(h, p + "feed_forward_length")
+    _int(h, p + "context_length", 4096)
+    _int(h, p + "attention.sliding_window", 4096)
+    _float(h, p + "attention.layer_norm_rms_epsilon", 0.0, 1.0)
+    _float(h, p + "rope.freq_base", 0.0, 1e12)
+    _str(h, p + "rope.scaling.type", ("none", "linear"), False)
+    if h.metadata.get(p + "rope.scaling.type") == "linear":
+        _float(h, p + "rope.scaling.factor", 0.0, 1e6)
+        if p + "rope.scaling.factor" not in h.metadata:
+            raise GGUFError(f"GGUF metadata lacks {p}rope.scaling.factor")
     n_tokens = _tokenizer(h)
-    vocab = _int(h, P + "vocab_size", n_tokens)
+    vocab = _int(h, p + "vocab_size", n_tokens)
     if n_tokens > vocab:
         raise GGUFError(
-            f"GGUF has {n_tokens} tokens but {P}vocab_size={vocab}: token ids would be "
+            f"GGUF has {n_tokens} tokens but {p}vocab_size={vocab}: token ids would be "
             "out of range of the embedding"
         )
     tied = "output.weight" not in h.tensors
-    spec = LlamaSpec(hidden, layers, ffn, heads, kv, head_dim, vocab, n_tokens, tied)
+    spec = ModelSpec(arch, hidden, layers, ffn, heads, kv, head_dim, vocab, n_tokens, tied)
     _check_tensors(h, spec)
     return spec
+
+
+check_llama = check_model  # the name the first loader used (one check for every family now)

@@ -1,7 +1,9 @@
-"""Read and check a GGUF header in pure Python before anything is handed to MLX.
+"""Check a GGUF header in pure Python before the ``gguf`` library (or MLX) is handed the file.
 
-``mx.load`` trusts the header it parses: huge counts, a thousand dimensions or offsets past
-the end of the file crash the process or exhaust memory. This reader walks the header of a
+The ``gguf`` library's ``GGUFReader`` (llama.cpp's own Python reader, 0.19) trusts the header:
+it builds one NumPy view per array item with no bound on the count (a crafted count of 2**40
+loops for ever), slices of its memory map past the end of the file come back short instead of
+failing, and dims, offsets and sizes are not checked against the file. This walk of a
 memory-mapped file with every count, length, dimension and offset bounded by the file size
 (and by hard limits far above any real model), and keeps only what the checks need: metadata
 scalars and strings, and for arrays their element type and length (never their items). Every
@@ -43,30 +45,27 @@ _VALUE_TYPES = {
     11: ("int64", "<q"),
     12: ("float64", "<d"),
 }
-# value types mx.load (mlx 0.32) cannot read: a float64 value crashes it (SIGSEGV)
-_REFUSED_TYPES = {"float64": "not supported (mx.load crashes on float64 metadata)"}
 INT_TYPES = frozenset(("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"))
 FLOAT_TYPES = frozenset(("float32", "float64"))
 
-# ggml tensor types this loader (and mx.load) handles: id -> (name, block elems, block bytes)
-TENSOR_TYPES = {
-    0: ("F32", 1, 4),
-    1: ("F16", 1, 2),
-    2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20),
-    8: ("Q8_0", 32, 34),
-}
-# named only so that an error can say which unsupported type a file uses
-_OTHER_TENSOR_TYPES = {
-    6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K",
-    14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
-    20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32",
-    27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0",
-}  # fmt: skip
+
+def _tensor_types() -> dict[int, tuple[str, int, int]]:
+    """ggml tensor types the ``gguf`` library turns into floats: id -> (name, block elements,
+    block bytes), from the library's own tables (F32, F16, BF16 and every type with a
+    dequantizer in ``gguf.quants``: Q4_0 .. Q8_0, Q2_K .. Q6_K, IQ*, TQ*, MXFP4 ...)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    T = GGMLQuantizationType
+    kinds = {T.F32, T.F16, *_type_traits}
+    return {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in sorted(kinds)}
+
+
+TENSOR_TYPES = _tensor_types()
 
 
 class GGUFError(ValueError):
-    """The GGUF file is malformed or not a Llama-family model this loader understands."""
+    """The GGUF file is malformed or not a model of a family this loader understands."""
 
 
 @dataclass(frozen=True)
@@ -159,8 +158,6 @@ def _value(r: _Reader, type_id: int, key: str) -> Any:
     if type_id not in _VALUE_TYPES:
         raise GGUFError(f"GGUF metadata {key!r} has unknown value type {type_id}")
     name, fmt = _VALUE_TYPES[type_id]
-    if name in _REFUSED_TYPES:
-        raise GGUFError(f"GGUF metadata {key!r} has value type {name}: {_REFUSED_TYPES[name]}")
     if fmt is not None:
         return r.unpack(fmt, f"metadata {key!r} value")
     if name == "string":
@@ -169,10 +166,6 @@ def _value(r: _Reader, type_id: int, key: str) -> Any:
     if elem not in _VALUE_TYPES:
         raise GGUFError(f"GGUF metadata {key!r} has unknown array element type {elem}")
     elem_name, elem_fmt = _VALUE_TYPES[elem]
-    if elem_name in _REFUSED_TYPES:
-        raise GGUFError(
-            f"GGUF metadata {key!r} is an array of {elem_name}: {_REFUSED_TYPES[elem_name]}"
-        )
     if elem_name == "array":
         raise GGUFError(f"GGUF metadata {key!r} is a nested array (not supported)")
     item = struct.calcsize(elem_fmt) if elem_fmt else 8
@@ -209,6 +202,15 @@ def _skip_strings(r: _Reader, n: int, key: str) -> None:
     r.pos = pos
 
 
+def _type_name(type_id: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(type_id).name
+    except ValueError:
+        return "unknown"
+
+
 def _tensor_info(r: _Reader, index: int) -> tuple[str, tuple[int, ...], int, int]:
     name = r.string(f"tensor {index} name", limit=MAX_KEY_BYTES)
     n_dims = r.unpack("<I", f"tensor {name!r} n_dims")
@@ -220,7 +222,7 @@ def _tensor_info(r: _Reader, index: int) -> tuple[str, tuple[int, ...], int, int
     type_id = r.unpack("<I", f"tensor {name!r} type")
     if type_id not in TENSOR_TYPES:
         known = ", ".join(v[0] for v in TENSOR_TYPES.values())
-        tname = _OTHER_TENSOR_TYPES.get(type_id, "unknown")
+        tname = _type_name(type_id)
         raise GGUFError(
             f"GGUF tensor {name!r} has type {tname} ({type_id}); this loader supports {known}"
         )
@@ -277,10 +279,10 @@ def _parse(buf, size: int, path: str) -> GGUFHeader:
         seen.add(name)
         raw.append((name, dims, type_id, offset))
     align = h.metadata.get("general.alignment", 32)
-    if h.value_types.get("general.alignment", "uint32") not in INT_TYPES or not (
+    if h.value_types.get("general.alignment", "uint32") != "uint32" or not (
         isinstance(align, int) and 0 < align <= MAX_ALIGNMENT and align & (align - 1) == 0
     ):
-        raise GGUFError(f"GGUF general.alignment={align!r} is not a power of two <= 65536")
+        raise GGUFError(f"GGUF general.alignment={align!r} is not a uint32 power of two <= 65536")
     h.data_start = -(-r.pos // align) * align
     room = size - h.data_start
     for name, dims, type_id, offset in raw:

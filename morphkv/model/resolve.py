@@ -106,14 +106,18 @@ def hashed_once(path: Path) -> str:
     return digest
 
 
-def verify_gguf(path: str | os.PathLike, *, delete_bad: bool = True) -> Path:
-    """Check the sha256 of ``path`` (hashed in full once per process). Raise on mismatch."""
+def verify_gguf(
+    path: str | os.PathLike, *, delete_bad: bool = True, sha256: str | None = None
+) -> Path:
+    """Check the sha256 of ``path`` (hashed in full once per process) against ``sha256``
+    (default: the embedded SmolLM2 file's). Raise on mismatch."""
     path = Path(path)
+    sha256 = sha256 or GGUF_SHA256
     _old_marker(path)
     digest = hashed_once(path)
-    if digest != GGUF_SHA256:
+    if digest != sha256:
         _VERIFIED.pop(str(path), None)
-        msg = f"sha256 mismatch for {path}: got {digest}, expected {GGUF_SHA256}"
+        msg = f"sha256 mismatch for {path}: got {digest}, expected {sha256}"
         if delete_bad:
             try:
                 path.unlink()

@@ -1,8 +1,16 @@
 """Build an mlx_lm ``TokenizerWrapper`` from the tokenizer stored in GGUF metadata.
 
 Supports ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE, as used by SmolLM2, Llama 3,
-Qwen, ...). Control tokens (token_type 3) and user-defined tokens (4) become special added
-tokens so ``<|im_start|>`` / ``<|im_end|>`` are encoded whole.
+Qwen, ...) here, and ``"llama"`` (SentencePiece: Gemma ...) in ``tokenizer_spm``. Control
+tokens (token_type 3) and user-defined tokens (4) become added tokens so ``<|im_start|>`` /
+``<|im_end|>`` are encoded whole.
+
+A file without a chat template (a base model such as Gemma 3 270M) gets ``PLAIN_TEMPLATE``:
+BOS (templates carry it: mlx_lm's server and chat tokenize the rendered text without adding
+special tokens, and Gemma without BOS answers "Assistant:" again and again), then the messages
+as plain text, one ``Role: content`` paragraph each, ending with ``Assistant:`` when a reply is
+wanted, so ``morphkv chat`` and ``serve`` accept it; a base model then simply continues a
+transcript.
 """
 
 from __future__ import annotations
@@ -22,6 +30,12 @@ _LLAMA3_RE = (
 _QWEN2_RE = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+PLAIN_TEMPLATE = (
+    "{{ bos_token or '' }}"
+    "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 
 TOKEN_TYPE_CONTROL = 3
@@ -140,10 +154,23 @@ def build_hf_tokenizer(meta: dict[str, Any]):
 
 
 def build_tokenizer(meta: dict[str, Any]):
-    """An mlx_lm ``TokenizerWrapper`` (byte-level BPE streaming detokenizer)."""
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+    """An mlx_lm ``TokenizerWrapper`` (byte-level BPE or SentencePiece streaming detokenizer)."""
+    from mlx_lm.tokenizer_utils import (
+        BPEStreamingDetokenizer,
+        SPMStreamingDetokenizer,
+        TokenizerWrapper,
+    )
 
-    hf = build_hf_tokenizer(meta)
+    if _get(meta, "tokenizer.ggml.model") == "llama":
+        from .tokenizer_spm import build_spm_tokenizer
+
+        hf = build_spm_tokenizer(meta)
+        prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        detok = lambda t: SPMStreamingDetokenizer(t, trim_space=prefix)  # noqa: E731
+    else:
+        hf, detok = build_hf_tokenizer(meta), BPEStreamingDetokenizer
+    if not hf.chat_template:
+        hf.chat_template = PLAIN_TEMPLATE
     eos = set()
     if hf.eos_token_id is not None:
         eos.add(hf.eos_token_id)
@@ -154,4 +181,4 @@ def build_tokenizer(meta: dict[str, Any]):
                 f"GGUF metadata tokenizer.ggml.eot_token_id={eot} is out of range"
             )
         eos.add(int(eot))
-    return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=sorted(eos))
+    return TokenizerWrapper(hf, detok, eos_token_ids=sorted(eos))

@@ -63,15 +63,20 @@ def _num(x: float) -> str:
 
 
 def model_ref(text: str) -> str:
-    """An existing file or directory, or a Hugging Face repo id (``owner/name``)."""
+    """An existing file or directory, the name of an embedded model (``gemma3-270m``), or a
+    Hugging Face repo id (``owner/name``)."""
+    from ..model import EMBEDDED_NAMES
+
     path = Path(text).expanduser()
     if path.exists():
         return str(path)
+    if text.lower() in EMBEDDED_NAMES:
+        return text.lower()
     looks_like_path = text.lower().endswith(".gguf") or text.startswith(("/", ".", "~"))
     if looks_like_path or not HF_REPO.fullmatch(text):
         raise argparse.ArgumentTypeError(
-            f"no such file or directory: {text!r} (give a .gguf file, an mlx_lm model folder "
-            "or a Hugging Face repo id such as mlx-community/SmolLM2-135M-Instruct)"
+            f"no such file or directory: {text!r} (give a .gguf file, an mlx_lm model folder, "
+            "gemma3-270m or a Hugging Face repo id such as mlx-community/SmolLM2-135M-Instruct)"
         )
     return text
 

@@ -44,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--model",
         default=None,
-        help="A .gguf file (Llama family), an mlx_lm model path / Hugging "
-        "Face repo, or nothing for the embedded SmolLM2-135M-Instruct.",
+        help="A .gguf file (llama, qwen2, qwen3, gemma3), gemma3-270m (Gemma 3 270M base, "
+        "chat as a plain-text transcript), an mlx_lm model path / Hugging Face repo, or "
+        "nothing for the embedded SmolLM2-135M-Instruct.",
     )
     a("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1).")
     a("--port", type=int, default=8080, help="Port (default: 8080).")
@@ -106,14 +107,20 @@ def load_served(args, config) -> ServedModel:
     """Load ``--model`` (or the embedded model) and install morphkv caches on it (``config``
     None: keep mlx_lm's default cache, for comparisons)."""
     from ..mlxlm.builder import patch_model
-    from ..model import DEFAULT_MODEL_NAME, load_gguf_model, resolve_default_gguf
+    from ..model import (
+        DEFAULT_MODEL_NAME,
+        load_gguf_model,
+        resolve_default_gguf,
+        resolve_embedded,
+    )
 
     name = args.model
     tokenizer_config = {"trust_remote_code": args.trust_remote_code}
     if args.chat_template:
         tokenizer_config["chat_template"] = args.chat_template
-    if name is None or str(name).lower().endswith(".gguf"):
-        path = str(Path(name).resolve() if name else resolve_default_gguf())
+    embedded = resolve_embedded(name) if name is not None else None
+    if name is None or embedded is not None or str(name).lower().endswith(".gguf"):
+        path = str(embedded or (Path(name).resolve() if name else resolve_default_gguf()))
         if not Path(path).is_file():
             raise FileNotFoundError(f"GGUF file not found: {name}")
         model, tokenizer = load_gguf_model(path)
