@@ -19,7 +19,8 @@ import sys
 import time
 
 from .argtypes import Number, UsageError, add_number, model_ref
-from .cache_flags import DEFAULT_PRESET, OVERRIDES, add_cache_flags, config_from_flags, describe
+from .cache_flags import (DEFAULT_PRESET, OVERRIDES, add_cache_flags, config_from_flags, describe,
+                          resolve_for_model)
 from .gen_stats import cache_stats, fmt_bytes, format_stats
 from .program import INTERRUPTED
 
@@ -62,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _cache_flags_given(args) -> bool:
     return (args.preset != DEFAULT_PRESET or args.budget != DEFAULT_BUDGET
+            or getattr(args, "kv_memory", None) is not None
             or any(getattr(args, dest) is not None for dest in OVERRIDES))
 
 
@@ -238,6 +240,7 @@ def run(args) -> int:
     if not tokenizer.has_chat_template:
         raise UsageError(f"--model {args.model}: its tokenizer has no chat template")
     model_name = args.model or DEFAULT_MODEL_NAME
+    config = resolve_for_model(model, config)
     fingerprint = session.model_fingerprint(model)
     loaded = None
     if args.load is not None:

@@ -8,7 +8,7 @@ import time
 
 from ..core.config import KVCacheConfig
 from .argtypes import Number, UsageError, add_number, model_ref
-from .cache_flags import add_cache_flags, config_from_flags
+from .cache_flags import add_cache_flags, config_from_flags, resolve_for_model
 from .gen_stats import CacheStats, blas_status, cache_stats, format_stats  # noqa: F401 (API)
 
 DEFAULT_BUDGET = 64  # demo-sized: the README's first command evicts within seconds
@@ -150,6 +150,7 @@ def run(args) -> int:
     if not prompt:
         raise UsageError("the prompt has no tokens (use --chat, or give a non-empty prompt)")
 
+    config = resolve_for_model(model, config)
     caches = KVCacheBuilder.for_model(model, config)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     mx.reset_peak_memory()

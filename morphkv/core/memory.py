@@ -126,8 +126,8 @@ def resolve(config: KVCacheConfig, shapes: list[LayerShape]) -> KVCacheConfig:
         smallest = at_budget(config, lo)
         raise ValueError(
             f"kv_memory={memory} bytes ({fmt_size(memory)}) is too small: the smallest cache "
-            f"({lo} tokens per KV head: {smallest.n_sink} sinks + {smallest.recent} recent + 1 "
-            f"scored) holds {held_lo} bytes ({fmt_size(held_lo)}) over {len(shapes)} layers"
+            f"({lo} tokens per KV head: {smallest.n_sink} sinks + {smallest.recent} newest tokens "
+            f"+ 1 scored) holds {held_lo} bytes ({fmt_size(held_lo)}) over {len(shapes)} layers"
         )
     hi, held_hi = 2 * lo, None
     while True:  # bracket: lo fits, hi does not
