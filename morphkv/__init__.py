@@ -1,6 +1,6 @@
 """morphkv: constant-size KV caches (MorphKV and its eviction family) for mlx_lm."""
 
-from .cli import program as _program
+from .runtime import program as _program
 
 _program.start()  # only for the `morphkv` command: quiet Ctrl-C, OpenBLAS re-exec (Linux)
 
@@ -23,9 +23,9 @@ __all__ = [
     "patch_model",
     "unpatch_model",
 ]
-__version__ = "0.1.0"
+__version__ = _program.VERSION
 
 if not _program.invoked_as_program():
-    from .cli.blas import warn_if_slow
+    from .runtime.blas import warn_if_slow
 
     warn_if_slow()  # plain `python`: say once how to get the OpenBLAS speed-up

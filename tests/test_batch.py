@@ -13,8 +13,8 @@ import pytest
 from mlx_lm.generate import BatchGenerator, batch_generate, generate_step, stream_generate
 
 from morphkv import KVCacheConfig, MorphKVCache, patch_model
-from morphkv.bench._util import tiny_llama
 from morphkv.core.batch import BatchMorphKVCache
+from morphkv.eval.util import tiny_llama
 from tests.smollm2_fixture import load_embedded
 
 STEP = 8  # prefill step: prompts span several chunks

@@ -8,14 +8,14 @@ import json
 import numpy as np
 import pytest
 
-from morphkv.bench import fidelity as F
-from morphkv.bench import generation as G
-from morphkv.bench import texts as T
-from morphkv.bench._util import tiny_llama
-from morphkv.bench.arms import Arm, grid_specs
-from morphkv.bench.equal_bytes import budget_for_bytes, measure_bytes
-from morphkv.bench.metrics import distinct, repetition_rate
-from morphkv.bench.runner import Feeder
+from morphkv.eval import fidelity as F
+from morphkv.eval import generation as G
+from morphkv.eval import texts as T
+from morphkv.eval.arms import Arm, grid_specs
+from morphkv.eval.equal_bytes import budget_for_bytes, measure_bytes
+from morphkv.eval.metrics import distinct, repetition_rate
+from morphkv.eval.runner import Feeder
+from morphkv.eval.util import tiny_llama
 
 
 class ByteTokenizer:
@@ -157,7 +157,7 @@ def test_texts_are_available_without_download():
 
 
 def test_sweep_quick_ranks_arms_against_streaming(tiny, tmp_path):
-    from morphkv.bench import sweep as S
+    from morphkv.eval import sweep as S
 
     args = _args(S, "--quick", "--quiet", "--out", str(tmp_path), "--grid", "recent=0.5/0.75")
     result = S.execute(args, tiny, ByteTokenizer())

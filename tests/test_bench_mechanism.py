@@ -68,7 +68,8 @@ def test_stable_control_keeps_the_same_fraction_for_everybody():
 def test_commands_follow_the_cli_contract(tmp_path):
     """run(args) returns an int, or execute(args) a dict of figures (the CLI takes its "exit");
     help is the docstring."""
-    from morphkv.bench import blas, fidelity, generation, layer, overhead, report, speed
+    from morphkv.bench import blas, layer, overhead, speed
+    from morphkv.eval import fidelity, generation, report
 
     for module in (M, fidelity, generation, report, speed, layer, overhead, blas):
         assert callable(module.add_arguments)
@@ -88,7 +89,7 @@ def test_report_renders_every_committed_figure(tmp_path):
     """docs/figures holds JSON of every benchmark kind: each one gets its section."""
     from pathlib import Path
 
-    from morphkv.bench import report
+    from morphkv.eval import report
 
     docs = Path(__file__).resolve().parents[1] / "docs"
     found = report.load_results(tmp_path / "none", docs)
@@ -101,7 +102,7 @@ def test_report_renders_every_committed_figure(tmp_path):
 def test_missing_matplotlib_is_one_line_before_any_work(tmp_path, monkeypatch):
     import sys
 
-    from morphkv.bench import fidelity
+    from morphkv.eval import fidelity
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     parser = argparse.ArgumentParser()

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from morphkv.cli import main, session
+from morphkv.chat import session
+from morphkv.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 MESSAGES = ["What is the capital of France?", "And of Italy?", "Name a river in Italy."]
@@ -28,7 +29,7 @@ def embedded():
 
 
 def _conversation(embedded, budget=32):
-    from morphkv.cli.conversation import Conversation
+    from morphkv.chat.conversation import Conversation
     from morphkv.core.presets import PRESETS
 
     model, tokenizer = embedded

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from morphkv import METHODS
-from morphkv.cli import blas
 from morphkv.cli.commands import COMMANDS, build_parser, main
 from morphkv.model.resolve import ModelUnavailableError
+from morphkv.runtime import blas
 
 STATS_LINES = ("Prompt:", "Generation:", "KV cache:", "Tokens:", "KV bytes:", "Compression:")
 SEEN_KEPT = re.compile(r"Tokens:\s+seen (\d+), kept (\d+)")

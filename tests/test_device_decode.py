@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from morphkv import KVCacheBuilder, KVCacheConfig, MorphKVCache
-from morphkv.bench._util import greedy_tokens, tiny_llama
+from morphkv.eval.util import greedy_tokens, tiny_llama
 
 CONFIG = dict(morphkv_budget=24, morphkv_n_sink=2, morphkv_window=4)
 

@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from morphkv.cli.argtypes import Number
 from morphkv.cli.commands import COMMANDS, build_parser, main
+from morphkv.runtime.argtypes import Number
 
 
 def _subparser(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:

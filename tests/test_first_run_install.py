@@ -13,7 +13,7 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from morphkv.cli import blas
+from morphkv.runtime import blas
 
 REPO = Path(__file__).resolve().parents[1]
 

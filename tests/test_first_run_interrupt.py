@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _start(*extra: str, preload: bool = False) -> subprocess.Popen:
-    from morphkv.cli.blas import blas_env
+    from morphkv.runtime.blas import blas_env
 
     env = blas_env(enable=False)  # LD_PRELOAD without OpenBLAS: the command re-executes
     env.pop("MORPHKV_BLAS_REEXEC", None)
@@ -69,7 +69,7 @@ def test_ctrl_c_during_start_up(delay):
 def test_ctrl_c_while_the_command_re_executes_with_openblas():
     """SIGINT right as the re-executed interpreter starts (before Python is up): it waits,
     blocked, until morphkv's quiet handler is in place."""
-    from morphkv.cli.blas import find_blas
+    from morphkv.runtime.blas import find_blas
 
     lib = find_blas()
     if lib is None:

@@ -11,7 +11,7 @@ from mlx_lm.generate import generate_step
 
 import morphkv
 from morphkv import KVCacheBuilder, KVCacheConfig, recommended
-from morphkv.bench._util import tiny_llama
+from morphkv.eval.util import tiny_llama
 from morphkv.core.memory import at_budget, bound_bytes, parse_size
 from morphkv.mlxlm.layout import morph_caches
 from morphkv.mlxlm.memory import layer_shapes

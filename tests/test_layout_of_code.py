@@ -8,15 +8,21 @@ from pathlib import Path
 import morphkv
 
 ROOT = Path(morphkv.__file__).parent
-# each layer may import only the layers after it in this order (and itself)
-LAYERS = ["cli", "bench", "mlxlm", "model", "core"]
+# each layer may import only these layers (and itself); the facade (morphkv/__init__) any
+BELOW_RUNTIME = {"runtime", "mlxlm", "model", "core"}
 ALLOWED = {
-    "cli": {"cli", "mlxlm", "model", "core", "morphkv"},  # "morphkv": the public API facade
-    "bench": {"bench", "cli", "mlxlm", "model", "core", "morphkv"},
+    "cli": {"cli", "bench", "eval", "server", "chat"} | BELOW_RUNTIME,  # cli above all
+    "bench": {"bench", "eval", "server", "chat"} | BELOW_RUNTIME,  # speed/load use eval's parts
+    "eval": {"eval"} | BELOW_RUNTIME,
+    "server": {"server"} | BELOW_RUNTIME,
+    "chat": {"chat"} | BELOW_RUNTIME,
+    "runtime": BELOW_RUNTIME,
     "mlxlm": {"mlxlm", "core"},
     "model": {"model"},
     "core": {"core"},
 }
+LAYERS = list(ALLOWED)
+MAX_FOLDER_SHARE = 0.30  # no folder holds more than this share of the package's lines
 
 
 def _modules() -> dict[str, Path]:
@@ -100,3 +106,14 @@ def test_no_file_over_400_lines():
         if (n := len(p.read_text().splitlines())) > 400
     }
     assert not long, f"files over 400 lines: {long}"
+
+
+def test_no_folder_over_a_share_of_the_lines():
+    lines = {p: len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
+    total = sum(lines.values())
+    share = {}
+    for p, n in lines.items():
+        folder = p.relative_to(ROOT).parts[0] if len(p.relative_to(ROOT).parts) > 1 else "."
+        share[folder] = share.get(folder, 0) + n / total
+    big = {f: round(s, 3) for f, s in share.items() if s > MAX_FOLDER_SHARE}
+    assert not big, f"folders over {MAX_FOLDER_SHARE:.0%} of the package's lines: {big}"

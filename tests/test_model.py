@@ -176,7 +176,7 @@ def test_perplexity_sane_and_wrong_rope_layout_is_much_worse():
     import subprocess
     import sys
 
-    from morphkv.cli.blas import blas_env
+    from morphkv.runtime.blas import blas_env
 
     path = embedded_gguf_path()
     proc = subprocess.run(

@@ -132,7 +132,7 @@ def test_peak_state_is_counted_and_bounded():
 @pytest.mark.parametrize("scoring", ["proxy", "attention"])
 def test_device_decode_matches_host_decode(extra, scoring, monkeypatch):
     from morphkv import MorphKVCache
-    from morphkv.bench._util import greedy_tokens, tiny_llama
+    from morphkv.eval.util import greedy_tokens, tiny_llama
 
     model = tiny_llama(seed=3)
     config = KVCacheConfig(scoring=scoring, morphkv_budget=24, morphkv_n_sink=2,

@@ -13,7 +13,7 @@ from mlx_lm.models import cache as mlx_cache
 
 import morphkv
 from morphkv import METHODS, KVCacheBuilder, KVCacheConfig
-from morphkv.bench._util import greedy_tokens, tiny_llama
+from morphkv.eval.util import greedy_tokens, tiny_llama
 
 CONFIG = dict(morphkv_budget=20, morphkv_n_sink=2, morphkv_window=4)
 PROMPT = mx.array([[(7 * i + 3) % 251 + 1 for i in range(70)]])
@@ -269,7 +269,7 @@ def test_kept_sets_at_8_bits_overlap_the_float_cache():
     quantized attention causes upstream; the scores use the keys as stored."""
     from smollm2_fixture import load_embedded
 
-    from morphkv.bench import texts
+    from morphkv.eval import texts
 
     model, tok = load_embedded()
     tokens = mx.array(texts.prose_documents(tok, 400, 1)[0])[None]
@@ -289,7 +289,7 @@ def test_kept_sets_at_8_bits_overlap_the_float_cache():
 def test_quantized_equal_bytes_command_quick(tmp_path):
     import argparse
 
-    from morphkv.bench import quantized as Q
+    from morphkv.eval import quantized as Q
 
     class Bytes:
         chat_template = None

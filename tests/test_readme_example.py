@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from morphkv.cli import blas
+from morphkv.runtime import blas
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(r"seen (\d+) tokens, kept (\d+), ([\d.]+)x smaller than a full cache")

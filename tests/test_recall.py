@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from morphkv.bench import recall as R
-from morphkv.bench import recall_items as I
-from morphkv.bench.recall_report import wilson
 from morphkv.cli import main
+from morphkv.eval import recall as R
+from morphkv.eval import recall_items as I
+from morphkv.eval.recall_report import wilson
 
 
 def test_arm_specs_map_onto_config_fields():

@@ -55,7 +55,7 @@ def test_mlx_lm_server_reads_only_flags_it_is_given():
     import mlx_lm.server
 
     from morphkv.cli.commands import build_parser
-    from morphkv.cli.serve import ServedModel, server_args
+    from morphkv.server.app import ServedModel, server_args
 
     args = build_parser().parse_args(["serve"])
     served = ServedModel(None, None, {}, "/m.gguf", frozenset())

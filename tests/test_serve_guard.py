@@ -6,8 +6,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from morphkv.cli.serve_guard import Limits, Refusal, check_body, check_length, parse_body
-from morphkv.cli.serve_run import bounded_prompt_cache
+from morphkv.server.guard import Limits, Refusal, check_body, check_length, parse_body
+from morphkv.server.run import bounded_prompt_cache
 
 LIMITS = Limits(names=frozenset({"default_model", "smol"}), shown_name="smol",
                 max_body_bytes=1000, max_request_tokens=64, vocab_size=100)
@@ -96,7 +96,7 @@ def test_the_prompt_cache_never_holds_more_than_its_byte_limit():
 def test_the_worst_case_adds_requests_prefill_chunks_and_the_prompt_cache():
     from argparse import Namespace
 
-    from morphkv.cli.serve_memory import worst_case
+    from morphkv.server.memory import worst_case
 
     args = Namespace(max_requests=2, prompt_concurrency=4, prefill_step_size=10,
                      prompt_cache_size=3, prompt_cache_bytes=None)

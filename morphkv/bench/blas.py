@@ -1,4 +1,4 @@
-"""MLX CPU speed with and without the OpenBLAS preload (morphkv.cli.blas).
+"""MLX CPU speed with and without the OpenBLAS preload (morphkv.runtime.blas).
 
 Runs a worker process twice (``LD_PRELOAD`` stripped / set) and times, in each: a 1024x1024
 float32 matmul (median of 5), a 256-token prompt forward of the model and a short greedy
@@ -16,8 +16,8 @@ import subprocess
 import sys
 import time
 
-from . import plots
-from ._util import (
+from ..eval import plots
+from ..eval.util import (
     RANDOM_TINY,
     add_flags,
     environment,
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     if args.worker:
         print(json.dumps(worker(args.tokens, args.model)))
         return 0
-    from ..cli.blas import blas_env, find_blas
+    from ..runtime.blas import blas_env, find_blas
 
     require_matplotlib()
     if args.quick:

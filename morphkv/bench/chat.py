@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import plots
-from ._util import Progress, add_flags, environment, markdown_table, out_dir, write_json
+from ..eval import plots
+from ..eval.util import Progress, add_flags, environment, markdown_table, out_dir, write_json
 
 NAME = "chat"
 TIMING_MESSAGE = ("Summarize: a for statement repeats its body once for each item of a "
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def user_messages(tokenizer, n: int, tokens: int) -> list[str]:
-    from .texts import MORE_TOPICS, PROSE_TOPICS, prose_text
+    from ..eval.texts import MORE_TOPICS, PROSE_TOPICS, prose_text
 
     ids = list(tokenizer.encode(prose_text(PROSE_TOPICS + MORE_TOPICS)))
     if len(ids) < n * tokens:
@@ -121,8 +121,8 @@ def resume_check(conv, model, tokenizer, config, args) -> dict:
     """Save and load the session (timed), then compare the next greedy reply."""
     from mlx_lm.sample_utils import make_sampler
 
-    from ..cli import session
-    from ..cli.conversation import Conversation
+    from ..chat import session
+    from ..chat.conversation import Conversation
 
     fp = session.model_fingerprint(model)
     with tempfile.TemporaryDirectory() as tmp:
@@ -198,7 +198,7 @@ def plot(rows: list[dict], budget: int, path: Path) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """CLI entry point (``morphkv`` command contract): 0 on success."""
-    from ._util import require_matplotlib
+    from ..eval.util import require_matplotlib
 
     require_matplotlib(args)
     if args.quick:  # smaller defaults; flags given explicitly still win
@@ -211,9 +211,9 @@ def run(args: argparse.Namespace) -> int:
                          f"{','.join(sorted(unknown)) or 'none'})")
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..cli.conversation import Conversation
+    from ..chat.conversation import Conversation
     from ..core.presets import PRESETS
-    from ._util import load_model
+    from ..eval.util import load_model
 
     config = PRESETS[args.preset](args.budget)
     model, tokenizer = load_model(args.model)

@@ -20,9 +20,9 @@ import time
 
 import mlx.core as mx
 
-from ..mlxlm.hooks import queries_by_hand
-from . import plots
-from ._util import (
+from ..eval import plots
+from ..eval.arms import Arm
+from ..eval.util import (
     Progress,
     add_flags,
     environment,
@@ -31,7 +31,7 @@ from ._util import (
     require_matplotlib,
     write_json,
 )
-from .arms import Arm
+from ..mlxlm.hooks import queries_by_hand
 
 NAME = "layer"
 B, H, D = 1, 4, 64
@@ -98,7 +98,7 @@ def timed_update(cache, k, v, q=None) -> float:
 def make_cache(spec: str, budget: int, window: int = 8, n_sink: int = 4, groups: int = 0):
     from mlx_lm.models.cache import RotatingKVCache
 
-    from .. import KVCacheBuilder
+    from ..mlxlm.builder import KVCacheBuilder
 
     if spec == "rotating":
         return RotatingKVCache(max_size=budget, keep=n_sink)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ._util import Progress, load_model
-from .arms import parse_arms
-from .texts import topic_tokens
+from ..eval.arms import parse_arms
+from ..eval.texts import topic_tokens
+from ..eval.util import Progress, load_model
 
 FULL = {"full": "kvcache"}  # here ``full`` is mlx_lm's KVCache
 WORKER_FLAGS = (

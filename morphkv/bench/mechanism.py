@@ -42,9 +42,9 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from .. import KVCacheBuilder
-from . import plots
-from ._util import (
+from ..eval import plots
+from ..eval.arms import Arm, check_specs
+from ..eval.util import (
     Progress,
     add_flags,
     environment,
@@ -54,7 +54,7 @@ from ._util import (
     require_matplotlib,
     write_json,
 )
-from .arms import Arm, check_specs
+from ..mlxlm.builder import KVCacheBuilder
 
 NAME = "mechanism"
 HEAD_DIM = 32

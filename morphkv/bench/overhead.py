@@ -21,8 +21,10 @@ import time
 import mlx.core as mx
 
 from ..core.engine import warm_up
-from . import plots
-from ._util import (
+from ..eval import plots
+from ..eval.arms import parse_arms
+from ..eval.texts import PROSE_TOPICS, prose_text
+from ..eval.util import (
     RANDOM_TINY,
     Progress,
     add_flags,
@@ -33,8 +35,6 @@ from ._util import (
     require_matplotlib,
     write_json,
 )
-from .arms import parse_arms
-from .texts import PROSE_TOPICS, prose_text
 
 NAME = "overhead"
 ALIASES = {"morphkv": "morphkv:attn", "proxy": "morphkv:proxy"}  # the old script's arm names
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     result["environment"] = environment()
     folder = out_dir(args, NAME)
     write_json(folder / f"{NAME}{'_quick' if args.quick else ''}.json", result)
-    from .report import overhead_section  # the same table the report shows
+    from ..eval.report import overhead_section  # the same table the report shows
 
     print(overhead_section(result))
     print(context_table(by_context))

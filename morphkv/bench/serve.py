@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ._util import stop_process
+from ..eval.util import stop_process
 
 PROMPTS = [
     "Write a long story about a lighthouse keeper and a storm.",
@@ -62,7 +62,7 @@ def server_main(argv: list[str]) -> int:
     """Child process: ``<memory log> <morphkv|mlx_lm> [morphkv serve flags]``."""
     import mlx.core as mx
 
-    from ..cli import serve
+    from ..server import app as serve
 
     log_path, cache, *flags = argv
     parser = argparse.ArgumentParser()
@@ -96,7 +96,7 @@ class Server:
     """One server process on loopback, stopped by its process id."""
 
     def __init__(self, cache: str, args, out: Path):
-        from ..cli.blas import blas_env
+        from ..runtime.blas import blas_env
 
         self.port, self.log = _free_port(), out / f"memory_{cache}.log"
         self.log.unlink(missing_ok=True)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import plots
-from ._util import RANDOM_TINY, add_flags, markdown_table, pivot, require_matplotlib
-from .arms import check_specs
+from ..eval import plots
+from ..eval.arms import check_specs
+from ..eval.util import RANDOM_TINY, add_flags, markdown_table, pivot, require_matplotlib
 from .length import FULL, run_length, worker_main
 
 __all__ = ["RANDOM_TINY", "DEFAULT_ARMS", "execute", "add_arguments"]

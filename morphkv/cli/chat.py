@@ -18,11 +18,17 @@ import signal
 import sys
 import time
 
-from .argtypes import Number, UsageError, add_number, model_ref
-from .cache_flags import (DEFAULT_PRESET, OVERRIDES, add_cache_flags, config_from_flags, describe,
-                          resolve_for_model)
+from ..runtime.argtypes import Number, UsageError, add_number, model_ref
+from ..runtime.cache_flags import (
+    DEFAULT_PRESET,
+    OVERRIDES,
+    add_cache_flags,
+    config_from_flags,
+    describe,
+    resolve_for_model,
+)
+from ..runtime.program import INTERRUPTED
 from .gen_stats import cache_stats, fmt_bytes, format_stats
-from .program import INTERRUPTED
 
 DEFAULT_BUDGET = 512
 DEFAULT_MAX_TOKENS = 256  # mlx_lm.chat's
@@ -148,7 +154,7 @@ class Chat:
         _note(status_line(self.conv, time.perf_counter() - start))
 
     def command(self, name: str, arg: str) -> None:
-        from . import session
+        from ..chat import session
 
         if name == "help":
             print(HELP, flush=True)
@@ -227,9 +233,9 @@ def status_line(conv, seconds: float) -> str:
 def run(args) -> int:
     import mlx.core as mx
 
+    from ..chat import session
+    from ..chat.conversation import Conversation
     from ..model import DEFAULT_MODEL_NAME
-    from . import session
-    from .conversation import Conversation
     from .generate import load_model
 
     config = config_from_flags(args, seed=args.seed)

@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from .program import INTERRUPTED, invoked_as_program
+from ..runtime.program import INTERRUPTED, invoked_as_program
 
 COMMANDS: list[tuple[str, str]] = [
     ("generate", "morphkv.cli.generate"),
@@ -25,13 +25,13 @@ COMMANDS: list[tuple[str, str]] = [
     ("bench blas", "morphkv.bench.blas"),
     ("bench serve", "morphkv.bench.serve"),
     ("bench chat", "morphkv.bench.chat"),
-    ("bench load", "morphkv.bench.serve_load"),
-    ("eval fidelity", "morphkv.bench.fidelity"),
-    ("eval generation", "morphkv.bench.generation"),
-    ("eval sweep", "morphkv.bench.sweep"),
-    ("eval recall", "morphkv.bench.recall"),
-    ("eval quantized", "morphkv.bench.quantized"),
-    ("report", "morphkv.bench.report"),
+    ("bench load", "morphkv.bench.load"),
+    ("eval fidelity", "morphkv.eval.fidelity"),
+    ("eval generation", "morphkv.eval.generation"),
+    ("eval sweep", "morphkv.eval.sweep"),
+    ("eval recall", "morphkv.eval.recall"),
+    ("eval quantized", "morphkv.eval.quantized"),
+    ("report", "morphkv.eval.report"),
 ]
 
 
@@ -83,7 +83,7 @@ class ListCommands:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
+    from ..runtime.program import VERSION as __version__
 
     parser = Parser(prog="morphkv", description="Constant-size KV caches (MorphKV) for mlx_lm.")
     parser.add_argument("--version", action="version", version=f"morphkv {__version__}")
@@ -141,11 +141,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     if argv is None and invoked_as_program():
-        from .blas import ensure_blas_preloaded
+        from ..runtime.blas import ensure_blas_preloaded
 
         ensure_blas_preloaded()  # re-executes with OpenBLAS on Linux when available
     from ..model.resolve import ModelUnavailableError
-    from .argtypes import UsageError
+    from ..runtime.argtypes import UsageError
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass
 
 from ..core import quant
-from .cache_flags import describe
+from ..runtime.cache_flags import describe
 
 RULE = "=========="
 
@@ -116,11 +116,11 @@ def format_stats(resp, stats: CacheStats, peak_gb: float, config) -> str:
 
 def blas_status() -> str:
     """Whether MLX runs with the preloaded OpenBLAS (Linux CPU) in this process."""
-    from .blas import find_blas, is_preloaded
+    from ..runtime.blas import find_blas, is_preloaded
 
     if not sys.platform.startswith("linux"):
         return "platform default"
     lib = find_blas()
     if lib is None:
-        return "MLX default (no OpenBLAS found or preload disabled; see morphkv.cli.blas)"
+        return "MLX default (no OpenBLAS found or preload disabled; see morphkv.runtime.blas)"
     return f"preloaded {lib}" if is_preloaded(lib) else f"not preloaded ({lib} available)"

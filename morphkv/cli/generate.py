@@ -7,8 +7,8 @@ import sys
 import time
 
 from ..core.config import KVCacheConfig
-from .argtypes import Number, UsageError, add_number, model_ref
-from .cache_flags import add_cache_flags, config_from_flags, resolve_for_model
+from ..runtime.argtypes import Number, UsageError, add_number, model_ref
+from ..runtime.cache_flags import add_cache_flags, config_from_flags, resolve_for_model
 from .gen_stats import CacheStats, blas_status, cache_stats, format_stats  # noqa: F401 (API)
 
 DEFAULT_BUDGET = 64  # demo-sized: the README's first command evicts within seconds

@@ -103,7 +103,7 @@ def ensure_blas_preloaded() -> None:
     env = blas_env()
     env[_ENV_GUARD] = "1"
     # Ctrl-C during the new interpreter's start-up stays pending (a blocked signal survives
-    # execve) until morphkv unblocks it with its quiet handler in place (morphkv.cli.program).
+    # execve) until morphkv unblocks it with its quiet handler in place (morphkv.runtime.program).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         sys.stdout.flush()

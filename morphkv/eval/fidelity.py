@@ -19,7 +19,12 @@ import time
 import mlx.core as mx
 
 from . import plots
-from ._util import (
+from .arms import Arm, check_specs, parse_arms
+from .conversations import CONVERSATIONS
+from .equal_bytes import equal_byte_budgets
+from .runner import Feeder, evaluate_arms, reference_logprobs
+from .texts import build_texts
+from .util import (
     Progress,
     add_flags,
     environment,
@@ -30,11 +35,6 @@ from ._util import (
     require_matplotlib,
     write_json,
 )
-from .arms import Arm, check_specs, parse_arms
-from .conversations import CONVERSATIONS
-from .equal_bytes import equal_byte_budgets
-from .runner import Feeder, evaluate_arms, reference_logprobs
-from .texts import build_texts
 
 NAME = "fidelity"
 N_SINK = 4

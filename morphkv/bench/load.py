@@ -28,8 +28,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ._util import stop_process
-from .serve_clients import PROBE_BAD, User, long_text, raw_post
+from ..eval.util import stop_process
+from .load_clients import PROBE_BAD, User, long_text, raw_post
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,8 +55,8 @@ def server_main(argv: list[str]) -> int:
     """Child: ``<memory log> <morphkv|mlx_lm> [morphkv serve flags]``."""
     import mlx.core as mx
 
-    from ..cli import serve
-    from ..cli.serve_run import _rss_bytes
+    from ..server import app as serve
+    from ..server.run import _rss_bytes
 
     log_path, kind, *flags = argv
     parser = argparse.ArgumentParser()
@@ -86,7 +86,7 @@ def server_main(argv: list[str]) -> int:
 
 class Server:
     def __init__(self, kind: str, args, out: Path):
-        from ..cli.blas import blas_env
+        from ..runtime.blas import blas_env
         from .serve import _free_port
 
         self.kind, self.port = kind, _free_port()
@@ -98,7 +98,7 @@ class Server:
                  args.prompt_cache_bytes] + (["--model", args.model] if args.model else [])
         if kind == "morphkv":
             flags += args.cache_flags.split()
-        code = ("import sys; from morphkv.bench.serve_load import server_main; "
+        code = ("import sys; from morphkv.bench.load import server_main; "
                 "sys.exit(server_main(sys.argv[1:]))")
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(self.log), kind, *flags],
                                      stdout=self.output.open("w"), stderr=subprocess.STDOUT,
@@ -257,7 +257,7 @@ def _loadavg() -> str:
 
 
 def run(args) -> int:
-    from .serve_load_report import plot, summarize
+    from .load_report import plot, summarize
 
     args.levels = [int(x) for x in str(args.levels).split(",")]
     if args.quick:

@@ -23,9 +23,9 @@ import socket
 import sys
 import threading
 
-from .program import INTERRUPTED
-from .serve_guard import Limits
-from .serve_handler import Lifecycle, Server, handler_for
+from ..runtime.program import INTERRUPTED
+from .guard import Limits
+from .handler import Lifecycle, Server, handler_for
 
 
 def bounded_prompt_cache(max_size: int, max_bytes: int | None):

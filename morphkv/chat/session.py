@@ -23,7 +23,7 @@ from ..core import quant
 from ..core.config import KVCacheConfig
 from ..mlxlm.builder import KVCacheBuilder
 from ..mlxlm.layout import morph_caches
-from .cache_flags import describe
+from ..runtime.cache_flags import describe
 
 FORMAT = "morphkv-chat-session"
 VERSION = "1"

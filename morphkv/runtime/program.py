@@ -4,8 +4,8 @@ Runs first thing in ``morphkv/__init__.py``, before MLX is imported, when this p
 ``morphkv ...`` or ``python -m morphkv ...``:
 
 * Ctrl-C anywhere (imports, model load, generation) exits with status 130 and no traceback;
-* on Linux the command re-executes itself once with OpenBLAS preloaded (see ``morphkv.cli.blas``),
-  before the heavy imports, so they are not paid twice.
+* on Linux the command re-executes itself once with OpenBLAS preloaded
+  (see ``morphkv.runtime.blas``), before the heavy imports, so they are not paid twice.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
+VERSION = "0.1.0"  # the package version (morphkv.__version__)
 INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
@@ -50,7 +51,7 @@ def start() -> None:
     if not invoked_as_program():
         return
     install_quiet_interrupt()
-    # after the OpenBLAS re-exec SIGINT arrives blocked (see morphkv.cli.blas): deliver it now
+    # after the OpenBLAS re-exec SIGINT arrives blocked (see morphkv.runtime.blas): deliver it now
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if os.environ.get("MORPHKV_BLAS_REEXEC") is None:
         from .blas import ensure_blas_preloaded

@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from ._util import add_flags, markdown_table, pivot
+from .util import add_flags, markdown_table, pivot
 
 MAX_COPY_BYTES = 2_000_000
 SOURCES = {  # name -> JSON file names, newest spelling first
@@ -255,9 +255,9 @@ SECTIONS = {  # name -> section builder (a callable, or "module:function")
     "layer": layer_section,
     "overhead": overhead_section,
     "blas": blas_section,
-    "sweep_tune": "morphkv.bench.sweep:section",
-    "sweep_heldout": "morphkv.bench.sweep:section",
-    "recall": "morphkv.bench.recall:section",
+    "sweep_tune": "morphkv.eval.sweep:section",
+    "sweep_heldout": "morphkv.eval.sweep:section",
+    "recall": "morphkv.eval.recall:section",
 }
 
 

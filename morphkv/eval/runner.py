@@ -4,10 +4,10 @@ per-position metrics against the full cache.
 The full-cache next-token distributions are computed once (mlx_lm's ``KVCache``, chunked
 prefill). Every config then decodes the same tokens; how they are fed is ``Feeder``:
 
-- ``"chunked"`` (``auto`` when ``morphkv.attach`` exists): chunks of ``chunk`` tokens, one
+- ``"chunked"`` (``auto``): chunks of ``chunk`` tokens, one
   config at a time, through the attention hook's exact chunked mode (every query of a chunk
   reads exactly what token-by-token decoding would read);
-- ``"stacked"`` (``auto`` otherwise): one token per forward, all proxy configs stacked on the
+- ``"stacked"``: one token per forward, all proxy configs stacked on the
   batch axis (``StackedCache``); real-query configs go one at a time;
 - ``"step"``: one token per forward, one config at a time (the plain reference).
 
@@ -24,11 +24,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-import morphkv
-
-from .. import KVCacheBuilder
-from ._util import peak_memory, reset_peak_memory
+from ..mlxlm.builder import KVCacheBuilder
 from .metrics import kv_bytes, token_stats
+from .util import peak_memory, reset_peak_memory
 
 
 def reference_logprobs(model, tokens: list[int], chunk: int = 256) -> mx.array:
@@ -107,7 +105,7 @@ class Feeder:
 
     def resolve(self) -> str:
         if self.mode == "auto":
-            return "chunked" if hasattr(morphkv, "attach") else "stacked"
+            return "chunked"
         return self.mode
 
     def groups(self, cfgs: list) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""Summaries, tables and plots of ``morphkv eval recall`` (``morphkv.bench.recall``)."""
+"""Summaries, tables and plots of ``morphkv eval recall`` (``morphkv.eval.recall``)."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def layer_table(summary: dict) -> str:
 
 def plot(summary: dict, budgets: list[int], path: Path) -> None:
     """Left: recall (or retention when screening) per budget; right: retention per layer."""
-    from ._util import plt as pyplot
+    from .util import plt as pyplot
 
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -16,7 +16,12 @@ import time
 import mlx.core as mx
 
 from . import plots
-from ._util import (
+from .arms import check_specs, parse_arms
+from .conversations import GENERATION_PROMPTS
+from .fidelity import ARM_DEFAULTS, N_SINK
+from .metrics import distinct, kv_bytes, repetition_rate
+from .texts import chat_prompt
+from .util import (
     Progress,
     add_flags,
     csv_ints,
@@ -29,11 +34,6 @@ from ._util import (
     reset_peak_memory,
     write_json,
 )
-from .arms import check_specs, parse_arms
-from .conversations import GENERATION_PROMPTS
-from .fidelity import ARM_DEFAULTS, N_SINK
-from .metrics import distinct, kv_bytes, repetition_rate
-from .texts import chat_prompt
 
 NAME = "generation"
 FULL = {"full": "kvcache"}  # here ``full`` is mlx_lm's KVCache

@@ -3,7 +3,7 @@ the server's caches for its concurrency and prompt-cache settings."""
 
 from __future__ import annotations
 
-from .cache_flags import describe
+from ..runtime.cache_flags import describe
 
 
 def kv_bound(served):

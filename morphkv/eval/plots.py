@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._util import plt
+from .util import plt
 
 
 def _save(fig, path, dpi: int = 80) -> str:

@@ -2,7 +2,7 @@
 
 What the subclass adds in front of mlx_lm's own code:
 
-* every POST is checked first (``morphkv.cli.serve_guard``): a malformed request is a 4xx whose
+* every POST is checked first (``morphkv.server.guard``): a malformed request is a 4xx whose
   message names the problem, before mlx_lm reads it; the body mlx_lm then reads is the checked
   one (model name normalized, so requests naming the model either way batch together);
 * ``GET /v1/models`` lists the served model (mlx_lm's scans a Hugging Face cache directory and
@@ -30,7 +30,7 @@ from urllib.parse import unquote
 
 from mlx_lm.server import APIHandler
 
-from .serve_guard import (
+from .guard import (
     CHAT_PATHS,
     TEXT_PATHS,
     Limits,

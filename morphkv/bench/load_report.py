@@ -1,4 +1,4 @@
-"""Summary and figure of ``morphkv bench load`` (see ``morphkv.bench.serve_load``)."""
+"""Summary and figure of ``morphkv bench load`` (see ``morphkv.bench.load``)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .. import METHODS, PRESETS, KVCacheBuilder, KVCacheConfig
+from ..core.config import KVCacheConfig
+from ..core.presets import PRESETS
+from ..core.rules import METHODS
+from ..mlxlm.builder import KVCacheBuilder
 
 SHORTHANDS = {
     "mean": ("morphkv_fusion", "mean"),

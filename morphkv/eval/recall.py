@@ -1,7 +1,7 @@
 """``morphkv eval recall``: recall of a fact stated early in a long chat, per arm and budget.
 
-Items (``morphkv.bench.recall_items``) are chats whose first turn states a fact, followed by
-distractor turns and the question. Every arm (an arm spec of ``morphkv.bench.arms``: any
+Items (``morphkv.eval.recall_items``) are chats whose first turn states a fact, followed by
+distractor turns and the question. Every arm (an arm spec of ``morphkv.eval.arms``: any
 ``KVCacheConfig`` field, presets, mlx_lm's caches) prefills the prompt through fresh caches
 (exact chunks: ``KVCacheBuilder.for_model`` attaches the attention hook) and reports its
 *retention*: per layer, the fraction of the fact's value tokens still stored when the question
@@ -21,10 +21,10 @@ import time
 
 import numpy as np
 
-from ._util import Progress, environment, load_model, out_dir, write_json
 from .arms import Arm as SpecArm
 from .recall_items import build_item, is_correct
 from .recall_report import plot, section, summarize, table  # noqa: F401  (section: report)
+from .util import Progress, environment, load_model, out_dir, write_json
 
 NAME = "recall"
 DEFAULT_ARMS = "full,streaming_llm,recommended,h2o,peak:recent=32:value=true"
@@ -101,7 +101,7 @@ def run_arm(model, tok, item, caches, args, answer: bool) -> dict:
     (``answer``) feed the last token and decode ``--max-tokens`` greedily."""
     import mlx.core as mx
 
-    from ._util import greedy_tokens
+    from .util import greedy_tokens
 
     ids = mx.array(list(item.ids))[None]
     for s in range(0, len(item.ids) - 1, args.chunk):

@@ -8,7 +8,7 @@ thread (the server then answers nothing but "generation thread died"), a negativ
 with a traceback, ``stream_options`` without ``include_usage`` fails after the stream began.
 ``check_body`` refuses all of these with a 4xx and a message naming the field; it is pure (no
 MLX, no server) so it can be tested on its own. The handler that applies it is in
-``morphkv.cli.serve_handler``.
+``morphkv.server.handler``.
 """
 
 from __future__ import annotations

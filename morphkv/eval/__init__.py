@@ -1,0 +1,20 @@
+"""Quality evaluation: the ``morphkv eval`` commands, ``morphkv report``, and the parts every
+measurement shares.
+
+Parts (dependencies point down the list): ``util`` (progress, flags, tables, tiny models,
+processes), ``arms`` (a spec string -> ``KVCacheConfig`` or an mlx_lm cache), ``metrics``,
+``texts`` (+ the data in ``conversations``), ``plots``, ``runner`` (teacher-forced feeding),
+``equal_bytes``; commands: ``fidelity``, ``sweep``, ``recall`` (+ ``recall_items``,
+``recall_report``), ``generation``, ``quantized``; ``report`` renders docs/results.md from the
+JSON of every command (quality here, speed in ``morphkv.bench``).
+
+Adding things (one small change each):
+- a command: a module with ``add_arguments(parser)`` and ``execute(args) -> figures`` (or
+  ``run(args)``), one line in ``morphkv.cli.commands.COMMANDS``, and for the report one entry in
+  ``report.SOURCES`` and one in ``report.SECTIONS``. A sweep is ``fidelity.run_fidelity`` over
+  ``arms.grid_specs(...)``; a recall task scores answers with ``util.greedy_tokens``.
+- a knob or quantized storage: nothing here; an arm names any ``KVCacheConfig`` field
+  (``morphkv:window=8:recent=64``, ``morphkv:bits=8``) and ``--equal-bytes`` measures its bytes.
+- mlx_lm's own quantized cache as a reference: one entry in ``arms.BASELINES``.
+- a metric: a function in ``metrics`` and a column where a command records it.
+"""
