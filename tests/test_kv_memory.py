@@ -148,3 +148,30 @@ def test_embedded_model_never_holds_more_than_asked():
     assert used <= parse_size(memory)
     plain = dataclasses.replace(config, kv_bits=None)
     assert KVCacheBuilder.resolve(model, plain).budget < resolved.budget / 2  # float32 model
+
+
+def test_bad_memory_flag_is_one_line(capsys):
+    from morphkv.cli import main
+
+    for command in ("serve", "generate", "chat"):
+        with pytest.raises(SystemExit) as stop:
+            main([command, "--kv-memory", "12X"])
+        assert stop.value.code == 2
+        assert "--kv-memory: '12X' is not a size" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_server_bound_is_within_the_memory_asked():
+    from morphkv.cli.commands import build_parser
+    from morphkv.server.app import cache_config, load_served
+    from morphkv.server.memory import kv_bound, startup_line
+
+    load_embedded()  # skips when the model cannot be had
+    args = build_parser().parse_args(["serve", "--kv-memory", "3M"])
+    served = load_served(args, cache_config(args))
+    config, bound, _ = kv_bound(served)
+    assert config.kv_memory == 3 * MiB and 0 < bound <= 3 * MiB
+    assert "--kv-memory 3.0 MiB" in startup_line(served, config, bound)
+    small = build_parser().parse_args(["serve", "--kv-memory", "100K"])
+    with pytest.raises(ValueError, match="--kv-memory=102400 bytes .* too small"):
+        load_served(small, cache_config(small))
