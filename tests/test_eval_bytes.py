@@ -83,8 +83,9 @@ def test_eval_bytes_writes_kl_at_equal_bytes(tmp_path, capsys):
     assert main(argv) == 0
     result = json.loads((out / "bytes_tune.json").read_text())
     rows = {s["arm"]: s for s in result["summary"]}
-    assert set(rows) == {"rotating", "streaming_llm:memory=f16:bits=8", "recommended:memory=f16"}
-    assert rows["rotating"]["mean_ratio"] == pytest.approx(1.0)
+    assert set(rows) == {"streaming_llm", "streaming_llm:memory=f16:bits=8",
+                         "recommended:memory=f16"}
+    assert rows["streaming_llm"]["mean_ratio"] == pytest.approx(1.0)
     f16 = 30 * 3 * 128 * 2 * 32  # the embedded model: 30 layers, 3 KV heads, head_dim 64
     for arm in ("streaming_llm:memory=f16:bits=8", "recommended:memory=f16"):
         assert rows[arm]["mib"] * 2**20 <= f16 and rows[arm]["tokens"] > 32

@@ -8,15 +8,14 @@ import dataclasses
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
+from smollm2_fixture import load_embedded
 
 import morphkv
 from morphkv import KVCacheBuilder, KVCacheConfig, recommended
-from morphkv.eval.util import tiny_llama
 from morphkv.core.memory import at_budget, bound_bytes, parse_size
+from morphkv.eval.util import tiny_llama
 from morphkv.mlxlm.layout import morph_caches
 from morphkv.mlxlm.memory import layer_shapes
-
-from smollm2_fixture import load_embedded
 
 MiB = 2**20
 

@@ -2,11 +2,13 @@
 
 A chat opens with the user mentioning two facts about themselves in passing (kinds: pet, home
 town, flat number, job, sibling, dish, instrument, birthday month; each said in one of several
-ways); the assistant answers without repeating them; then come distractor turns in which the user
-asks about a topic and the assistant answers with several paragraphs of real reference prose; a
-third fact is dropped into the first distractor question ("by the way, ..."). The chat ends with
-a question about one of the three facts, worded unlike its statement ("Where was I raised?" for
-"I grew up in Lima"), and the prompt ends in a short lead-in. The fact asked for lies 3-6 token
+ways); the assistant replies with a passing comment on each ("Lima must have been an
+interesting place to grow up."), as people do; then come distractor turns in which the user asks
+about a topic and the assistant answers with two or three paragraphs of real reference prose; a
+third fact is dropped into the first distractor question ("By the way, ...") and commented on
+at the start of the answer. The chat ends with a question about one of the three facts, worded
+unlike its statement ("Which city did I grow up in?" for "my childhood was spent in Lima"), and
+the prompt ends in a short lead-in ("You grew up in the city of"). The fact asked for lies 3-6 token
 budgets before the end (drawn per item from the seed).
 
 Distractor pools (no download): ``tune`` items draw the assistant's answers from Python's
@@ -46,11 +48,13 @@ KINDS = (
     Kind("town", ("Lima", "Oslo", "Nairobi", "Dublin", "Lisbon", "Krakow", "Osaka", "Quito"),
          ("I grew up in {v}, though I moved away years ago",
           "my childhood was spent in {v}"),
-         "Which city did I grow up in?", "You grew up in the city of", "{v} must have been an interesting place to grow up."),
+         "Which city did I grow up in?", "You grew up in the city of",
+         "{v} must have been an interesting place to grow up."),
     Kind("flat", ("214", "358", "471", "629", "735", "862", "517", "943"),
          ("my flat is number {v}, on the top floor",
           "the delivery driver keeps missing flat {v}, which is mine"),
-         "What is my flat number?", "Your flat number is", "I hope the deliveries reach flat {v} from now on."),
+         "What is my flat number?", "Your flat number is",
+         "I hope the deliveries reach flat {v} from now on."),
     Kind("job", ("beekeeper", "locksmith", "midwife", "surveyor", "glassblower", "stonemason",
                  "veterinarian", "cartographer"),
          ("these days I earn my living as a {v}",
@@ -60,7 +64,8 @@ KINDS = (
                      "Philippa", "Leopold"),
          ("my older brother {v} is coming to stay next week",
           "next week I am hosting my brother, {v}"),
-         "What is my brother's name?", "Your brother's name is", "I hope you have a great time with {v}."),
+         "What is my brother's name?", "Your brother's name is",
+         "I hope you have a great time with {v}."),
     Kind("dish", ("paella", "ramen", "moussaka", "goulash", "lasagne", "risotto", "falafel",
                   "dumplings"),
          ("nothing beats {v} for me, I could eat it every day",
@@ -103,7 +108,8 @@ def _prose(text: str) -> list[str]:
     out = []
     for para in text.split("\n\n"):
         lines = [x for x in para.splitlines() if x.strip()]
-        if not lines or any(x.startswith((" ", "\t", ">>>", "*", "-", "=", "+", "|")) for x in lines):
+        code = (" ", "\t", ">>>", "*", "-", "=", "+", "|")
+        if not lines or any(x.startswith(code) for x in lines):
             continue
         joined = " ".join(x.strip() for x in lines)
         letters = sum(c.isalpha() or c == " " for c in joined)
