@@ -108,7 +108,7 @@ def add_cache_flags(parser, budget: int) -> None:
                    help="Bytes of KV cache per sequence over all layers (e.g. 64M, 1.5G, 512K: "
                    "K/V storage plus selection state); replaces --budget with the most tokens "
                    "per KV head that fit, stored at 8 bits for recommended unless --kv-bits "
-                   "says otherwise.")
+                   "says otherwise (default: none, --budget bounds the tokens).")
 
 
 def _size(text: str) -> int:
