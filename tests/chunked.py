@@ -35,4 +35,5 @@ def reference_for(config, keys, queries, h):
         config.morphkv_fusion, queries=queries[0, h].transpose(1, 0, 2) if real else None,
         recent=config.recent, values=keys[0, h] + 1 if config.morphkv_value else None,
         peak=config.morphkv_peak, decay=config.morphkv_decay, pool=config.morphkv_pool,
+        block=config.block,
     )

@@ -35,6 +35,7 @@ def reference_kept(
     peak: float = 0.0,
     decay: float = 1.0,
     pool: int = 1,
+    block: int = 1,
 ) -> list[int]:
     """Positions kept after feeding ``keys`` (T, D) one token at a time.
 
@@ -51,6 +52,10 @@ def reference_kept(
     peak_p)``. ``pool`` > 1: before the value weighting, each unprotected token's score becomes
     the largest among the ``pool`` stored tokens centred on it in position order, protected
     tokens counting 0.
+
+    ``block``: when a token arrives with ``budget`` tokens stored, the ``block`` lowest-scoring
+    unprotected tokens are evicted at once (successive lowest picks over the same scores), and
+    the next ``block - 1`` tokens are only stored.
     """
     norms = None
     if values is not None:
@@ -115,9 +120,11 @@ def reference_kept(
         candidates = [
             (s, p) for s, p in zip(scores, stored, strict=True) if p >= n_sink and p <= t - recent
         ]
-        low = min(s for s, _ in candidates)
-        victim = min(p for s, p in candidates if s <= low + TIE_RTOL * abs(low))
-        stored.remove(victim)
-        h2o.pop(victim, None)
-        peaks.pop(victim, None)
+        for _ in range(block):
+            low = min(s for s, _ in candidates)
+            victim = min(p for s, p in candidates if s <= low + TIE_RTOL * abs(low))
+            candidates = [(s, p) for s, p in candidates if p != victim]
+            stored.remove(victim)
+            h2o.pop(victim, None)
+            peaks.pop(victim, None)
     return stored

@@ -110,3 +110,20 @@ def test_layer_overhead_blas_quick(tmp_path):
         data = json.loads((tmp_path / "blas_quick.json").read_text())
         assert set(data["speedup"]) == {"matmul_1024_f32", "forward_256_tokens", "prompt_tps",
                                         "generation_tps"}
+
+
+def test_kernels_counts_a_block_of_decode_steps(tmp_path):
+    """Between evictions a step adds only its slice writes; one host read per eviction."""
+    from morphkv.bench import kernels
+
+    parser = argparse.ArgumentParser()
+    kernels.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--out", str(tmp_path), "--arms",
+                              "rotating,recommended,recommended:block=8"])
+    rows = {r["cache"]: r for r in kernels.execute(args)["rows"]}
+    assert rows["rotating"]["host_syncs_per_step"] == 0
+    assert rows["recommended"]["host_syncs_per_step"] == 1
+    blocked = rows["recommended:block=8"]
+    assert blocked["host_syncs_per_step"] == 1 / 8 and blocked["steps"] == 8
+    assert 2 <= blocked["kernels_per_step"] <= 3 < rows["recommended"]["kernels_per_step"]
+    assert (tmp_path / "kernels_quick.json").exists()

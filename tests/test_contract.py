@@ -61,9 +61,9 @@ def test_dtype_kept_and_offset_counts_every_token(dtype):
     assert cache.morphkv_kept_bytes == 12 * 16 * dtype.size
     assert cache.full_seq_bytes == 40 * 16 * dtype.size
     assert cache.compression_ratio == pytest.approx(40 / 12)
-    # engine state: the key copy (2 rows x 13 slots x 8 dims, float64 on the host, float32 on
-    # the device) dominates; it is bounded by the budget
-    assert 2 * 13 * 8 * 4 <= cache.engine_nbytes < 2 * 13 * 8 * 8 * 3
+    # engine state (proxy rows: positions only; the window's rows are recomputed at each
+    # eviction): within its bound
+    assert 0 < cache.engine_nbytes <= cache.engine.bound_nbytes()
 
 
 def test_survivors_keep_their_rotation():

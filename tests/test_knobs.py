@@ -20,13 +20,15 @@ def knob_streams(draw):
     window = draw(st.integers(1, 4))
     recent = draw(st.integers(window, window + 6))
     n_sink = draw(st.integers(0, 2))
-    budget = draw(st.integers(n_sink + recent + 1, n_sink + recent + 8))
+    block = draw(st.sampled_from([1, 1, 2, 3, 5]))
+    budget = draw(st.integers(n_sink + recent + block, n_sink + recent + block + 7))
     config = KVCacheConfig(
         method=method,
         morphkv_budget=budget,
         morphkv_n_sink=n_sink,
         morphkv_window=window,
         morphkv_recent=recent,
+        morphkv_block=block,
         morphkv_value=draw(st.booleans()),
         morphkv_fusion=draw(st.sampled_from(["mean", "max"])),
         scoring=draw(st.sampled_from(["proxy", "attention"])),

@@ -75,22 +75,6 @@ def test_quantized_attention_is_close_to_float(model):
     assert 0 < np.abs(got - want).max() < 0.05 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("method", ["morphkv", "h2o", "tova"])
-def test_device_decode_matches_host_decode(model, method, monkeypatch):
-    """GPU-style decode (engine in MLX, keys dequantized by MLX) decides as the host does."""
-    config = KVCacheConfig(method=method, kv_bits=8, **CONFIG)
-    runs = []
-    for on_device in (False, True):
-        monkeypatch.setattr(morphkv.MorphKVCache, "decode_on_device", on_device)
-        caches = KVCacheBuilder.for_model(model, config)
-        tokens = greedy_tokens(model, caches, list(range(1, 40)), max_tokens=20)
-        runs.append((tokens, caches))
-    assert all(c.engine.on_device for c in runs[1][1])
-    assert runs[0][0] == runs[1][0]
-    for a, b in zip(runs[0][1], runs[1][1], strict=True):
-        np.testing.assert_array_equal(a.kept_positions, b.kept_positions)
-
-
 # ---- persistence ---------------------------------------------------------------------------
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("method", sorted(METHODS))

@@ -35,7 +35,8 @@ def streams(draw, methods=tuple(RANKED)):
     fusion = draw(st.sampled_from(["mean", "max"]))
     window = draw(st.integers(1, 6))
     n_sink = draw(st.integers(0, 3))
-    budget = draw(st.integers(n_sink + window + 1, n_sink + window + 12))
+    block = draw(st.sampled_from([1, 1, 2, 4]))
+    budget = draw(st.integers(n_sink + window + block, n_sink + window + block + 11))
     T = draw(st.integers(1, 3 * budget + 5))
     seed = draw(st.integers(0, 2**31 - 1))
     cuts = sorted(draw(st.lists(st.integers(1, max(1, T - 1)), max_size=5)))
@@ -46,6 +47,7 @@ def streams(draw, methods=tuple(RANKED)):
         morphkv_n_sink=n_sink,
         morphkv_window=window,
         morphkv_fusion=fusion,
+        morphkv_block=block,
     )
     rng = np.random.default_rng(seed)
     if discrete:  # few distinct values: many exactly tied scores
@@ -71,6 +73,7 @@ def test_fast_path_matches_reference(case):
                 config.morphkv_n_sink,
                 config.window,
                 config.morphkv_fusion,
+                block=config.block,
             )
             assert got[b, h].tolist() == want, (b, h)
 
@@ -88,6 +91,14 @@ def test_any_chunking_keeps_the_same_set(case, data):
     np.testing.assert_array_equal(np.array(chunked._fetch()[0]), np.array(one_by_one._fetch()[0]))
 
 
+def stored_after(t: int, config) -> int:
+    """Tokens stored after t tokens: evictions of ``block`` at tokens budget + 1, budget + 1
+    + block, ... (counting from 1); the tokens in between fill the freed rows."""
+    if t <= config.budget:
+        return t
+    return config.budget + 1 - config.block + (t - config.budget - 1) % config.block
+
+
 @settings(max_examples=40, deadline=None)
 @given(streams(methods=(*RANKED, "random")))
 def test_budget_sinks_window_and_storage_invariants(case):
@@ -99,10 +110,10 @@ def test_budget_sinks_window_and_storage_invariants(case):
             continue
         k = mx.array(keys[:, :, start:end])
         out_k, out_v = cache.update_and_fetch(k, k + 1)
-        assert out_k.shape[2] == min(start, config.budget) + (end - start)
+        assert out_k.shape[2] == stored_after(start, config) + (end - start)
         start = end
         kept = cache.kept_positions
-        assert kept.shape[2] == min(end, config.budget)
+        assert kept.shape[2] == stored_after(end, config) <= config.budget
         assert cache.offset == end
         must = set(range(min(config.n_sink, end))) | set(range(max(0, end - config.window), end))
         for row in kept.reshape(-1, kept.shape[2]):

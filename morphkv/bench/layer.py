@@ -56,19 +56,22 @@ def stream(n: int, dtype=mx.float16, groups: int = 0, seed: int = 0):
 def timed_parts(cache, k, v, q=None) -> dict[str, float]:
     """One morphkv update split into its parts (seconds): ``python`` (the update's
     bookkeeping and the MLX graph of the slot write and fetch), ``mlx`` (evaluating it),
-    ``reads`` (the selection step's host reads and reshapes of keys and queries) and
-    ``engine`` (the selection engine's step)."""
+    ``reads`` (the selection step's host reads of keys and queries) and ``engine`` (the
+    selection engine: keeping the query between evictions, the batched rows, scores and
+    selection at an eviction)."""
     engine_time = []
     engine = cache.engine
-    feed = engine.feed
 
-    def timed_feed(*a, **kw):
-        start = time.perf_counter()
-        out = feed(*a, **kw)
-        engine_time.append(time.perf_counter() - start)
-        return out
+    def timed(fn):
+        def wrapped(*a, **kw):
+            start = time.perf_counter()
+            out = fn(*a, **kw)
+            engine_time.append(time.perf_counter() - start)
+            return out
 
-    engine.feed = timed_feed
+        return wrapped
+
+    engine.decode, engine.settle = timed(engine.decode), timed(engine.settle)
     try:
         t0 = time.perf_counter()
         out = cache.update_and_fetch(k, v)
@@ -80,7 +83,7 @@ def timed_parts(cache, k, v, q=None) -> dict[str, float]:
         _ = cache.tokens_kept
         t3 = time.perf_counter()
     finally:
-        del engine.feed
+        del engine.decode, engine.settle
     spent = sum(engine_time)
     return {"python": t1 - t0, "mlx": t2 - t1, "reads": t3 - t2 - spent, "engine": spent}
 
@@ -134,8 +137,9 @@ def _token(k, v, q, t: int) -> tuple:
 
 
 def decode_costs(spec: str, budget: int, window: int, repeats: int, k, v, q) -> dict:
-    """Median seconds per single-token update once full: the arm and a RotatingKVCache of the
-    same size, interleaved token by token; and both caches' bytes."""
+    """Seconds per single-token update once full, averaged over each eviction block (the
+    median over ``repeats`` blocks): the arm and a RotatingKVCache of the same size,
+    interleaved token by token; and both caches' bytes."""
     groups = 0 if q is None else q.shape[1] // H
     caches = {
         "arm": make_cache(spec, budget, window, groups=groups),
@@ -146,21 +150,31 @@ def decode_costs(spec: str, budget: int, window: int, repeats: int, k, v, q) -> 
         timed_update(cache, k[:, :, :warm], v[:, :, :warm], _at(q, 0, warm))
         for t in range(warm, warm + 8):  # the rotating cache switches to in-place updates
             timed_update(cache, k[:, :, t : t + 1], v[:, :, t : t + 1], _at(q, t, t + 1))
+    block = getattr(getattr(caches["arm"], "config", None), "block", 1)
+    first = warm + 8 + (-(warm + 8 - budget) % block)  # the first token after an eviction
     times = {name: [] for name in caches}
     parts = []
-    for t in range(warm + 8, warm + 8 + repeats):
+    steps = repeats * block
+    for t in range(first, first + steps):
         for name, cache in caches.items():
             token = _token(k, v, q, t)
             times[name].append(timed_update(cache, *token))
     arm = caches["arm"]
     if getattr(arm, "engine", None) is not None:  # the parts, in steps of their own
-        for t in range(warm + 8 + repeats, warm + 8 + 2 * repeats):
+        for t in range(first + steps, first + 2 * steps):
             parts.append(timed_parts(arm, *_token(k, v, q, t)))
-    out = {name: statistics.median(ts) for name, ts in times.items()}
-    out["parts"] = {p: statistics.median(x[p] for x in parts) for p in PARTS} if parts else {}
+    out = {name: statistics.median(per_block(ts, block)) for name, ts in times.items()}
+    out["parts"] = {
+        p: statistics.median(per_block([x[p] for x in parts], block)) for p in PARTS
+    } if parts else {}
     if hasattr(caches["arm"], "engine_nbytes"):
         out["memory"] = memory(caches["arm"], caches["rotating"])
     return out
+
+
+def per_block(times: list[float], block: int) -> list[float]:
+    """Mean per token of each run of ``block`` consecutive steps (one eviction each)."""
+    return [sum(times[i : i + block]) / block for i in range(0, len(times) - block + 1, block)]
 
 
 def measure(spec: str, budget: int, window: int, args, k, v, q) -> dict:
@@ -214,7 +228,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--budget", 512, "tokens kept"),
         ("--window", 8, "protected recent window"),
-        ("--repeats", 300, "timed single-token updates per case"),
+        ("--repeats", 300, "timed eviction blocks (single-token updates at block 1) per case"),
         ("--chunk", 2048, "tokens of the one-chunk update"),
         ("--methods", ["morphkv", "h2o", "tova", "streaming_llm", "random"], "arm specs"),
         ("--groups", 0, "query heads per KV head: real-query scoring (0: keys as proxies)"),
@@ -241,7 +255,9 @@ def execute(args: argparse.Namespace) -> dict:
     todo = cases(args)
     if args.dtype not in DTYPES:
         raise SystemExit(f"morphkv: error: --dtype must be one of {sorted(DTYPES)}")
-    n = max(args.chunk, max(b for _, b, _ in todo) + 24 + 2 * args.repeats)
+    blocks = [getattr(make_cache(s, b, w, groups=args.groups), "config", None) for s, b, w in todo]
+    block = max(getattr(c, "block", 1) for c in blocks)
+    n = max(args.chunk, max(b for _, b, _ in todo) + 24 + 2 * (args.repeats + 1) * block)
     k, v, q = stream(n, DTYPES[args.dtype], args.groups)
     bar, rows = Progress(len(todo), NAME, getattr(args, "quiet", False)), []
     for spec, budget, window in todo:
@@ -251,7 +267,8 @@ def execute(args: argparse.Namespace) -> dict:
     result = {"benchmark": NAME, "budget": args.budget, "chunk": args.chunk, "rows": rows}
     result.update(grid=args.grid, repeats=args.repeats, environment=environment())
     result.update(groups=args.groups, dtype=args.dtype)
-    print("decode_us: one single-token update once full; rotating_us: RotatingKVCache's, "
+    print("decode_us: one single-token update once full (averaged over each eviction block, "
+          "median over blocks); rotating_us: RotatingKVCache's, "
           "interleaved; decode_ratio: their ratio; python/mlx/reads/engine_us: medians of "
           "the update's parts (bookkeeping and MLX graph, MLX evaluation, host reads of keys "
           "and queries, the selection engine), timed in steps of their own; "

@@ -22,6 +22,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("bench speed", "morphkv.bench.speed"),
     ("bench layer", "morphkv.bench.layer"),
     ("bench overhead", "morphkv.bench.overhead"),
+    ("bench kernels", "morphkv.bench.kernels"),
     ("bench blas", "morphkv.bench.blas"),
     ("bench serve", "morphkv.bench.serve"),
     ("bench chat", "morphkv.bench.chat"),

@@ -20,7 +20,6 @@ is therefore the same for any chunking of a stream, and at most ``budget`` token
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -45,15 +44,12 @@ class _Chunk:
 
     keys: mx.array | None  # (B, n_kv_heads, C, head_dim) as stored, until fed
     values: mx.array | None  # the same for values (read by the engine with morphkv_value)
-    dead: np.ndarray | None  # slot per row that the first new token overwrote
     before: int  # slots in use before the update
-    first: int  # absolute position of the first new token
-    old_positions: np.ndarray | None  # (rows, before) positions before a multi-token update
     rows: int = 0  # rows of the returned keys
     fetched: tuple | None = None  # the returned keys and values, until compacted
     queries: mx.array | None = None  # (B, n_heads, C, head_dim), attention scoring only
     fed: bool = False  # the engine has seen it
-    evicted: np.ndarray | None = None  # (rows, C) position evicted at each step, -1 if none
+    evicted: np.ndarray | None = None  # (rows, before + C) step each fetched row was evicted
 
 
 class _Seal(tuple):
@@ -69,14 +65,6 @@ class _Seal(tuple):
 
 class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._BaseCache):
     """A fixed-budget KV cache for one attention layer (see the module docstring)."""
-
-    # Single-token updates run the selection engine on the device (MLX, float32, no host
-    # sync) on GPUs, and on the host (NumPy, float64) on the CPU, where host arrays are
-    # cheaper than MLX ops. None: decide from the default device at each update;
-    # MORPHKV_DEVICE_DECODE=1/0 (or setting this attribute) forces the choice.
-    decode_on_device: bool | None = {"1": True, "0": False}.get(
-        os.environ.get("MORPHKV_DEVICE_DECODE", "")
-    )
 
     def __init__(self, config: KVCacheConfig) -> None:
         config = config.validate()
@@ -96,7 +84,7 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
         self._flush()
         B, H, C, D = keys.shape
         if C == 0 and self.keys is not None:
-            return self._fetch_live()
+            return self._fetch()
         stored_keys, stored_values = self._store_form(keys), self._store_form(values)
         if C == 0:
             return stored_keys, stored_values
@@ -107,20 +95,15 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
             )
         if self.engine is None:
             self.engine = Engine(self.config, B * H, D, self.config.scoring == "attention")
-        device = self.decode_on_device
-        on_device = C == 1 and (mx.default_device() == mx.gpu if device is None else device)
-        engine = self.engine.to(mx if on_device else np)
+            self.engine.stored_keys = self._host_keys
         if self.config.kv_bits is not None:  # the engine reads the keys (values) as stored
             keys, values = stored_keys, stored_values
         chunk = _Chunk(
             keys=keys,
             values=values if self.config.morphkv_value else None,
-            dead=engine.dead,
-            before=engine.slots,
-            first=engine.seen,
-            old_positions=engine.stored_positions.copy() if C > 1 else None,
+            before=self.engine.slots,
         )
-        chunk.rows = self._place(stored_keys, stored_values, engine.dead)
+        chunk.rows = self._place(stored_keys, stored_values)
         chunk.fetched = fetched = self._fetch(chunk.rows)
         self._chunk = chunk  # the engine sees it later: see _flush
         self.offset += C
@@ -145,7 +128,8 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
         if C == 1:
             return mask
         H = self.engine.rows // B
-        visible = mx.array(liveness(self._flush(), C))  # (B*H, C, rows)
+        chunk = self._flush()
+        visible = mx.array(liveness(chunk.before, chunk.evicted))  # (B*H, C, rows)
         rows = visible.shape[-1]
         if self.config.kv_bits is not None:  # mlx_lm's quantized attention adds the group axis
             return visible.reshape(B, H, C, rows)
@@ -165,29 +149,41 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
             return chunk
         if chunk.queries is None and self.config.scoring == "attention":
             raise RuntimeError("attention scoring: the cache was read before its queries came")
+        engine = self.engine
         B, H, C = quant.dims(chunk.keys)
         D = quant.head_dim(chunk.keys, self.config.kv_group_size)
-        keys, queries, values = chunk.keys, chunk.queries, chunk.values
-        stored = chunk.fetched[0]
-        # float arrays for the engine: quantized storage dequantized (on the host: NumPy)
-        read = self._host if self.engine.xp is np else self._float
-        keys, stored = read(keys), read(stored)
-        values = None if values is None else read(values)
-        if self.engine.xp is np:  # reshape on the host: no extra MLX op to evaluate
-            queries = None if queries is None else to_numpy(queries)
-        if values is not None:
-            values = values.reshape(B * H, C, -1)
-        keys, stored = keys.reshape(B * H, C, D), stored.reshape(B * H, -1, D)
-        if queries is not None:  # (B, H*G, C, D) -> (B*H, C, G, D): G query heads per KV head
-            G = queries.shape[1] // H
-            queries = queries.reshape(B, H, G, C, D).transpose(0, 1, 3, 2, 4)
-            queries = queries.reshape(B * H, C, G, D)
-        chunk.evicted = self.engine.feed(keys, queries, stored, values)
+        if C == 1:  # a decode step: nothing is read unless an eviction (or a flush) is due
+            if engine.decode(chunk.queries):
+                moves = engine.settle(self._host_keys(), self._host_values())
+                if moves is not None:
+                    self._move(moves)
+        else:
+            keys = self._host(chunk.keys).reshape(B * H, C, D)
+            stored = self._host(chunk.fetched[0]).reshape(B * H, -1, D)
+            queries = None if chunk.queries is None else to_numpy(chunk.queries)
+            values = stored_values = None
+            if chunk.values is not None:
+                values = self._host(chunk.values).reshape(B * H, C, -1)
+                stored_values = self._host(chunk.fetched[1]).reshape(B * H, chunk.rows, -1)
+            source, chunk.evicted = engine.feed_chunk(keys, queries, values, stored,
+                                                      stored_values)
+            if source.shape[1] < chunk.rows or (source != np.arange(source.shape[1])).any():
+                self._compact(chunk.fetched, source)
         chunk.fed = True
-        if self.engine.slots < chunk.rows:
-            self._compact(chunk.fetched, chunk.dead, chunk.before, chunk.first)
         chunk.keys = chunk.values = chunk.queries = chunk.fetched = None
         return chunk
+
+    def _host_keys(self) -> np.ndarray:
+        """The stored keys on the host, (rows, stored rows, head_dim), in slot order."""
+        B, H, N = quant.dims(self.keys)
+        return self._host(self.keys).reshape(B * H, N, -1)
+
+    def _host_values(self) -> np.ndarray | None:
+        """The stored values on the host (rows, stored rows, Dv) with ``morphkv_value``."""
+        if not self.config.morphkv_value:
+            return None
+        B, H, N = quant.dims(self.values)
+        return self._host(self.values).reshape(B * H, N, -1)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for N new queries against [stored + N new] keys, as mlx_lm expects."""
@@ -307,10 +303,7 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
         if self.engine is None:
             return np.zeros((0, 0, 0), np.int64)
         B, H, _ = quant.dims(self.keys)
-        positions = self.engine.to(np).stored_positions.astype(np.int64)
-        if self.engine.dead is not None:
-            positions[np.arange(B * H), self.engine.dead] = np.iinfo(np.int64).max
-        kept = np.sort(positions, axis=1)[:, : self.engine.kept]
+        kept = np.sort(self.engine.stored_positions.astype(np.int64), axis=1)
         return kept.reshape(B, H, -1)
 
     @property

@@ -45,6 +45,9 @@ class KVCacheConfig:
             ``QuantizedKVCache``) and attention runs through mlx_lm's quantized path.
         kv_group_size: elements sharing one scale and bias when quantized (32, 64 or 128;
             must divide head_dim).
+        morphkv_block: tokens evicted at once (int >= 1): once ``budget`` tokens are stored,
+            the next token triggers evicting the ``block`` lowest-scoring unprotected ones, and
+            the next ``block - 1`` tokens fill the freed slots (1: evict one per token).
         kv_memory: bytes per sequence over every layer holding a ``MorphKVCache`` (K/V storage
             plus selection state, as ``nbytes`` counts). With ``morphkv_budget=0`` the budget is
             resolved from the model's shape (``KVCacheBuilder.for_model`` / ``patch_model``,
@@ -70,12 +73,17 @@ class KVCacheConfig:
     seed: int = 0
     kv_bits: int | None = None
     kv_group_size: int = 64
+    morphkv_block: int = 1
     kv_memory: int | None = None
     morphkv_recent_share: float | None = None
 
     @property
     def budget(self) -> int:
         return self.morphkv_budget
+
+    @property
+    def block(self) -> int:
+        return self.morphkv_block
 
     @property
     def window(self) -> int:
@@ -129,6 +137,9 @@ class KVCacheConfig:
                     f"morphkv_recent must be >= morphkv_window = {self.morphkv_window}, "
                     f"got {self.morphkv_recent}"
                 )
+        block = self.morphkv_block
+        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+            raise ValueError(f"morphkv_block must be an int >= 1, got {block!r}")
         self._validate_memory()
         if self.morphkv_budget == 0 and self.kv_memory is not None:
             if resolved:
@@ -137,13 +148,15 @@ class KVCacheConfig:
                     "with KVCacheBuilder.for_model / patch_model (they read the model's shape) or "
                     "morphkv.core.memory.resolve"
                 )
-        elif self.morphkv_budget <= self.n_sink + self.recent:
+        elif self.morphkv_budget < self.n_sink + self.recent + block:
             what = "window" if self.morphkv_recent is None else "recent"
-            raise ValueError(
-                f"morphkv_budget must exceed n_sink + {what} = {self.n_sink} + "
-                f"{self.recent} = {self.n_sink + self.recent}, "
-                f"got {self.morphkv_budget}"
+            least = f"exceed n_sink + {what} = {self.n_sink} + {self.recent} = " + str(
+                self.n_sink + self.recent
             )
+            if block > 1:
+                least = (f"be at least n_sink + {what} + block = {self.n_sink} + {self.recent} "
+                         f"+ {block} = {self.n_sink + self.recent + block}")
+            raise ValueError(f"morphkv_budget must {least}, got {self.morphkv_budget}")
         self._validate_persistence()
         if self.morphkv_fusion not in FUSIONS:
             raise ValueError(f"morphkv_fusion={self.morphkv_fusion!r} is unknown; valid: {FUSIONS}")

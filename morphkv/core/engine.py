@@ -1,74 +1,47 @@
-"""The selection engine: decides, token by token, which stored slot each rule evicts.
+"""The selection engine: which stored slots each rule evicts, in blocks.
 
-It works over every (batch row, KV head) pair at once. Slots are the rows of the cache's
-storage: a new token is written into the slot evicted one step earlier (the "dead" slot), or
-appended while the cache is below its budget, so the engine's slot layout is the storage
-layout. A chunk of tokens is processed with the same per-token steps as single tokens, so any
-chunking of a stream makes identical decisions.
+It works over every (batch row, KV head) pair at once. The live slots are always the first
+``slots`` rows of the cache's storage; a token is appended at row ``slots``. Once ``budget``
+tokens are stored, the next token (absolute positions ``budget``, ``budget + block``, ...,
+counting from 0) evicts the ``block`` lowest-scoring unprotected tokens at once (``select``)
+and at most ``block`` live rows move down into the freed rows (``compaction``; the cache moves
+its storage alike), so the next ``block - 1`` tokens are appended again. At most ``budget``
+tokens are stored after any update (``budget + 1`` while the evicting token's query attends).
+``block = 1`` is the per-token rule.
 
-The engine keeps no copy of the stored keys: its state is the position of every slot, the
-attention rows of the last ``window`` tokens (``morphkv.core.rows``) for attention rules, and a
-running score per slot for h2o and the peak rules. Logits are computed when a token arrives,
-from the keys as stored (read through a zero-copy host view on the CPU), as float64 dot
-products (exact products, so the order of summation does not change a decision in practice),
-scaled by the model's attention scale. A chunk's logits come from one matmul per block of queries.
+Between evictions a token costs its position and a reference to its query (``pending``). At an
+eviction (and on the same grid of absolute positions before the budget fills: ``at_grid``) the
+pending queries' rows come from one batched product with the stored keys (``morphkv.core.rows``),
+each query masked to the keys present at its arrival; they feed the window, the running scores
+(h2o: a sum; peak: a running, optionally decaying, max). The batches are the same for any
+chunking, so any chunking makes the decisions of token-by-token feeding with the same block.
 
-Arrays live in NumPy on the host (the default), or in ``mlx.core`` for single-token decode steps
-on a GPU, where the host must not wait for the device; ``to(xp)`` moves the state.
-
-On the host, the rules ``morphkv.core.fused.fused_code`` knows (recency, morphkv mean/max,
-tova, h2o, peak, and the peak fusion of morphkv/tova) with real-query rows or none run through
-compiled kernels (``morphkv.core.fused``):
-one call per decode step, one per block of a chunk, the same state and decisions. Any other
-rule (random, proxy rows, a new rule) runs the generic path below, its own ``score()`` in
-NumPy. A new rule joins the fast path with a code in ``kernels`` (a branch of ``_select`` for
-its score, of ``_observe`` for its running state) and a line in ``fused_code``; the test in
-``tests/test_kernels.py`` then holds it to its ``score()``.
+Tie rules: scores are float64 (sums of float16 rows are exact; products of float32 inputs are
+exact in float64; float32 decides nothing on the host). Scores within ``TIE_RTOL`` (relative) of
+the lowest count as tied and the oldest position goes; a block is ``block`` successive picks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 
-import mlx.core as mx
 import numpy as np
 
+from . import kernels
+from .blocks import _concat, _cutter, _nbytes, _unwrap, compaction, host, norms_of, running_kind
 from .config import KVCacheConfig
-from .fused import Fused, fused_code
 from .host_blas import one_blas_thread
-from .rows import CausalRows, ProxyRows
-from .rules import make_rule
+from .rows import causal_rows, proxy_rows
+from .rules import WindowAttention, make_rule
 
-TIE_RTOL = 1e-9  # scores this close (relative) to the minimum count as tied; oldest goes
-BLOCK = 64  # queries per logits matmul inside a chunk
-HOST_DTYPES = {  # float arrays come back from the device (float32) in these dtypes
-    "accumulated": np.float64,
-    "value_norms": np.float16,
-    "ring": np.float16,
-    "ring_weights": np.float64,
-    "ring_shift": np.float64,
-    "ring_total": np.float64,
-}
-
-
-def _errors_ignored(finite: bool):
-    """NumPy's floating-point warnings off where non-finite logits may occur."""
-    return contextlib.nullcontext() if finite else np.errstate(invalid="ignore", over="ignore")
-
-
-def _array_module(xp) -> tuple:
-    """(float dtype, int dtype, largest int, largest safe exponent, largest float) of ``xp``."""
-    if xp is np:
-        return np.float64, np.int32, np.iinfo(np.int32).max, 700.0, float(np.finfo(np.float64).max)
-    return mx.float32, mx.int32, np.iinfo(np.int32).max, 80.0, float(np.finfo(np.float32).max)
+TOP = float(np.finfo(np.float64).max)
 
 
 class Engine:
     """Per-layer selection state for ``rows`` = batch * KV heads independent sequences."""
 
-    ARRAYS = ("positions", "accumulated", "value_norms", "dead", "row_index")
-    kernels = True  # False: every rule through its own score() (tests hold the kernels to it)
+    ARRAYS = ("positions", "accumulated", "value_norms", "ring")
+    xp, float, top = np, np.float64, TOP  # what rules read
 
     def __init__(self, config: KVCacheConfig, rows: int, head_dim: int, real_queries: bool) -> None:
         self.config = config
@@ -76,80 +49,39 @@ class Engine:
         self.rows = rows
         self.head_dim = head_dim
         self.scale = 1.0 / math.sqrt(config.head_dim or head_dim)  # the hook sets the model's
-        self.on_device = False
-        self.float, self.int, self.no_position, self.max_exponent, self.top = _array_module(np)
+        self.block = config.block
+        self.real = bool(real_queries and self.rule.attention)
+        self.running, self.decay = running_kind(self.rule)
+        inner = _unwrap(self.rule)
+        self.window_rule = isinstance(inner, WindowAttention)
+        self.reads = 1 if self.window_rule and inner.newest_only else config.window
         self.seen = 0  # tokens fed; the next token's absolute position
-        self.slots = 0  # slots in use, the dead one included
-        self.dead = None  # (rows,) slot evicted by the last step, or None
-        self.finite = True  # no NaN/inf key or query seen yet: logits need no cleaning
-        self.head = -1  # ring row of the newest token
+        self.slots = 0  # live slots: rows [0, slots) of the storage
         self.capacity = 0
-        self.row_index = np.arange(rows)
+        self.finite = True  # no NaN/inf key or query seen yet: logits need no cleaning
+        self.pending: list = []  # queries (B, n_heads, c, D) of tokens without rows yet
+        self.pending_count = 0
+        self.queries_held = 0  # pending queries kept (the rows something reads)
+        self.query_bytes = 0  # bytes of one token's pending query (for the bound)
+        self.norms_from = 0  # first slot whose value norm is not computed yet
+        self._keys = None  # the stored keys while scores are computed (proxy rows read them)
+        self.stored_keys = None  # () -> the stored keys (rows, >= slots, D); set by the cache
         self.positions = np.zeros((rows, 0), np.int32)
-        self.accumulated = np.zeros((rows, 0)) if self.rule.observes else None
+        # a running max of float16 rows is a float16 value: stored as such (exact)
+        exact16 = self.running == "peak" and self.decay == 1.0 and self.real
+        acc = np.float16 if exact16 else np.float64
+        self.accumulated = np.zeros((rows, 0), acc) if self.running else None
         self.value_norms = np.zeros((rows, 0), np.float16) if config.morphkv_value else None
-        self.attention = None
-        if self.rule.attention:
-            self.attention = (CausalRows if real_queries else ProxyRows)(self)
-        code = fused_code(self.rule)
-        fusable = self.kernels and code is not None and not isinstance(self.attention, ProxyRows)
-        self.fused = Fused(self, code) if fusable else None  # None: the rule's own score()
-
-    @property
-    def xp(self):
-        return mx if self.on_device else np
-
-    def _arrays(self):
-        yield self, self.ARRAYS
-        if self.attention is not None:
-            yield self.attention, self.attention.ARRAYS
-
-    def to(self, xp) -> Engine:
-        """Move every array to array module ``xp`` (numpy or mlx.core); returns self."""
-        if (xp is mx) == self.on_device:
-            return self
-        self.float, self.int, self.no_position, self.max_exponent, self.top = _array_module(xp)
-        for owner, names in self._arrays():
-            for name in names:
-                a = getattr(owner, name)
-                if a is None:
-                    continue
-                if xp is np:
-                    a = np.array(a)
-                    a = a.astype(HOST_DTYPES.get(name, a.dtype), copy=False)
-                else:
-                    a = mx.array(a.astype(np.float32) if a.dtype == np.float64 else a)
-                setattr(owner, name, a)
-        self.on_device = xp is mx
-        if xp is not np:
-            self.finite = False  # the device cannot promise finiteness without a sync
-        return self
-
-    @property
-    def nbytes(self) -> int:
-        return sum(
-            int(getattr(getattr(owner, name), "nbytes", 0))
-            for owner, names in self._arrays()
-            for name in names
-            if name not in ("row_index", "dead")
-        )
-
-    def bound_nbytes(self) -> int | None:
-        """Bytes of this engine's state once its budget is reached (None: never bounded),
-        measured on a fresh engine fed ``budget + 1`` tokens."""
-        if not self.rule.evicts:
-            return None
-        real = isinstance(self.attention, CausalRows)
-        probe = Engine(self.config, self.rows, self.head_dim, real)
-        zeros = np.zeros((self.rows, self.config.budget + 1, self.head_dim), np.float32)
-        probe.feed(zeros, None, zeros[:, :0], zeros)
-        return probe.nbytes
+        # the window's rows: kept in a ring across evictions only when a block is shorter
+        # than the rows read (else all of them are computed at the eviction itself)
+        ringed = self.window_rule and self.real and self.reads > self.block
+        self.ring = np.zeros((rows, config.window, 0), np.float16) if ringed else None
+        self._window = None  # (rows, reads, slots) the window's rows during a ringless eviction
 
     # ---- what rules read -----------------------------------------------------------------
     @property
     def kept(self) -> int:
-        """Live tokens per row (slots minus the dead one)."""
-        return self.slots - (self.dead is not None)
+        return self.slots
 
     @property
     def stored_positions(self):
@@ -157,190 +89,308 @@ class Engine:
         return self.positions[:, : self.slots]
 
     def window_probs(self):
-        return self.attention.window_probs()
-
-    def newest_probs(self):
-        return self.attention.newest_probs()
+        """(rows, window, slots) attention rows of the last ``window`` tokens."""
+        if self.ring is not None:
+            return self.ring[..., : self.slots]
+        if self.real:
+            return self._window[..., : self.slots]
+        keys = self._stored()
+        return proxy_rows(keys, self.stored_positions, self.config.window, self.scale,
+                          self.finite, TOP)
 
     def window_mean(self):
-        return self.attention.window_mean()
+        """(rows, slots) mean of the window's rows (float16 sums are exact in float64)."""
+        probs = self.window_probs()
+        return probs.sum(axis=1, dtype=np.float64) / probs.shape[1]
 
-    # ---- feeding -------------------------------------------------------------------------
-    def _next_capacity(self, capacity: int, needed: int) -> int:
-        limit = self.config.budget + 1 if self.rule.evicts else needed
-        return max(needed, min(max(2 * capacity, 64), limit))
+    def newest_probs(self):
+        """(rows, slots) attention of the newest token."""
+        if self.ring is not None:
+            return self.ring[:, (self.seen - 1) % self.config.window, : self.slots]
+        if self.real:
+            return self._window[:, -1, : self.slots]
+        keys = self._stored()
+        return proxy_rows(keys, self.stored_positions, 1, self.scale, self.finite, TOP)[:, 0]
 
-    def _grow(self, needed: int) -> None:
-        """Widen the slot arrays (below the budget only: at the budget slots are reused)."""
-        self._widen(self._next_capacity(self.capacity, needed))
+    def _stored(self):
+        keys = self.stored_keys() if self._keys is None else self._keys
+        return keys[:, : self.slots]
 
-    def _grow_like_steps(self, slots: int) -> None:
-        """The capacity token-by-token steps reach at ``slots`` slots, in one widening."""
-        capacity = self.capacity
-        while capacity < slots:
-            capacity = self._next_capacity(capacity, capacity + 1)
-        if capacity > self.capacity:
-            self._widen(capacity)
+    # ---- state ---------------------------------------------------------------------------
+    def _arrays(self):
+        yield self, self.ARRAYS
 
-    def _widen(self, capacity: int) -> None:
-        pad, xp = capacity - self.capacity, self.xp
-        self.positions = xp.pad(self.positions, [(0, 0), (0, pad)])
-        if self.accumulated is not None:
-            self.accumulated = xp.pad(self.accumulated, [(0, 0), (0, pad)])
-        if self.value_norms is not None:
-            self.value_norms = xp.pad(self.value_norms, [(0, 0), (0, pad)])
-        if self.attention is not None:
-            self.attention.widen(pad)
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the selection state, pending queries included."""
+        state = sum(int(getattr(getattr(self, n), "nbytes", 0)) for n in self.ARRAYS)
+        return state + self.queries_held * self.query_bytes
+
+    def bound_nbytes(self, query_bytes: int | None = None) -> int | None:
+        """Bytes of this engine's state at most (None: never bounded): ``budget + 1`` slots of
+        per-slot state, plus the pending queries: ``block`` of them for running scores, at
+        most ``min(block, window)`` otherwise (``query_bytes`` per token: this engine's, once
+        it has seen one)."""
+        if not self.rule.evicts:
+            return None
+        n = self.config.budget + 1
+        per_slot = 4 + 2 * (self.value_norms is not None)
+        per_slot += 0 if self.accumulated is None else self.accumulated.itemsize
+        per_slot += 2 * self.config.window * (self.ring is not None)
+        per_query = self.query_bytes if query_bytes is None else query_bytes
+        held = self.block if self.running else min(self.block, self.reads)
+        return self.rows * n * per_slot + held * per_query * self.real
+
+    def _reserve(self, slots: int) -> None:
+        """Widen the slot arrays to hold ``slots`` (never past budget + 1 when evicting)."""
+        if slots <= self.capacity:
+            return
+        limit = self.config.budget + 1 if self.rule.evicts else slots
+        capacity = max(slots, min(max(2 * self.capacity, 64), limit))
+        pad = capacity - self.capacity
+        self.positions = np.pad(self.positions, [(0, 0), (0, pad)])
+        for name in ("accumulated", "value_norms"):
+            if getattr(self, name) is not None:
+                setattr(self, name, np.pad(getattr(self, name), [(0, 0), (0, pad)]))
+        if self.ring is not None:
+            self.ring = np.pad(self.ring, [(0, 0), (0, 0), (0, pad)])
         self.capacity = capacity
 
-    def _logits(self, queries, keys):
-        """Scaled logits (rows, Q, G, N): float64 on the host (products of float32/float16
-        values are exact in float64), float32 on the device. The scale multiplies the
-        queries, the smaller operand."""
-        R, Q, G, D = queries.shape
-        dtype = np.float64 if self.xp is np else mx.float32
-        queries = queries.astype(dtype).reshape(R, Q * G, D) * self.scale
-        dots = queries @ keys.astype(dtype).transpose(0, 2, 1)
-        return dots.reshape(R, Q, G, keys.shape[1])
+    # ---- feeding -------------------------------------------------------------------------
+    def _arrive(self, count: int, queries) -> None:
+        """``count`` tokens appended at rows [slots, slots + count); their queries (B, n_heads,
+        count, D) as the cache holds them (kept, not read)."""
+        self._reserve(self.slots + count)
+        s, first = self.slots, self.seen
+        if count == 1:
+            self.positions[:, s] = first
+        else:
+            self.positions[:, s : s + count] = first + np.arange(count, dtype=np.int32)
+        self.slots += count
+        self.seen += count
+        self.pending_count += count
+        if self.real:  # only the queries whose rows something reads (a suffix: see _needed)
+            self.query_bytes = self.query_bytes or _nbytes(queries) // count
+            if count == 1:
+                if self._needs(first):
+                    self.pending.append(queries)
+                    self.queries_held += 1
+                return
+            need = self._needed(first, count)
+            if need.any():
+                j = int(np.argmax(need))
+                self.pending.append(queries if j == 0 else queries[:, :, j:])
+                self.queries_held += count - j
 
-    def feed(self, keys, queries, stored, values=None):
-        """Feed a chunk: keys (rows, C, D) in stream order, queries (rows, C, G, D) (None:
-        the keys stand in, one group), ``stored`` (rows, N, D): the cache's storage after this
-        update's keys were placed (for one token it is the slot layout; for a chunk its first
-        ``slots`` rows are the slots before the chunk), ``values`` (rows, C, Dv) (read only
-        with ``morphkv_value``). Arrays of ``self.xp``. For a chunk (C > 1, on the host)
-        returns (rows, C): the position each token's step evicted, -1 where none."""
-        queries = keys[:, :, None] if queries is None else queries
-        xp, C = self.xp, keys.shape[1]
-        host = xp is np
-        fused_step = C == 1 and host and self.fused is not None  # the kernel checks finiteness
-        if host and self.finite and self.rule.attention and not fused_step:
-            self.finite = bool(np.isfinite(keys).all() and np.isfinite(queries).all())
-        norms = None
-        if self.value_norms is not None:
-            v = values.astype(np.float32) if host else values.astype(mx.float32)
-            norms = xp.sqrt((v * v).sum(axis=-1))  # (rows, C), stored as float16
-            norms = xp.minimum(xp.nan_to_num(norms, nan=0.0), 65504.0).astype(xp.float16)
-        if fused_step:
-            self.fused.decode(queries, stored, norms)
-            return None
-        if C == 1:  # a decode step: small arrays, no BLAS threads, nothing to report
-            slot = self._place()
-            logits = None
-            if self.attention is not None:
-                logits = self._logits(queries, stored[:, : self.slots])[:, 0]
-            with _errors_ignored(self.finite):
-                self._step(logits, slot, None if norms is None else norms[:, 0])
-            return None
-        evicted = np.full((self.rows, C), -1, np.int64)
-        with one_blas_thread(), _errors_ignored(self.finite):
-            if self.fused is not None:
-                self.fused.chunk(keys, queries, stored, evicted, norms, BLOCK)
-            else:
-                self._feed_chunk(keys, queries, stored, evicted, norms)
-        return evicted
+    @property
+    def over(self) -> bool:
+        return self.rule.evicts and self.slots > self.config.budget
 
-    def _feed_chunk(self, keys, queries, stored, evicted, norms) -> None:
-        """Token-by-token steps; logits from one matmul per block of ``BLOCK`` queries against
-        [the slots' keys at the block's start + the block's keys], gathered into slot order."""
+    def decode(self, queries) -> bool:
+        """One token (already written at row ``slots`` of the storage): its queries (B,
+        n_heads, 1, D) as given (MLX or NumPy; kept, not read). Returns True when
+        ``settle(stored keys)`` must run before the next token (an eviction is due, or the
+        token is on the settling grid with rows something reads)."""
+        self._arrive(1, queries)
+        if self.over:
+            return True
+        if not self.at_grid(self.seen - 1):
+            return False
+        if self.running or self.queries_held:
+            return True  # rows to compute: the stored keys are needed
+        self._flush(None)  # nothing to compute: no keys read
+        return False
+
+    def at_grid(self, t: int) -> bool:
+        """Is position t one where pending tokens are settled: budget, budget +- block, ...
+        (every eviction point, and the same grid before the budget fills). Settling at fixed
+        absolute positions makes every batch of rows the same for any chunking."""
+        return (t - self.config.budget) % self.block == 0
+
+    def settle(self, keys, values=None):
+        """Rows of the pending tokens from the stored keys (rows, >= slots, D) in slot order
+        (and value norms from the stored values, with ``morphkv_value``); an eviction if one
+        is due. Returns the row moves (src, dst), each (rows, block), that the storage must
+        apply, or None."""
+        self.fill_norms(values)
+        with one_blas_thread():
+            self._flush(keys)
+            if not self.over:
+                return None
+            _, src, dst = self._evict(keys)
+        return src, dst
+
+    def fill_norms(self, values) -> None:
+        """Value norms of the slots that have none yet, from the stored values (rows, >=
+        slots, Dv) host (float32 norms, stored as float16; NaN counts 0)."""
+        if self.value_norms is None or self.norms_from >= self.slots:
+            return
+        s0, n = self.norms_from, self.slots
+        self.value_norms[:, s0:n] = norms_of(values[:, s0:n])
+        self.norms_from = n
+
+    def feed_chunk(self, keys, queries, values, stored, stored_values=None):
+        self.fill_norms(stored_values)
+        with one_blas_thread():
+            return self._feed_chunk(keys, queries, values, stored)
+
+    def _feed_chunk(self, keys, queries, values, stored):
+        """A chunk of C > 1 tokens: keys (rows, C, D), queries (B, n_heads, C, D) or None,
+        values (rows, C, Dv) or None, ``stored`` (rows, >= slots, D) the keys stored before it
+        (all host arrays). The cache returned [the ``slots`` stored rows + the C chunk rows]
+        ("fetched" rows). Returns (source (rows, slots): the fetched row now in each slot,
+        evicted (rows, slots_before + C): the chunk step at which each fetched row was
+        evicted, C if it was not)."""
         R, C, D = keys.shape
-        r = self.row_index
-        slot_keys = None  # the slots' keys as the chunk fills them (attention rules only)
-        if self.attention is not None:
-            width = max(self.capacity, self.config.budget + 1, self.slots + C)
-            slot_keys = np.zeros((R, width, D))
-            slot_keys[:, : self.slots] = stored[:, : self.slots]
-        needed = self._first_row_needed(C)
-        for start in range(0, C, BLOCK):
-            end = min(C, start + BLOCK)
-            n0 = self.slots
-            flat = None
-            if self.attention is not None and end > needed:
-                columns = np.concatenate([slot_keys[:, :n0], keys[:, start:end]], axis=1)
-                logits = self._logits(queries[:, start:end], columns)  # (R, b, G, N)
-                _, b, G, N = logits.shape
-                flat = logits.reshape(-1)
-                # flat index of (row r, step 0, head g, column of slot s); a step adds G * N
-                index = (r[:, None] * (b * G) + np.arange(G)[None, :])[..., None] * N
-                slot_column = np.zeros((R, self.capacity + end - start), np.int64)
-                slot_column[:, :n0] = np.arange(n0)
-            for i in range(start, end):
-                slot = self._place()
-                step_logits = None
-                if slot_keys is not None:
-                    slot_keys[r, slot] = keys[:, i]
-                if flat is not None:
-                    slot_column[r, slot] = n0 + i - start
-                    if i >= needed:
-                        at = index + slot_column[:, None, : self.slots] + (i - start) * G * N
-                        step_logits = flat.take(at)
-                self._step(step_logits, slot, None if norms is None else norms[:, i])
-                if self.dead is not None:
-                    evicted[:, i] = self.positions[r, self.dead]
+        cut = _cutter(queries)
+        norms = None if self.value_norms is None else norms_of(values)
+        before = self.slots
+        width = before + C if not self.rule.evicts else min(before + C, self.config.budget + 1)
+        slot_keys = np.empty((R, width, D), keys.dtype)
+        slot_keys[:, :before] = stored[:, :before]
+        source = np.zeros((R, width), np.int64)
+        source[:, :before] = np.arange(before)
+        evicted = np.full((R, before + C), C, np.int64)
+        r = np.arange(R)[:, None]
+        i = 0
+        while i < C:
+            k = min(C - i, (self.config.budget - self.seen) % self.block + 1)  # to the grid
+            s = self.slots
+            source[:, s : s + k] = before + i + np.arange(k)
+            slot_keys[:, s : s + k] = keys[:, i : i + k]
+            self._arrive(k, cut(i, i + k))
+            if norms is not None:
+                self.value_norms[:, s : s + k] = norms[:, i : i + k]
+                self.norms_from = self.slots
+            i += k
+            if not self.at_grid(self.seen - 1):
+                continue  # the chunk ends before the grid: its last tokens stay pending
+            self._flush(slot_keys)
+            if self.over:
+                victims, src, dst = self._evict(slot_keys)
+                evicted[r, source[r, victims]] = i - 1
+                source[r, dst] = source[r, src]
+                slot_keys[r, dst] = slot_keys[r, src]
+        self.pending = [np.array(q) for q in self.pending]
+        return source[:, : self.slots], evicted  # the pending slices copied: the chunk goes
 
-    def _first_row_needed(self, C: int) -> int:
-        """Index of the first token of a C-token chunk whose attention row can ever be read.
-        Real-query rows are read only by evicting steps, from the last ``window`` rows: before
-        the budget fills, only the rows of the last ``window`` steps before it matter (h2o and
-        proxy rows need every step)."""
-        if not isinstance(self.attention, CausalRows) or self.rule.observes:
-            return 0
-        first_evicting = 0 if self.dead is not None else self.config.budget - self.slots
-        return max(0, min(first_evicting, C) - self.config.window + 1)
+    # ---- rows, scores, eviction ----------------------------------------------------------
+    def _needs(self, t: int) -> bool:
+        """``_needed`` of one position."""
+        if self.running:
+            return True
+        if not (self.window_rule and self.real):
+            return False
+        budget, block = self.config.budget, self.block
+        nxt = budget if t <= budget else budget + -(-(t - budget) // block) * block
+        return nxt <= t + self.reads - 1
 
-    def _place(self):
-        """Slot of the next token: the dead one, else a new one."""
-        if self.dead is not None:
-            return self.dead
-        if self.slots == self.capacity:
-            self._grow(self.slots + 1)
-        self.slots += 1
-        return self.xp.full((self.rows,), self.slots - 1, dtype=self.int)
+    def _needed(self, first: int, count: int) -> np.ndarray:
+        """Which of the positions first .. first + count - 1 have a row anything reads."""
+        t = first + np.arange(count)
+        if self.running:
+            return np.ones(count, bool)
+        if not (self.window_rule and self.real):
+            return np.zeros(count, bool)
+        budget, block = self.config.budget, self.block
+        nxt = np.where(t <= budget, budget, budget + -(-(t - budget) // block) * block)
+        return nxt <= t + self.reads - 1
 
-    def _step(self, logits, slot, norm=None) -> None:
-        """The token placed in ``slot`` arrives: rows, scores, eviction."""
-        r = self.row_index
-        self.positions[r, slot] = self.seen
-        if norm is not None:
-            self.value_norms[r, slot] = norm
-        if self.attention is not None:
-            self.head = (self.head + 1) % self.config.window
-            if logits is not None:  # None: a row no step will read (see _first_row_needed)
-                self.attention.add(logits, slot, self.head)
-        if self.accumulated is not None:
-            self.accumulated[r, slot] = 0.0
-        self.seen += 1
-        self.rule.observe(self)
-        over = self.rule.evicts and self.slots > self.config.budget
-        self.dead = self._select() if over else None
+    def pending_queries(self, pending=None):
+        """Host (B, n_heads, P, D) queries of the pending tokens (real queries only)."""
+        return _concat([host(q) for q in (self.pending if pending is None else pending)])
 
-    def _select(self):
-        """Slot to evict per row: lowest score among unprotected slots, ties to the oldest.
-        Scores are >= 0, so the relative tie tolerance needs no sign handling."""
+    def _flush(self, keys) -> None:
+        """Turn the pending tokens into rows and running scores."""
+        P = self.pending_count
+        if P == 0:
+            return
+        n, first = self.slots, self.seen - P
+        s0 = n - P
+        pending, self.pending, self.pending_count = self.pending, [], 0
+        self.queries_held = 0
+        need = np.nonzero(self._needed(first, P))[0]
+        if need.size == 0:
+            return
+        keys = keys[:, :n]
+        if self.real:
+            q = self.pending_queries(pending)  # (B, n_heads, needed, D): the last P - need[0]
+            B, K, D = q.shape[0], q.shape[2], q.shape[-1]
+            H = self.rows // B
+            q = q.reshape(B, H, -1, K, D).transpose(0, 1, 3, 2, 4).reshape(self.rows, K, -1, D)
+        else:
+            q = keys[:, s0 + need, None]
+        if self.finite:
+            self.finite = bool(np.isfinite(q).all() and np.isfinite(keys).all())
+        rows = causal_rows(q, keys, s0 + need, self.scale, self.finite, TOP, self.real)
+        if self.ring is not None:
+            last = need[-self.config.window :]
+            self.ring[:, (first + last) % self.config.window, :n] = rows[:, -last.size :]
+        elif self.window_rule and self.real:
+            self._window = rows[:, -self.reads :]  # all the window's rows: see _needed
+        if self.running:
+            self._run(rows, s0, n)
+
+    def _run(self, rows, s0: int, n: int) -> None:
+        """Running scores over the new rows (in arrival order); new slots start at 0."""
+        acc = self.accumulated
+        acc[:, s0:n] = 0.0
+        if self.running == "sum":
+            if rows.dtype == np.float16:  # float16 sums are exact in float64: any order
+                acc[:, :n] += rows.sum(axis=1, dtype=np.float64)
+            else:
+                for k in range(rows.shape[1]):
+                    acc[:, :n] += rows[:, k]
+        elif self.decay == 1.0:  # a max is exact in any order
+            np.maximum(acc[:, :n], rows.max(axis=1), out=acc[:, :n])
+        else:
+            for k in range(rows.shape[1]):
+                acc[:, :n] = np.maximum(acc[:, :n] * self.decay, rows[:, k])
+
+    def _evict(self, keys):
+        """Pick ``block`` victims per row and compact; returns (victims, src, dst)."""
+        self._keys = keys
+        try:
+            victims = self.select()
+        finally:
+            self._keys = self._window = None
+        src, dst = compaction(victims, self.slots, self.block)
+        r = np.arange(self.rows)[:, None]
+        self.positions[r, dst] = self.positions[r, src]
+        for name in ("accumulated", "value_norms"):
+            a = getattr(self, name)
+            if a is not None:
+                a[r, dst] = a[r, src]
+        if self.ring is not None:
+            self.ring[r, :, dst] = self.ring[r, :, src]
+        self.slots -= self.block
+        self.norms_from = self.slots
+        return victims, src, dst
+
+    def select(self):
+        """(rows, block) slots to evict: lowest scores among unprotected slots, ties to the
+        oldest, picked ``block`` times. Scores are >= 0."""
+        c = self.config
         positions = self.stored_positions
         newest = self.seen - 1
-        protected = (positions < self.config.n_sink) | (positions > newest - self.config.recent)
-        xp = self.xp
-        scores = self.rule.score(self)
-        if self.value_norms is not None:
-            scores = scores * self.value_norms[:, : self.slots]
-        scores = xp.where(protected, np.inf, scores)
-        tied = scores <= scores.min(axis=1, keepdims=True) * (1.0 + TIE_RTOL)
-        return xp.where(tied, positions, self.no_position).argmin(axis=1).astype(self.int)
+        protected = (positions < c.n_sink) | (positions > newest - c.recent)
+        with np.errstate(invalid="ignore", over="ignore"):
+            scores = np.asarray(self.rule.score(self), np.float64)
+            if self.value_norms is not None:
+                scores = scores * self.value_norms[:, : self.slots]
+        scores = np.ascontiguousarray(np.where(protected, np.inf, scores))
+        out = np.empty((self.rows, self.block), np.int64)
+        kernels.pick(scores, np.ascontiguousarray(positions, np.int64), self.block, out)
+        return out
 
 
 def warm_up() -> None:
-    """Load (or compile, the first time on a machine) the kernels the host path uses: a tiny
-    engine fed a chunk and single tokens, float32 and float16, real-query rows."""
+    """Run a tiny engine once (first-call costs of NumPy's paths stay out of timings)."""
     from .presets import recommended
 
-    config = recommended(32)
     rng = np.random.default_rng(0)
-    for dtype in (np.float32, np.float16):
-        engine = Engine(config, 1, 8, real_queries=True)
-        keys = rng.standard_normal((1, 48, 8)).astype(dtype)
-        queries = rng.standard_normal((1, 48, 2, 8)).astype(dtype)
-        values = np.ones((1, 48, 8), dtype)
-        engine.feed(keys[:, :40], queries[:, :40], keys[:, :40], values[:, :40])
-        for t in range(40, 48):  # the stored keys: any (1, slots, 8) array will do here
-            engine.feed(keys[:, t : t + 1], queries[:, t : t + 1], keys[:, :40], values[:, :1])
+    engine = Engine(recommended(40), 1, 8, real_queries=True)
+    keys = rng.standard_normal((1, 48, 8)).astype(np.float32)
+    queries = rng.standard_normal((1, 2, 48, 8)).astype(np.float32)
+    values = np.ones((1, 48, 8), np.float32)
+    engine.feed_chunk(keys, queries, values, keys[:, :0], values[:, :0])

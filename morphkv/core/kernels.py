@@ -1,16 +1,11 @@
-"""Compiled host kernels (numba) of the selection engine's hot loops, for the rules they know.
+"""Compiled host kernels (numba) of the engine's two hot steps: attention rows and block picks.
 
-The engine (``morphkv.core.engine``) runs a rule through these kernels when ``fused.fused_code``
-knows the rule and its attention rows are real-query rows (``CausalRows``) or none; any other
-rule runs through its own ``score()`` in NumPy. The kernels make the same decisions as that
-generic path: they read and write the same state (the float16 ring through a uint16 view,
-float16 value norms, float64 running scores), sum float16 values in float64 (exact, so in any
-order), and break ties the same way (scores within ``TIE_RTOL`` of the minimum count as tied;
-the oldest position goes). Logits are float64 dot products, as in the generic path; only the
-order of their summation differs (ulp level, before the rounding of each row to float16).
-
-Compiled once per machine (``cache=True`` stores the machine code beside this file, or in
-``NUMBA_CACHE_DIR``); ``warm_up()`` compiles every specialization the engine uses.
+``rows`` turns one batched product's logits into attention rows (softmax per query head over
+the keys present at the query's arrival, summed over the group, rounded to float16 for real
+queries), and ``pick`` chooses a block of victims. They compute exactly what the NumPy
+definitions do (``tests/test_block.py`` holds them to those): float64 throughout, an exp within
+one ulp of NumPy's before the float16 rounding, the same tie rule. Compiled once per machine
+(``cache=True`` keeps the machine code beside this file, or in ``NUMBA_CACHE_DIR``).
 """
 
 from __future__ import annotations
@@ -18,45 +13,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, types
-from numba.extending import overload
+from numba import njit
 
 TIE_RTOL = 1e-9
-# rule codes (``morphkv.core.fused.fused_code`` maps rules onto them)
-RECENCY, MEAN, MAX, NEWEST, CUMULATIVE, PEAK = 0, 1, 2, 3, 4, 5
-NO_POSITION = np.iinfo(np.int32).max
+NO_POSITION = np.iinfo(np.int64).max
 
 
 # ---- float16 on the host without float16 support: values as uint16 bit patterns ------------
 _POW = np.array([2.0**-24] + [2.0 ** (e - 25) for e in range(1, 31)] + [np.inf])
-
-
-@njit(cache=True, inline="always")
-def half_value(bits) -> float:
-    """The float64 value of any float16 bit pattern (keys and queries)."""
-    b = np.int64(bits)
-    e = (b >> 10) & 31
-    m = b & 1023
-    if e == 31:
-        v = np.inf if m == 0 else np.nan
-    else:
-        v = (m + (1024 if e else 0)) * _POW[e]
-    return -v if b >> 15 else v
-
-
-@njit(cache=True, inline="always")
-def _prob(bits) -> float:
-    """float64 value of a finite float16 >= 0 (ring rows, value norms), branch-free."""
-    b = np.int32(bits)
-    e = b >> 10
-    return np.float64((b & 1023) + (1024 if e > 0 else 0)) * _POW[e]
-
-
-@njit(cache=True, inline="always")
-def half_bits(x) -> np.uint16:
-    """float16 bit pattern of ``x`` >= 0 (not NaN), rounded to nearest, ties to even, as
-    NumPy's ``astype(np.float16)`` rounds."""
-    return np.uint16(_round_half(np.array([x]).view(np.int64)[0]))
 
 
 @njit(cache=True, inline="always")
@@ -79,24 +43,6 @@ def _to_half(row, n, out):
     bits = row.view(np.int64)
     for j in range(n):
         out[j] = _round_half(bits[j])
-
-
-def _widen(x):
-    """float64 value of a key/query element (float32, float64, or float16 bits)."""
-
-
-@overload(_widen)
-def _widen_impl(x):
-    if isinstance(x, types.Integer):
-        def from_half(x):
-            return half_value(x)
-
-        return from_half
-
-    def from_float(x):
-        return np.float64(x)
-
-    return from_float
 
 
 # ---- exp, vectorizable: Cody-Waite reduction, degree-13 Taylor (within 1 ulp of NumPy's) ----
@@ -143,16 +89,6 @@ def _exp_shifted(x, n, peak, out, scratch):
 
 
 @njit(cache=True, fastmath={"reassoc"})
-def _finite(logits, n):
-    """No NaN or inf in logits[:, :n] (x * 0 is 0 for finite x, NaN otherwise)."""
-    s = 0.0
-    for g in range(logits.shape[0]):
-        for j in range(n):
-            s += logits[g, j] * 0.0
-    return s == 0.0
-
-
-@njit(cache=True, fastmath={"reassoc"})
 def _sum(x, n):
     total = 0.0
     for j in range(n):
@@ -169,216 +105,103 @@ def _peak(x, n):
     return peak
 
 
-@njit(cache=True, fastmath={"reassoc", "contract"})
-def _dots(q, keys, r, n, scale, out):
-    """out[g, j] = (q[r, g] * scale) . keys[r, j] in float64, j < n, four keys at a time (the
-    summation order is the compiler's: the products are exact, the sums differ by ulps)."""
-    G, D = q.shape[1], q.shape[2]
-    qs = np.empty((G, D))
-    for g in range(G):
-        for d in range(D):
-            qs[g, d] = _widen(q[r, g, d]) * scale
-    k = np.zeros((4, D))
-    for j in range(0, n, 4):
-        m = min(4, n - j)
-        for i in range(m):
-            for d in range(D):
-                k[i, d] = _widen(keys[r, j + i, d])
-        for g in range(G):
-            a0 = a1 = a2 = a3 = 0.0
-            for d in range(D):
-                x = qs[g, d]
-                a0 += x * k[0, d]
-                a1 += x * k[1, d]
-                a2 += x * k[2, d]
-                a3 += x * k[3, d]
-            out[g, j] = a0
-            if m > 1:
-                out[g, j + 1] = a1
-            if m > 2:
-                out[g, j + 2] = a2
-            if m > 3:
-                out[g, j + 3] = a3
-
-
 @njit(cache=True)
-def _causal_row(logits, n, finite, top, ring, r, head, row, scratch):
-    """Row of the new token from logits (G, >= n): softmax over n per query head, summed over
-    the heads, rounded to float16 into ring[r, head, :n]."""
-    G = logits.shape[0]
-    for j in range(n):
-        row[j] = 0.0
-    for g in range(G):
-        x = logits[g]
-        if not finite:
+def rows(logits, slots, finite, top, half, out, out_bits):
+    """Rows of P queries from their logits (R, P, G, n): query p sees keys j <= slots[p].
+    Softmax per head (NaN -> -inf, +inf -> ``top`` unless ``finite``), summed over the G
+    heads into out (R, P, n) float64; with ``half`` also rounded to float16 bits into
+    out_bits (R, P, n) uint16."""
+    R, P, G, n = logits.shape
+    weights, scratch, row = np.empty(n), np.empty(n), np.empty(n)
+    for r in range(R):
+        for p in range(P):
+            m = slots[p] + 1
             for j in range(n):
-                if x[j] != x[j]:
-                    x[j] = -np.inf
-                elif x[j] == np.inf:
-                    x[j] = top
-        peak = _peak(x, n)
-        if not np.isfinite(peak):
-            peak = 0.0
-        weights = scratch[0]
-        _exp_shifted(x, n, peak, weights, scratch[1])
-        total = _sum(weights, n)
-        inv = 1.0 / (total if total > 0.0 else 1.0)
-        for j in range(n):
-            row[j] += inv * weights[j]
-    _to_half(row, n, ring[r, head])
+                row[j] = 0.0
+            for g in range(G):
+                x = logits[r, p, g]
+                if not finite:
+                    for j in range(m):
+                        if x[j] != x[j]:
+                            x[j] = -np.inf
+                        elif x[j] == np.inf:
+                            x[j] = top
+                peak = _peak(x, m)
+                if not np.isfinite(peak):
+                    peak = 0.0
+                _exp_shifted(x, m, peak, weights, scratch)
+                total = _sum(weights, m)
+                inv = 1.0 / (total if total > 0.0 else 1.0)
+                for j in range(m):
+                    row[j] += inv * weights[j]
+            for j in range(n):
+                out[r, p, j] = row[j]
+            if half:
+                _to_half(row, n, out_bits[r, p])
 
 
 @njit(cache=True)
-def _observe(code, ring, r, head, slots, slot, accumulated, peak, decay):
-    """Running scores: a new token's slot starts at 0; h2o adds the newest row; a peak (the
-    peak rule, or a window rule fused with one) keeps max(decay * peak, newest row)."""
-    if code == CUMULATIVE:
-        accumulated[r, slot] = 0.0
-        for j in range(slots):
-            accumulated[r, j] += _prob(ring[r, head, j])
-    elif code == PEAK or peak > 0.0:
-        accumulated[r, slot] = 0.0
-        for j in range(slots):
-            held = accumulated[r, j]
-            if decay != 1.0:
-                held = held * decay
-            accumulated[r, j] = max(held, _prob(ring[r, head, j]))
+def pick(scores, positions, block, out):
+    """``block`` successive picks per row of the lowest score (R, n), ties within TIE_RTOL
+    (relative) to the oldest position; a picked slot leaves the candidates. Small blocks scan;
+    larger ones sort once per row (the candidates tied with the lowest remaining score are a
+    prefix of the remaining ones in score order)."""
+    R, n = scores.shape
+    taken = np.zeros(n, np.bool_)
+    for r in range(R):
+        taken[:] = False
+        if block <= 4:
+            for k in range(block):
+                out[r, k] = _scan(scores[r], positions[r], taken)
+                taken[out[r, k]] = True
+            continue
+        order = np.argsort(scores[r])
+        first = 0  # the lowest untaken entry of ``order``
+        for k in range(block):
+            while taken[order[first]]:
+                first += 1
+            limit = scores[r, order[first]] * (1.0 + TIE_RTOL)
+            best, oldest = order[first], positions[r, order[first]]
+            i = first + 1
+            while i < n and scores[r, order[i]] <= limit:
+                j = order[i]
+                if not taken[j] and positions[r, j] < oldest:
+                    best, oldest = j, positions[r, j]
+                i += 1
+            taken[best] = True
+            out[r, k] = best
 
 
 @njit(cache=True)
-def _select(code, r, positions, slots, seen, n_sink, recent, ring, head, accumulated, norms,
-            weighted, scores, window_sum, peak):
-    """Slot to evict in row r: lowest score among unprotected slots, ties to the oldest."""
-    W = ring.shape[1]
-    if code == RECENCY:
-        for j in range(slots):
-            scores[j] = np.float64(positions[r, j])
-    elif code == CUMULATIVE or code == PEAK:
-        for j in range(slots):
-            scores[j] = accumulated[r, j]
-    elif code == NEWEST:
-        for j in range(slots):
-            scores[j] = _prob(ring[r, head, j])
-    elif code == MAX:
-        for j in range(slots):
-            scores[j] = _prob(ring[r, 0, j])
-        for w in range(1, W):
-            for j in range(slots):
-                scores[j] = max(scores[j], _prob(ring[r, w, j]))
-    elif window_sum.shape[1] > 0:  # mean, from the chunk's running sums (exact, see below)
-        for j in range(slots):
-            scores[j] = window_sum[r, j] / W
-    else:
-        for j in range(slots):
-            scores[j] = 0.0
-        for w in range(W):
-            for j in range(slots):
-                scores[j] += _prob(ring[r, w, j])
-        for j in range(slots):
-            scores[j] = scores[j] / W
-    if peak > 0.0:  # max(window score, lambda * peak), before the value weights
-        for j in range(slots):
-            scores[j] = max(scores[j], peak * accumulated[r, j])
-    if weighted:
-        for j in range(slots):
-            scores[j] = scores[j] * _prob(norms[r, j])
-    newest = seen - 1
+def _scan(scores, positions, taken):
+    """The oldest untaken slot among those within TIE_RTOL of the lowest untaken score."""
     low = np.inf
-    for j in range(slots):
-        p = positions[r, j]
-        if p < n_sink or p > newest - recent:
-            scores[j] = np.inf
-        low = min(low, scores[j])
+    for j in range(scores.size):
+        if not taken[j] and scores[j] < low:
+            low = scores[j]
     limit = low * (1.0 + TIE_RTOL)
     best, oldest = 0, NO_POSITION
-    for j in range(slots):
-        if scores[j] <= limit and positions[r, j] < oldest:
-            best, oldest = j, positions[r, j]
+    for j in range(scores.size):
+        if not taken[j] and scores[j] <= limit and positions[j] < oldest:
+            best, oldest = j, positions[j]
     return best
 
 
-@njit(cache=True)
-def decode_step(code, q, keys, scale, finite, top, positions, ring, accumulated, norms, new_norms,
-                weighted, slot, slots, seen, head, evicts, budget, n_sink, recent, dead, peak,
-                decay):
-    """One token, every row: the token is already placed in ``slot`` (its position and norm
-    are written here). ``q`` (rows, G, D) real queries (empty: no attention rows), ``keys``
-    (rows, >= slots, D) the stored keys, new token included. Writes ``dead`` (rows,), the slot
-    each row evicts (when over the budget). Returns (evicted?, finite): ``finite`` turns False
-    for good at the first NaN or inf logit (a non-finite key or query always makes one: float32
-    products cannot overflow float64), which is then cleaned as the generic path cleans it."""
-    R = positions.shape[0]
-    attention = q.shape[1] > 0
-    logits = np.empty((max(q.shape[1], 1), slots))
-    row, scores, scratch = np.empty(slots), np.empty(slots), np.empty((2, slots))
-    no_sum = np.empty((R, 0))
-    over = evicts and slots > budget
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def dots(q, keys, scale, out):
+    """out[r, p, g, j] = (q[r, p, g] * scale) . keys[r, j] in float64 (exact products; the
+    summation order is the compiler's), for few queries: no float64 copy of the keys."""
+    R, P, G, D = q.shape
+    n = keys.shape[1]
+    qs = np.empty((P * G, D))
     for r in range(R):
-        s = slot[r]
-        positions[r, s] = seen
-        if weighted:
-            norms[r, s] = new_norms[r]
-        if attention:
-            _dots(q, keys, r, slots, scale, logits)
-            if finite:
-                finite = _finite(logits, slots)
-            _causal_row(logits, slots, finite, top, ring, r, head, row, scratch)
-        _observe(code, ring, r, head, slots, s, accumulated, peak, decay)
-        if over:
-            dead[r] = _select(code, r, positions, slots, seen + 1, n_sink, recent, ring, head,
-                              accumulated, norms, weighted, scores, no_sum, peak)
-    return over, finite
-
-
-@njit(cache=True)
-def chunk_block(code, flat, slot_column, n0, start, first_needed, keys, slot_keys, finite, top,
-                positions, ring, accumulated, norms, new_norms, weighted, dead, has_dead, slots,
-                seen, head, window, evicts, budget, n_sink, recent, evicted, window_sum, peak,
-                decay):
-    """Tokens start..start+b of a chunk, token by token, as ``decode_step`` would run them.
-    ``flat`` (rows, b, G, N) logits of the block's queries against [the slots' keys at the
-    block's start (n0 columns) + the block's keys]; ``slot_column`` (rows, >= slots + b) maps
-    slots to those columns. ``window_sum`` (rows, capacity): for the mean rule, the sum over
-    the ring of each slot's entries, kept up to date as rows are replaced (float16 values add
-    and subtract exactly in float64), or (rows, 0). Returns (slots, seen, head, has_dead)."""
-    R, b = positions.shape[0], flat.shape[1]
-    attention = flat.shape[2] > 0
-    G = flat.shape[2]
-    cap = positions.shape[1]
-    logits = np.empty((max(G, 1), cap))
-    row, scores, scratch = np.empty(cap), np.empty(cap), np.empty((2, cap))
-    for i in range(b):
-        if not has_dead:
-            slots += 1
-        if attention:
-            head = (head + 1) % window
-        over = evicts and slots > budget
-        for r in range(R):
-            s = dead[r] if has_dead else slots - 1
-            positions[r, s] = seen
-            if weighted:
-                norms[r, s] = new_norms[r, start + i]
-            if attention:
-                if slot_keys.shape[1] > 0:
-                    slot_keys[r, s] = keys[r, start + i]
-                slot_column[r, s] = n0 + i
-                if start + i >= first_needed:
-                    for g in range(G):
-                        for j in range(slots):
-                            logits[g, j] = flat[r, i, g, slot_column[r, j]]
-                    summed = window_sum.shape[1] > 0
-                    if summed:
-                        for j in range(slots):
-                            window_sum[r, j] -= _prob(ring[r, head, j])
-                    _causal_row(logits, slots, finite, top, ring, r, head, row, scratch)
-                    if summed:
-                        for j in range(slots):
-                            window_sum[r, j] += _prob(ring[r, head, j])
-            _observe(code, ring, r, head, slots, s, accumulated, peak, decay)
-            if over:
-                dead[r] = _select(code, r, positions, slots, seen + 1, n_sink, recent, ring,
-                                  head, accumulated, norms, weighted, scores, window_sum, peak)
-                evicted[r, start + i] = positions[r, dead[r]]
-        seen += 1
-        has_dead = over
-    return slots, seen, head, has_dead
+        for p in range(P):
+            for g in range(G):
+                for d in range(D):
+                    qs[p * G + g, d] = np.float64(q[r, p, g, d]) * scale
+        for j in range(n):
+            for i in range(P * G):
+                acc = 0.0
+                for d in range(D):
+                    acc += qs[i, d] * np.float64(keys[r, j, d])
+                out[r, i // G, i % G, j] = acc

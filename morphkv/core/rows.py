@@ -1,139 +1,94 @@
-"""Attention rows: the per-slot attention that attention rules (morphkv, tova, h2o) read.
+"""Attention rows, computed in batches: what the attention rules (morphkv, tova, h2o, peak) read.
 
-Both kinds below are fed one token at a time with the new token's logits against every stored
-slot (``logits``: (rows, groups, slots), already scaled; the new token is in ``slot``) and keep
-a ring of the last ``window`` tokens' rows. Neither keeps a copy of the stored keys.
+A row is the attention one query paid to the tokens stored when it arrived: a softmax over
+those keys per query head, summed over the query heads that share the KV head. Between two
+evictions the stored set only grows (tokens are appended in arrival order, so slot order is
+arrival order for them), so query q, held in slot ``s_q``, saw exactly the slots ``<= s_q``:
+the rows of every query since the last eviction come from ONE batched product of those queries
+with the stored keys under that causal mask (``causal_rows``). Nothing here depends on how the
+queries are batched: the products are float64 (exact for float16/float32 inputs), only their
+summation order depends on BLAS, at the ulp level, below the float16 rounding of real-query
+rows (and within the engine's tie tolerance for proxy rows).
 
-* ``CausalRows`` (real queries, the paper's estimator): row t is the attention the model's
-  queries at step t paid to the tokens stored then — softmax over those tokens, summed over the
-  query heads that share the KV head — rounded to float16 (the state is ``window`` float16
-  numbers per slot). A row is never revised: a token arriving later is not in it (causal), and
-  a slot reused by a newer token keeps stale entries only in rows older than that token, which
-  leave the ring before the token stops being protected (``recent >= window``). Sums of float16
-  values are exact in float64, so scores do not depend on summation order.
-* ``ProxyRows`` (keys as proxy queries): row w is the softmax of stored key w against every
-  stored slot, revised as slots change: the ring keeps float64 numerators with their shifts and
-  sums, and each step adds one row and one column. The column (the window's keys against the
-  new key) is read off the new row, since k_w . k_new = k_new . k_w; the window's keys are the
-  stored keys of the last ``window`` tokens, located by ``ring_slot``.
+* Real queries (the paper's estimator): rows are rounded to float16 and the last ``window`` of
+  them kept in a ring, one row per absolute position ``t % window`` (``window`` float16 numbers
+  per slot). A row is never revised. A slot refilled after an eviction keeps stale entries only
+  in rows older than its token, which leave the ring before the token stops being protected
+  (``recent >= window``), so they never decide anything.
+* Keys as proxy queries: the window's rows are recomputed at each eviction from the stored
+  keys of the last ``window`` tokens over every stored key (``proxy_rows``), as the proxy rule
+  defines them (float64, never rounded); running scores (h2o, peak) take each token's own key
+  as its query, like a real query.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from . import kernels
 
-def _clean(xp, logits, top: float):
+SMALL = 4  # at most this many queries: products in a compiled loop, else one BLAS matmul
+
+
+def clean(logits, top: float):
     """NaN logits become -inf (zero attention); +inf becomes the largest finite float."""
-    return xp.nan_to_num(logits, nan=-np.inf, posinf=top, neginf=-np.inf)
+    return np.nan_to_num(logits, nan=-np.inf, posinf=top, neginf=-np.inf)
 
 
-def _peak(xp, logits, finite: bool):
-    """Row max (0 for a row without a finite logit)."""
-    peak = logits.max(axis=-1)
-    return peak if finite else xp.where(xp.isfinite(peak), peak, 0.0)
+def softmax_sum(logits, finite: bool, top: float):
+    """Softmax over the last axis of (..., G, n) logits, summed over G -> (..., n) float64.
+    A row without a finite logit (all masked or NaN) is all zeros."""
+    if not finite:
+        logits = clean(logits, top)
+    peak = logits.max(axis=-1, keepdims=True)
+    if not finite or not np.isfinite(peak).all():
+        peak = np.where(np.isfinite(peak), peak, 0.0)
+    weights = np.exp(logits - peak)
+    total = weights.sum(axis=-1, keepdims=True)
+    total = np.where(total > 0, total, 1.0)
+    return (weights / total).sum(axis=-2)
 
 
-def _nonzero(xp, total, finite: bool):
-    """Sums of numerators; a row without a finite logit (all zero) divides by 1."""
-    return total if finite else xp.where(total > 0, total, 1.0)
+def logits_of(queries, keys, scale: float):
+    """(rows, P, G, n) float64 scaled logits of queries (rows, P, G, D) against keys (rows, n, D).
+    The scale multiplies the queries, the smaller operand."""
+    R, P, G, D = queries.shape
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf keys: cleaned after
+        q = queries.astype(np.float64).reshape(R, P * G, D) * scale
+        dots = q @ keys.astype(np.float64).transpose(0, 2, 1)
+    return dots.reshape(R, P, G, keys.shape[1])
 
 
-class CausalRows:
-    ARRAYS = ("ring",)
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.ring = engine.xp.zeros((engine.rows, engine.config.window, 0), dtype=self.dtype)
-
-    @property
-    def dtype(self):
-        return self.engine.xp.float16
-
-    def widen(self, pad: int) -> None:
-        xp = self.engine.xp
-        self.ring = xp.pad(self.ring, [(0, 0), (0, 0), (0, pad)])
-
-    def add(self, logits, slot, head: int) -> None:
-        """Row of the new token (its slot needs no special care: it is in ``logits``)."""
-        e, xp = self.engine, self.engine.xp
-        if not e.finite:
-            logits = _clean(xp, logits, e.top)
-        weights = xp.exp(logits - _peak(xp, logits, e.finite)[..., None])  # (rows, G, n)
-        total = _nonzero(xp, weights.sum(axis=-1), e.finite)  # (rows, G)
-        row = ((1.0 / total)[:, None, :] @ weights)[:, 0]  # probabilities summed over G
-        self.ring[:, head, : logits.shape[-1]] = row.astype(self.dtype)
-
-    def window_probs(self):
-        """(rows, window, slots) attention rows of the last ``window`` tokens."""
-        return self.ring[..., : self.engine.slots]
-
-    def window_mean(self):
-        """(rows, slots) mean of the window's rows (float16 sums are exact in float64)."""
-        e, probs = self.engine, self.window_probs()
-        if e.xp is np:
-            return probs.sum(axis=1, dtype=e.float) / probs.shape[1]
-        return probs.astype(e.float).sum(axis=1) / probs.shape[1]
-
-    def newest_probs(self):
-        """(rows, slots) attention of the newest token."""
-        return self.ring[:, self.engine.head, : self.engine.slots]
+def causal_rows(queries, keys, slots, scale: float, finite: bool, top: float, half: bool):
+    """Rows (rows, P, n) of P queries held in ``slots`` (P,) (the same for every row), each
+    over the stored keys (rows, n, D) in slots <= its own: float64, or float16 with ``half``
+    (compiled: ``kernels.rows``)."""
+    R, P, G, _ = queries.shape
+    if P <= SMALL and keys.dtype in (np.float32, np.float64):  # no float64 copy of the keys
+        logits = np.empty((R, P, G, keys.shape[1]))
+        kernels.dots(np.ascontiguousarray(queries), np.ascontiguousarray(keys), scale, logits)
+    else:
+        logits = np.ascontiguousarray(logits_of(queries, keys, scale))
+    n = logits.shape[-1]
+    out = np.empty((R, P, n))
+    bits = np.empty((R, P, n) if half else (1, 1, 1), np.uint16)
+    kernels.rows(logits, np.asarray(slots, np.int64), finite, top, half, out, bits)
+    return bits.view(np.float16) if half else out
 
 
-class ProxyRows:
-    ARRAYS = ("ring_weights", "ring_shift", "ring_total", "ring_slot")
+def causal_rows_numpy(queries, keys, slots, scale: float, finite: bool, top: float):
+    """``causal_rows`` (float64) in NumPy: the definition the kernel is held to."""
+    n = keys.shape[1]
+    logits = logits_of(queries, keys, scale)
+    seen = np.arange(n)[None, :] <= np.asarray(slots)[:, None]  # (P, n)
+    if not seen.all():
+        logits = np.where(seen[None, :, None, :], logits, -np.inf)  # exp(-inf) is 0
+    return softmax_sum(logits, finite, top)
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        xp, R, W = engine.xp, engine.rows, engine.config.window
-        self.ring_weights = xp.zeros((R, W, 0), dtype=engine.float)
-        self.ring_shift = xp.zeros((R, W), dtype=engine.float)
-        self.ring_total = xp.zeros((R, W), dtype=engine.float)
-        self.ring_slot = xp.zeros((R, W), dtype=engine.int)
 
-    def widen(self, pad: int) -> None:
-        self.ring_weights = self.engine.xp.pad(self.ring_weights, [(0, 0), (0, 0), (0, pad)])
-
-    def add(self, logits, slot, head: int) -> None:
-        """``logits`` (rows, 1, slots): the new key against every stored key."""
-        e, xp = self.engine, self.engine.xp
-        logits = logits[:, 0]
-        if not e.finite:
-            logits = _clean(xp, logits, e.top)
-        r, n = e.row_index, logits.shape[-1]
-        # the column: the window's keys against the new key, replacing the slot's old column
-        flat = r[:, None] * n + self.ring_slot
-        column = xp.take(logits.reshape(-1), flat) - self.ring_shift
-        column = xp.exp(xp.minimum(column, e.max_exponent))
-        self.ring_total = self.ring_total - self.ring_weights[r, :, slot] + column
-        self.ring_weights[r, :, slot] = column
-        # the row: the new key against every stored key, replacing the oldest row
-        self.ring_slot[:, head] = slot
-        self.ring_shift[:, head] = shift = _peak(xp, logits, e.finite)
-        self.ring_weights[:, head, :n] = weights = xp.exp(logits - shift[:, None])
-        self.ring_total[:, head] = weights.sum(axis=-1)
-
-    def _window(self):
-        """Numerators (rows, window, slots) and sums (rows, window) of the valid ring rows."""
-        e, xp = self.engine, self.engine.xp
-        weights, total = self.ring_weights[..., : e.slots], self.ring_total
-        rows = min(e.seen, e.config.window)
-        if rows < e.config.window:  # the ring is not full yet
-            ring = xp.array([(e.head - i) % e.config.window for i in range(rows)])
-            weights, total = weights[:, ring], total[:, ring]
-        return weights, _nonzero(xp, total, e.finite)
-
-    def window_probs(self):
-        weights, total = self._window()
-        return weights / total[..., None]
-
-    def window_mean(self):
-        """(rows, slots) mean probability over the window: one matvec, no division of the
-        whole ring."""
-        weights, total = self._window()
-        return ((1.0 / total)[:, None, :] @ weights)[:, 0] / total.shape[1]
-
-    def newest_probs(self):
-        e = self.engine
-        total = _nonzero(e.xp, self.ring_total[:, e.head, None], e.finite)
-        return self.ring_weights[:, e.head, : e.slots] / total
+def proxy_rows(keys, positions, window: int, scale: float, finite: bool, top: float):
+    """(rows, window, n) float64: the stored keys of the newest ``window`` tokens as queries
+    over every stored key (the proxy rule's window, as stored now)."""
+    newest = np.argsort(positions, axis=1, kind="stable")[:, -window:]  # (rows, W) slots
+    queries = np.take_along_axis(keys, newest[..., None], axis=1)[:, :, None]  # (rows, W, 1, D)
+    return softmax_sum(logits_of(queries, keys, scale), finite, top)

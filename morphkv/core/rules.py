@@ -18,12 +18,9 @@ Array = Any  # numpy.ndarray or mlx.core.array
 class Rule:
     """Base rule. ``attention`` says whether the engine must keep attention logits."""
 
-    attention = False  # needs the ring of window logits
+    attention = False  # needs attention rows
     evicts = True
-    observes = False  # needs observe() after every token
-
-    def observe(self, engine) -> None:
-        """Called after every appended token (also before the budget is reached)."""
+    observes = False  # keeps a running score per slot (the engine updates it: h2o, peak)
 
     def score(self, engine) -> Array:
         raise NotImplementedError
@@ -64,22 +61,11 @@ class Random(Rule):
         return (x ^ (x >> const(16))).astype(engine.float)
 
 
-def observe_peak(engine, decay: float) -> None:
-    """Running peak per slot: ``accumulated = max(decay * accumulated, newest attention)`` (a
-    new token's slot starts at 0, so its peak is its own first row)."""
-    xp, n = engine.xp, engine.slots
-    newest = engine.newest_probs().astype(engine.float)
-    held = engine.accumulated[:, :n]
-    if decay != 1.0:
-        held = held * decay
-    engine.accumulated[:, :n] = xp.maximum(held, newest)
-
-
 class WindowAttention(Rule):
     """MorphKV: attention of the last ``window`` tokens' queries (``morphkv.core.rows``), fused by
     mean or max over the window. ``newest_only`` gives TOVA. With ``peak`` = lambda > 0 the
     score is ``max(window score, lambda * peak)``, peak the running (``decay``-ing) maximum of
-    the attention each token has received (``observe_peak``): a token the conversation attended
+    the attention each token has received (kept by the engine): a token the conversation attended
     to strongly once keeps a share of that attention while the window moves on."""
 
     attention = True
@@ -92,10 +78,6 @@ class WindowAttention(Rule):
         self.peak, self.decay = float(peak), float(decay)
         self.observes = self.peak > 0
 
-    def observe(self, engine) -> None:
-        if self.observes:
-            observe_peak(engine, self.decay)
-
     def score(self, engine) -> Array:
         if self.newest_only:
             window = engine.newest_probs().astype(engine.float)
@@ -105,7 +87,8 @@ class WindowAttention(Rule):
             window = engine.window_mean()
         if not self.observes:
             return window
-        return engine.xp.maximum(window, self.peak * engine.accumulated[:, : engine.slots])
+        peak = engine.accumulated[:, : engine.slots].astype(engine.float)
+        return engine.xp.maximum(window, self.peak * peak)
 
 
 class Peak(Rule):
@@ -119,11 +102,8 @@ class Peak(Rule):
     def __init__(self, decay: float = 1.0) -> None:
         self.decay = float(decay)
 
-    def observe(self, engine) -> None:
-        observe_peak(engine, self.decay)
-
     def score(self, engine) -> Array:
-        return engine.accumulated[:, : engine.slots]
+        return engine.accumulated[:, : engine.slots].astype(engine.float)
 
 
 class Pooled(Rule):
@@ -135,9 +115,6 @@ class Pooled(Rule):
     def __init__(self, inner: Rule, kernel: int) -> None:
         self.inner, self.kernel = inner, kernel
         self.attention, self.evicts, self.observes = inner.attention, inner.evicts, inner.observes
-
-    def observe(self, engine) -> None:
-        self.inner.observe(engine)
 
     def score(self, engine) -> Array:
         xp, c = engine.xp, engine.config
@@ -163,12 +140,8 @@ class Cumulative(Rule):
     attention = True
     observes = True
 
-    def observe(self, engine) -> None:
-        newest = engine.newest_probs().astype(engine.float)
-        engine.accumulated[:, : engine.slots] = engine.accumulated[:, : engine.slots] + newest
-
     def score(self, engine) -> Array:
-        return engine.accumulated[:, : engine.slots]
+        return engine.accumulated[:, : engine.slots].astype(engine.float)
 
 
 def make_rule(config) -> Rule:

@@ -1,8 +1,8 @@
 """Saving and loading the selection engine's state, checked before it is trusted.
 
 A saved cache is untrusted input: ``restore`` checks every array's dtype and shape against the
-config and the storage, and every value against the others (slot counts, positions, the dead
-slot, ring rows), and raises one ``ValueError`` naming what is wrong before anything is built.
+config and the storage, and every value against the others (slot counts, positions, ring
+rows), and raises one ``ValueError`` naming what is wrong before anything is built.
 Arrays travel as raw bytes with a spec string ``name:dtype:d0xd1;...`` (float64 has no
 portable MLX dtype).
 """
@@ -16,7 +16,7 @@ from . import quant
 from .config import KVCacheConfig
 from .engine import Engine
 
-DTYPES = ("float64", "float16", "int32", "int64")
+DTYPES = ("float64", "float32", "float16", "int32", "int64")
 
 
 def pack(arrays: dict[str, np.ndarray]) -> tuple[str, list[mx.array]]:
@@ -51,19 +51,19 @@ def unpack(spec: str, data: list) -> dict[str, np.ndarray]:
 
 
 def snapshot(engine: Engine) -> dict[str, np.ndarray]:
-    """Host arrays describing the engine completely."""
-    engine.to(np)
+    """Host arrays describing the engine completely, pending queries (values) included."""
     out = {
-        name: getattr(owner, name)
-        for owner, names in engine._arrays()
-        for name in names
-        if name not in ("row_index", "dead") and getattr(owner, name) is not None
+        name: getattr(engine, name)
+        for name in engine.ARRAYS
+        if getattr(engine, name) is not None
     }
-    dead = np.full(engine.rows, -1, np.int64) if engine.dead is None else engine.dead
-    out["dead"] = np.asarray(dead, np.int64)
     out["scalars"] = np.array(
-        [engine.seen, engine.slots, engine.head, engine.finite, engine.capacity], np.int64
+        [engine.seen, engine.slots, engine.finite, engine.capacity, engine.pending_count],
+        np.int64,
     )
+    if engine.pending and engine.real:
+        out["pending_queries"] = engine.pending_queries()
+
     out["scale"] = np.array([engine.scale], np.float64)
     return out
 
@@ -76,72 +76,58 @@ def _need(ok: bool, what: str) -> None:
 def restore(config: KVCacheConfig, rows: int, head_dim: int, stored_rows: int, saved: dict):
     """An engine rebuilt from ``snapshot`` output, after checking it (see module doc)."""
     engine = Engine(config, rows, head_dim, config.scoring == "attention")
-    expected = {"dead", "scalars", "scale"} | {
-        n for owner, names in engine._arrays() for n in names if getattr(owner, n) is not None
-    } - {"row_index"}
-    _need(set(saved) == expected, f"arrays {sorted(saved)} != {sorted(expected)}")
+    expected = {"scalars", "scale"} | {
+        n for n in engine.ARRAYS if getattr(engine, n) is not None
+    }
     scalars, scale = saved["scalars"], saved["scale"]
     _need(scalars.shape == (5,) and scalars.dtype == np.int64, "scalars")
-    seen, slots, head, finite, capacity = (int(x) for x in scalars)
+    seen, slots, finite, capacity, pending = (int(x) for x in scalars)
+    _need(0 <= pending <= min(config.block, seen), f"{pending} pending tokens")
+    held = int(engine._needed(seen - pending, pending).sum()) if engine.real else 0
+    if held:
+        expected.add("pending_queries")
+    _need(set(saved) == expected, f"arrays {sorted(saved)} != {sorted(expected)}")
+    queries = saved.get("pending_queries")
+    if queries is not None:
+        a = queries
+        _need(a.ndim == 4 and a.shape[2] == held and a.dtype.kind == "f"
+              and rows % a.shape[0] == 0 and a.shape[1] % (rows // a.shape[0]) == 0,
+              f"pending_queries {a.dtype}{a.shape}")
     W, budget = config.window, config.budget
     _need(0 <= slots <= min(capacity, stored_rows, seen), f"slots={slots}")
-    _need(-1 <= head < W and finite in (0, 1), f"head={head}, finite={finite}")
+    _need(finite in (0, 1), f"finite={finite}")
     _need(scale.shape == (1,) and np.isfinite(scale).all() and scale[0] > 0, "scale")
     if engine.rule.evicts:
-        _need(slots <= budget + 1 and capacity <= budget + 1, f"{slots} slots for budget {budget}")
+        _need(slots <= budget and capacity <= budget + 1, f"{slots} slots for budget {budget}")
     else:
         _need(slots == seen, f"{slots} slots after {seen} tokens without eviction")
-    dead = saved["dead"]
-    _need(dead.shape == (rows,) and dead.dtype == np.int64, "dead slots shape")
-    has_dead = bool((dead >= 0).any())
-    _need(not has_dead or ((dead >= 0) & (dead < slots)).all(), "dead slot out of range")
-    _need(not has_dead or slots == budget + 1, "a dead slot below the budget")
     positions = saved["positions"]
     _need(positions.shape == (rows, capacity) and positions.dtype == np.int32, "positions shape")
-    live = np.ones((rows, slots), bool)
-    if has_dead:
-        live[np.arange(rows), dead] = False  # the dead slot's token is gone
-    kept = positions[:, :slots][live].reshape(rows, -1).astype(np.int64)
-    _need(not engine.rule.evicts or kept.shape[1] <= budget, "more kept tokens than the budget")
+    kept = positions[:, :slots].astype(np.int64)
     _need(bool(((kept >= 0) & (kept < seen)).all()), "positions out of range")
     ordered = np.sort(kept, axis=1)
     _need(not (ordered[:, 1:] == ordered[:, :-1]).any(), "a position stored twice")
     _need(seen == 0 or bool((kept == seen - 1).any(axis=1).all()), "newest token missing")
-    for name, dtype in (("accumulated", np.float64), ("value_norms", np.float16)):
+    for name in ("accumulated", "value_norms"):
+        dtype = None if getattr(engine, name) is None else getattr(engine, name).dtype
         if name in saved:
             a = saved[name]
             _need(a.shape == (rows, capacity) and a.dtype == dtype, f"{name} shape")
             _need(bool((a[:, :slots] >= 0).all()), f"{name} negative")
-    _check_rows(engine, saved, rows, W, capacity, slots)
-    engine.seen, engine.slots, engine.head, engine.finite = seen, slots, head, bool(finite)
+    if "ring" in saved:
+        a = saved["ring"]
+        _need(a.shape == (rows, W, capacity) and a.dtype == np.float16,
+              f"ring is {a.dtype}{a.shape}")
+        _need(bool(((a >= 0) & np.isfinite(a)).all()), "ring holds a negative or NaN")
+    engine.seen, engine.slots, engine.finite = seen, slots, bool(finite)
+    engine.pending_count, engine.norms_from = pending, slots
+    engine.pending = [] if queries is None else [queries]
+    engine.queries_held = 0 if queries is None else queries.shape[2]
     engine.capacity, engine.scale = capacity, float(scale[0])
-    engine.dead = dead.astype(np.int32) if has_dead else None
-    for owner, names in engine._arrays():
-        for name in names:
-            if name in saved and name != "dead":
-                setattr(owner, name, saved[name].copy())
+    for name in engine.ARRAYS:
+        if name in saved:
+            setattr(engine, name, saved[name].copy())
     return engine
-
-
-def _check_rows(engine: Engine, saved: dict, rows: int, W: int, capacity: int, slots: int):
-    if engine.attention is None:
-        return
-    shapes = {
-        "ring": ((rows, W, capacity), np.float16),
-        "ring_weights": ((rows, W, capacity), np.float64),
-        "ring_shift": ((rows, W), np.float64),
-        "ring_total": ((rows, W), np.float64),
-        "ring_slot": ((rows, W), np.int32),
-    }
-    for name in engine.attention.ARRAYS:
-        shape, dtype = shapes[name]
-        a = saved[name]
-        _need(a.shape == shape and a.dtype == dtype, f"{name} is {a.dtype}{a.shape}")
-        if a.dtype.kind == "f" and name != "ring_shift":
-            _need(bool(((a >= 0) & np.isfinite(a)).all()), f"{name} holds a negative or NaN")
-    if "ring_slot" in saved:
-        _need(bool(((saved["ring_slot"] >= 0) & (saved["ring_slot"] < max(slots, 1))).all()),
-              "ring_slot out of range")
 
 
 class SavedState:
@@ -156,6 +142,7 @@ class SavedState:
         self._flush()
         if self.engine is None:
             return [self.config.to_json()]
+        self.engine.fill_norms(self._host_values())  # the pending tokens' norms, from storage
         keys, values = self._fetch()
         spec, arrays = pack(snapshot(self.engine))
         storage = [keys, values] if self.config.kv_bits is None else [*keys, *values]
@@ -179,6 +166,7 @@ class SavedState:
             B, H, N = quant.dims(keys)
             D = quant.head_dim(keys, config.kv_group_size)
             engine = restore(config, B * H, D, N, unpack(spec, arrays))
+            engine.stored_keys = self._host_keys
             if engine.slots != N:
                 raise ValueError(f"saved cache: {N} stored rows for {engine.slots} slots")
         self.config, self.keys, self.values, self.engine = config, keys, values, engine

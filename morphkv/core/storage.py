@@ -1,9 +1,10 @@
 """Slot storage of ``MorphKVCache``: where each token's keys and values live.
 
 Storage is (B, n_kv_heads, slots, head_dim) per K and V, in the arriving dtype or as mlx_lm's
-quantized triplets (``morphkv.core.quant``). A new token is written into the slot its row evicted
-one step earlier (in place, ``put_along_axis``), or appended below the budget; after a
-multi-token chunk the rows are gathered once into the engine's slot layout.
+quantized triplets (``morphkv.core.quant``). The live tokens are the first ``slots`` rows (the
+engine's slot layout); a new token is appended after them in place. An eviction moves at most
+``block`` rows down into the evicted rows (``_move``); after a multi-token chunk the rows are
+gathered once into the engine's slot layout.
 """
 
 from __future__ import annotations
@@ -25,36 +26,29 @@ class SlotStorage:
     """The storage half of ``MorphKVCache`` (it reads ``keys``, ``values``, ``config`` and
     ``engine`` of the cache)."""
 
-    def _place(self, keys: mx.array, values: mx.array, dead: np.ndarray | None) -> int:
-        """Write the new tokens: the first into the dead slot (if any), the rest appended.
-        Returns the number of rows that now hold tokens."""
-        B, H, C = quant.dims(keys)
+    def _place(self, keys: mx.array, values: mx.array) -> int:
+        """Append the new tokens after the ``slots`` live rows (in place when the storage has
+        room, as mlx_lm's caches write). Returns the number of rows that now hold tokens."""
         start = self.engine.slots
-        if dead is not None:
-            if isinstance(dead, mx.array):  # device decode: no host sync
-                slot = dead.reshape(B, H, 1, 1).astype(mx.int32)
-            else:
-                slot = mx.array(dead.reshape(B, H, 1, 1).astype(np.int32, copy=False))
-            if C > 1:
-                first_k, first_v = (quant.apply(lambda p: p[:, :, :1], x) for x in (keys, values))
-                keys, values = (quant.apply(lambda p: p[:, :, 1:], x) for x in (keys, values))
-            else:
-                first_k, first_v = keys, values
-
-            def put(stored, new):
-                return mx.put_along_axis(stored, slot, new, axis=2)
-
-            self.keys = quant.apply(put, self.keys, first_k)
-            self.values = quant.apply(put, self.values, first_v)
-            C -= 1
-            if C == 0:
-                return start
-        end = start + C
+        end = start + quant.dims(keys)[2]
         if self.keys is None or end > quant.dims(self.keys)[2]:
             self._reserve(end, keys, values)
         quant.assign(self.keys, start, end, keys)
         quant.assign(self.values, start, end, values)
         return end
+
+    def _move(self, moves) -> None:
+        """Apply an eviction's row moves (src, dst), each (rows, block): row dst = row src."""
+        src, dst = moves
+        B, H, _ = quant.dims(self.keys)
+        src = mx.array(src.reshape(B, H, -1, 1).astype(np.int32))
+        dst = mx.array(dst.reshape(B, H, -1, 1).astype(np.int32))
+
+        def move(x):
+            return mx.put_along_axis(x, dst, mx.take_along_axis(x, src, axis=2), axis=2)
+
+        self.keys = quant.apply(move, self.keys)
+        self.values = quant.apply(move, self.values)
 
     def _reserve(self, rows: int, keys: mx.array, values: mx.array) -> None:
         """Grow storage to hold ``rows`` rows (in steps of 256, never past budget + 1
@@ -96,32 +90,17 @@ class SlotStorage:
         """Stored keys or values as a float array (dequantized when quantized)."""
         return quant.dequantize(x, self.config.kv_group_size, self.config.kv_bits)
 
-    def _gather(self, source: mx.array, keys: quant.Storage, values: quant.Storage) -> tuple:
+    def _compact(self, fetched, source: np.ndarray) -> None:
+        """Gather the engine's slot layout out of the fetched [old rows + chunk rows]:
+        ``source`` (rows, slots) is the fetched row each slot now holds. An evicting cache
+        keeps ``budget + 1`` rows (the rows past ``slots`` are free)."""
+        B, H, _ = quant.dims(self.keys)
+        if self.engine.rule.evicts and source.shape[1] < self.config.budget + 1:  # room kept
+            pad = self.config.budget + 1 - source.shape[1]
+            source = np.pad(source, [(0, 0), (0, pad)])
+        index = mx.array(source.reshape(B, H, -1, 1).astype(np.int32))
+
         def take(x):
-            return mx.take_along_axis(x, source, axis=2)
+            return mx.take_along_axis(x, index, axis=2)
 
-        return quant.apply(take, keys), quant.apply(take, values)
-
-    def _fetch_live(self) -> tuple[mx.array, mx.array]:
-        """Stored keys/values without the slot awaiting reuse."""
-        if self.engine.dead is None:
-            return self._fetch()
-        self.engine.to(np)
-        B, H, _ = quant.dims(self.keys)
-        live = np.ones((B * H, self.engine.slots), bool)
-        live[np.arange(B * H), self.engine.dead] = False
-        index = np.nonzero(live)[1].reshape(B, H, -1, 1).astype(np.int32)
-        return self._gather(mx.array(index), *self._fetch())
-
-    def _compact(self, fetched, dead, before: int, first: int) -> None:
-        """Gather the engine's slot layout out of [old rows + chunk rows]."""
-        engine = self.engine
-        B, H, _ = quant.dims(self.keys)
-        chunk_index = engine.positions[:, : engine.slots] - first  # < 0: stored before
-        had_dead = dead is not None
-        row = before + chunk_index - had_dead
-        if had_dead:
-            row = np.where(chunk_index == 0, dead[:, None], row)
-        slot = np.arange(engine.slots)[None, :]
-        source = np.where(chunk_index < 0, slot, row).reshape(B, H, -1, 1).astype(np.int32)
-        self.keys, self.values = self._gather(mx.array(source), *fetched)
+        self.keys, self.values = (quant.apply(take, x) for x in fetched)

@@ -27,6 +27,8 @@ FLAGS = {  # KVCacheConfig field -> the flag that sets it (also for error messag
     "morphkv_peak": "--peak",
     "morphkv_decay": "--decay",
     "morphkv_pool": "--pool",
+    "morphkv_block": "--block",
+    "block": "--block",
     "morphkv_n_sink": "--sinks",
     "n_sink": "--sinks",
     "morphkv_fusion": "--fusion",
@@ -44,6 +46,7 @@ OVERRIDES = {  # argparse dest -> KVCacheConfig field
     "peak": "morphkv_peak",
     "decay": "morphkv_decay",
     "pool": "morphkv_pool",
+    "block": "morphkv_block",
     "sinks": "morphkv_n_sink",
     "fusion": "morphkv_fusion",
     "scoring": "scoring",
@@ -62,7 +65,8 @@ def add_cache_flags(parser, budget: int) -> None:
         help="Named setting: recommended (morphkv with real queries, window 16, the newest "
         "half of the budget always kept, value-weighted scores, peak-attention persistence "
         "(--peak)), paper (the published rule: "
-        "window 8, nothing else protected) (default %(default)s).",
+        "window 8, nothing else protected, evicting 8 tokens every 8 as its coarse "
+        "variant) (default %(default)s).",
     )
     g.add_argument(
         "--method", default=None, choices=sorted(METHODS), metavar="METHOD",
@@ -89,6 +93,11 @@ def add_cache_flags(parser, budget: int) -> None:
     g.add_argument("--pool", type=Number(int, lo=1), default=None,
                    help="Span pooling kernel over neighbouring stored tokens (an integer >= 1, "
                    "odd; default: the preset's, 1 = none).")
+    g.add_argument("--block", type=Number(int, lo=1), default=None,
+                   help="Tokens evicted at once: once the budget is full, every BLOCK-th token "
+                   "evicts BLOCK tokens and the tokens between only append (an integer >= 1; "
+                   "budget >= sinks + recent + block; default: the preset's: 1 for "
+                   "recommended, 8 for paper, 1 for other methods).")
     g.add_argument("--sinks", type=Number(int, lo=0), default=None,
                    help="First tokens never evicted (an integer >= 0; default: 4; none for "
                    "sliding_window).")
@@ -126,6 +135,7 @@ def config_from_flags(args, seed: int = 0) -> KVCacheConfig:
     preset = args.preset if fields.get("method", "morphkv") == "morphkv" else "paper"
     if preset == "paper" and fields.get("method") not in (None, "morphkv"):
         fields.setdefault("morphkv_value", False)
+        fields.setdefault("morphkv_block", 1)  # other methods: one token per step
     memory = getattr(args, "kv_memory", None)
     try:
         return PRESETS[preset](args.budget, memory=memory, seed=seed, **fields)
@@ -152,6 +162,8 @@ def describe(config: KVCacheConfig) -> str:
         text += f" decay={config.morphkv_decay:g}"
     if config.morphkv_pool > 1:
         text += f" pool={config.morphkv_pool}"
+    if config.block > 1:
+        text += f" block={config.block}"
     if config.kv_bits is not None:
         text += f" {config.kv_bits}-bit (groups of {config.kv_group_size})"
     return text
