@@ -43,12 +43,15 @@ def check_memory(model, config, tokens: int, step: int = 37):
     caches = KVCacheBuilder.for_model(model, config)
     assert all(c.config.budget == budget for c in morph_caches(caches))
     fill(model, caches, tokens, step)
-    assert all(c.tokens_kept == budget for c in morph_caches(caches))
+    block = resolved.morphkv_block  # block eviction frees `block` slots at once
+    assert all(budget - block < c.tokens_kept <= budget for c in morph_caches(caches))
     assert held(caches) <= config.kv_memory
-    # the largest: one more token per KV head holds more than asked, filled the same way
+    assert sum(c.nbytes_bound for c in morph_caches(caches)) <= config.kv_memory
+    # the largest: with one more token per KV head the caches' own bound (nbytes_bound, what
+    # they may hold once running) exceeds the memory asked, filled the same way
     bigger = KVCacheBuilder.for_model(model, at_budget(resolved, budget + 1))
     fill(model, bigger, tokens, step)
-    assert held(bigger) > config.kv_memory
+    assert sum(c.nbytes_bound for c in morph_caches(bigger)) > config.kv_memory
     assert bound_bytes(at_budget(resolved, budget + 1), layer_shapes(model)) > config.kv_memory
     return resolved, held(caches)
 
@@ -117,7 +120,8 @@ def test_patch_model_generates_within_memory(tiny):
                              strict=False):
             pass
         assert held(caches) <= 60_000
-        assert morph_caches(caches)[0].tokens_kept == morph_caches(caches)[0].config.budget
+        config = morph_caches(caches)[0].config
+        assert config.budget - config.morphkv_block < morph_caches(caches)[0].tokens_kept
     finally:
         morphkv.unpatch_model(tiny)
 

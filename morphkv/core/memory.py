@@ -68,23 +68,38 @@ def at_budget(config: KVCacheConfig, budget: int) -> KVCacheConfig:
 
 
 def _probe(config: KVCacheConfig, shape: LayerShape) -> int:
-    """``nbytes_bound`` of one cache of ``shape`` built with ``config`` (one token fed)."""
+    """The most bytes one cache of ``shape`` built with ``config`` reports holding once full:
+    its ``nbytes_bound`` after one token and after a chunk that fills it past its budget, and
+    its ``nbytes`` and ``nbytes_bound`` at every decode step of one eviction block (state such
+    as block eviction's pending queries only exists once the cache runs; a prefill chunk's own
+    rows are transient and not counted, as ``morphkv serve`` counts them apart)."""
     from .cache import MorphKVCache
     from .queries import queries_by_hand
 
     scoring = "attention" if config.scoring in ("auto", "attention") else config.scoring
     config = dataclasses.replace(config, scoring=scoring)
-    with queries_by_hand():
-        cache = MorphKVCache(config)
-        keys = mx.zeros((1, shape.kv_heads, 1, shape.key_dim), shape.dtype)
-        values = mx.zeros((1, shape.kv_heads, 1, shape.value_dim), shape.dtype)
+    block = getattr(config, "morphkv_block", 1)
+
+    def step(cache, tokens: int) -> int:
+        keys = mx.zeros((1, shape.kv_heads, tokens, shape.key_dim), shape.dtype)
+        values = mx.zeros((1, shape.kv_heads, tokens, shape.value_dim), shape.dtype)
         cache.update_and_fetch(keys, values)
-        queries = mx.zeros((1, shape.query_heads, 1, shape.key_dim), shape.dtype)
+        queries = mx.zeros((1, shape.query_heads, tokens, shape.key_dim), shape.dtype)
         cache.prepare_attention(queries, shape.key_dim**-0.5, None)
         bound = cache.nbytes_bound
-    if bound is None:
-        raise ValueError(f"kv_memory bounds nothing for method={config.method!r} (never evicts)")
-    return bound
+        if bound is None:
+            raise ValueError(
+                f"kv_memory bounds nothing for method={config.method!r} (never evicts)"
+            )
+        return max(bound, cache.nbytes) if tokens == 1 else bound  # a chunk's rows pass
+
+    with queries_by_hand():
+        cache = MorphKVCache(config)
+        most = step(cache, 1)
+        most = max(most, step(cache, config.budget + block + 1))
+        for _ in range(block + 1):
+            most = max(most, step(cache, 1))
+    return most
 
 
 def bound_bytes(config: KVCacheConfig, shapes: list[LayerShape]) -> int:
