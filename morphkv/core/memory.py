@@ -69,7 +69,7 @@ def at_budget(config: KVCacheConfig, budget: int) -> KVCacheConfig:
 
 def _probe(config: KVCacheConfig, shape: LayerShape) -> int:
     """The most bytes one cache of ``shape`` built with ``config`` reports holding once full:
-    its ``nbytes_bound`` after one token and after a chunk that fills it past its budget, and
+    its ``nbytes_bound`` after a chunk that fills it past its budget, and
     its ``nbytes`` and ``nbytes_bound`` at every decode step of one eviction block (state such
     as block eviction's pending queries only exists once the cache runs; a prefill chunk's own
     rows are transient and not counted, as ``morphkv serve`` counts them apart)."""
@@ -84,7 +84,9 @@ def _probe(config: KVCacheConfig, shape: LayerShape) -> int:
         keys = mx.zeros((1, shape.kv_heads, tokens, shape.key_dim), shape.dtype)
         values = mx.zeros((1, shape.kv_heads, tokens, shape.value_dim), shape.dtype)
         cache.update_and_fetch(keys, values)
-        queries = mx.zeros((1, shape.query_heads, tokens, shape.key_dim), shape.dtype)
+        # float32 queries: the engine's host kernels take float16 queries from a real model
+        # but not from this probe's first settle (reported to the engine's owner)
+        queries = mx.zeros((1, shape.query_heads, tokens, shape.key_dim), mx.float32)
         cache.prepare_attention(queries, shape.key_dim**-0.5, None)
         bound = cache.nbytes_bound
         if bound is None:
@@ -95,8 +97,7 @@ def _probe(config: KVCacheConfig, shape: LayerShape) -> int:
 
     with queries_by_hand():
         cache = MorphKVCache(config)
-        most = step(cache, 1)
-        most = max(most, step(cache, config.budget + block + 1))
+        most = step(cache, config.budget + block + 1)
         for _ in range(block + 1):
             most = max(most, step(cache, 1))
     return most
