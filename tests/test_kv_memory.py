@@ -34,7 +34,7 @@ def fill(model, caches, tokens: int, step: int = 37) -> None:
     mx.eval([c.state for c in caches])
 
 
-def check_memory(model, config, tokens: int, step: int = 37):
+def check_memory(model, config, tokens: int, step: int = 37, tight: bool = True):
     """Resolved budget B: caches filled past B hold <= kv_memory; B + 1 would not fit."""
     resolved = KVCacheBuilder.resolve(model, config)
     budget = resolved.budget
@@ -51,7 +51,8 @@ def check_memory(model, config, tokens: int, step: int = 37):
     # they may hold once running) exceeds the memory asked, filled the same way
     bigger = KVCacheBuilder.for_model(model, at_budget(resolved, budget + 1))
     fill(model, bigger, tokens, step)
-    assert sum(c.nbytes_bound for c in morph_caches(bigger)) > config.kv_memory
+    if tight:  # float16 models: the probe counts pending queries as float32 (conservative)
+        assert sum(c.nbytes_bound for c in morph_caches(bigger)) > config.kv_memory
     assert bound_bytes(at_budget(resolved, budget + 1), layer_shapes(model)) > config.kv_memory
     return resolved, held(caches)
 
@@ -76,7 +77,7 @@ def test_float16_model_and_other_methods(tiny):
     model.set_dtype(mx.float16)
     for method in ("h2o", "sliding_window", "morphkv"):
         config = morphkv.PRESETS["paper"](memory=80_000, method=method)
-        check_memory(model, config, tokens=100)
+        check_memory(model, config, tokens=100, tight=False)
     f32 = KVCacheBuilder.resolve(tiny, recommended(memory=150_000, kv_bits=None)).budget
     f16 = KVCacheBuilder.resolve(model, recommended(memory=150_000, kv_bits=None)).budget
     assert f16 > 1.5 * f32  # half the bytes per stored element
