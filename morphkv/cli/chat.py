@@ -25,6 +25,7 @@ from ..runtime.cache_flags import (
     add_cache_flags,
     config_from_flags,
     describe,
+    resolve_for_model,
 )
 from ..runtime.program import INTERRUPTED
 from .gen_stats import cache_stats, fmt_bytes, format_stats
@@ -69,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _cache_flags_given(args) -> bool:
     return (args.preset != DEFAULT_PRESET or args.budget != DEFAULT_BUDGET
+            or getattr(args, "kv_memory", None) is not None
             or any(getattr(args, dest) is not None for dest in OVERRIDES))
 
 
@@ -245,6 +247,7 @@ def run(args) -> int:
     if not tokenizer.has_chat_template:
         raise UsageError(f"--model {args.model}: its tokenizer has no chat template")
     model_name = args.model or DEFAULT_MODEL_NAME
+    config = resolve_for_model(model, config)
     fingerprint = session.model_fingerprint(model)
     loaded = None
     if args.load is not None:

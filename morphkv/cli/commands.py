@@ -32,6 +32,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("eval sweep", "morphkv.eval.sweep"),
     ("eval recall", "morphkv.eval.recall"),
     ("eval quantized", "morphkv.eval.quantized"),
+    ("eval bytes", "morphkv.eval.bytes"),
     ("report", "morphkv.eval.report"),
 ]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from ..core import quant
 from ..mlxlm.layout import morph_caches
 from ..runtime.cache_flags import describe
 
@@ -38,7 +39,7 @@ def cache_stats(caches) -> CacheStats:
     seen = batch = heads = 0
     for c in caches:
         keys = getattr(c, "keys", None)
-        b, h = (keys.shape[0], keys.shape[1]) if keys is not None else (0, 0)
+        b, h = quant.dims(keys)[:2] if keys is not None else (0, 0)  # plain or quantized
         batch, heads = max(batch, b), max(heads, h)
         kept_bytes += c.morphkv_kept_bytes * b * h
         full_bytes += c.full_seq_bytes * b * h
@@ -99,6 +100,14 @@ def format_stats(resp, stats: CacheStats, peak_gb: float, config) -> str:
         f"Cache memory: {fmt_bytes(stats.storage_bytes + stats.engine_bytes)} held = K/V storage "
         f"{fmt_bytes(stats.storage_bytes)} + selection state {fmt_bytes(stats.engine_bytes)}",
     ]
+    if getattr(config, "kv_memory", None) is not None:
+        held = stats.storage_bytes + stats.engine_bytes
+        lines.append(
+            f"KV memory:   asked {fmt_bytes(config.kv_memory)} per sequence (--kv-memory), held "
+            f"{fmt_bytes(held)} ({100 * held / config.kv_memory:.0f}%); resolved to "
+            f"{config.budget} tokens per KV head"
+            + (f" at {config.kv_bits} bits" if config.kv_bits else "")
+        )
     note = eviction_note(stats, config)
     if note:
         lines.append(f"Note:        {note}")

@@ -8,8 +8,10 @@ import time
 
 from ..core.config import KVCacheConfig
 from ..runtime.argtypes import Number, UsageError, add_number, model_ref
-from ..runtime.cache_flags import add_cache_flags, config_from_flags
-from .gen_stats import CacheStats, blas_status, cache_stats, format_stats, other_layers  # noqa: F401 (API)
+from ..runtime.cache_flags import add_cache_flags, config_from_flags, resolve_for_model
+from .gen_stats import (  # noqa: F401 (API)
+    CacheStats, blas_status, cache_stats, format_stats, other_layers,
+)
 
 DEFAULT_BUDGET = 64  # demo-sized: the README's first command evicts within seconds
 DEFAULT_MAX_TOKENS = 128
@@ -156,6 +158,7 @@ def run(args) -> int:
     if not prompt:
         raise UsageError("the prompt has no tokens (use --chat, or give a non-empty prompt)")
 
+    config = resolve_for_model(model, config)
     caches = KVCacheBuilder.for_model(model, config)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     mx.reset_peak_memory()

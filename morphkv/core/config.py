@@ -48,6 +48,14 @@ class KVCacheConfig:
         morphkv_block: tokens evicted at once (int >= 1): once ``budget`` tokens are stored,
             the next token triggers evicting the ``block`` lowest-scoring unprotected ones, and
             the next ``block - 1`` tokens fill the freed slots (1: evict one per token).
+        kv_memory: bytes per sequence over every layer holding a ``MorphKVCache`` (K/V storage
+            plus selection state, as ``nbytes`` counts). With ``morphkv_budget=0`` the budget is
+            resolved from the model's shape (``KVCacheBuilder.for_model`` / ``patch_model``,
+            ``morphkv.core.memory``): the most tokens per KV head whose caches hold at most
+            this many bytes. A resolved config keeps it (what was asked).
+        morphkv_recent_share: the recency floor as a share of the budget, in [0, 1):
+            ``recent = max(window, int(share x budget))``; for a budget resolved from
+            ``kv_memory``. Exclusive with ``morphkv_recent``.
     """
 
     method: str = "morphkv"
@@ -66,6 +74,8 @@ class KVCacheConfig:
     kv_bits: int | None = None
     kv_group_size: int = 64
     morphkv_block: int = 1
+    kv_memory: int | None = None
+    morphkv_recent_share: float | None = None
 
     @property
     def budget(self) -> int:
@@ -82,15 +92,21 @@ class KVCacheConfig:
     @property
     def recent(self) -> int:
         """Most recent tokens protected from eviction."""
-        return self.morphkv_window if self.morphkv_recent is None else self.morphkv_recent
+        if self.morphkv_recent is not None:
+            return self.morphkv_recent
+        if self.morphkv_recent_share:
+            return max(self.morphkv_window, int(self.morphkv_recent_share * self.morphkv_budget))
+        return self.morphkv_window
 
     @property
     def n_sink(self) -> int:
         """Protected first tokens; ``sliding_window`` keeps none."""
         return 0 if self.method == "sliding_window" else self.morphkv_n_sink
 
-    def validate(self) -> KVCacheConfig:
-        """Raise ``ValueError`` naming the field and its bound; return self when valid."""
+    def validate(self, resolved: bool = True) -> KVCacheConfig:
+        """Raise ``ValueError`` naming the field and its bound; return self when valid.
+        ``resolved=False`` also accepts ``morphkv_budget=0`` with ``kv_memory`` (a budget
+        still to be resolved from a model's shape); a cache needs a resolved one."""
         from .rules import METHODS
 
         if self.method not in METHODS:
@@ -124,7 +140,15 @@ class KVCacheConfig:
         block = self.morphkv_block
         if not isinstance(block, int) or isinstance(block, bool) or block < 1:
             raise ValueError(f"morphkv_block must be an int >= 1, got {block!r}")
-        if self.morphkv_budget < self.n_sink + self.recent + block:
+        self._validate_memory()
+        if self.morphkv_budget == 0 and self.kv_memory is not None:
+            if resolved:
+                raise ValueError(
+                    f"kv_memory={self.kv_memory} has no budget resolved yet: build the caches "
+                    "with KVCacheBuilder.for_model / patch_model (they read the model's shape) or "
+                    "morphkv.core.memory.resolve"
+                )
+        elif self.morphkv_budget < self.n_sink + self.recent + block:
             what = "window" if self.morphkv_recent is None else "recent"
             least = f"exceed n_sink + {what} = {self.n_sink} + {self.recent} = " + str(
                 self.n_sink + self.recent
@@ -140,6 +164,19 @@ class KVCacheConfig:
             raise ValueError(f"scoring={self.scoring!r} is unknown; valid: {SCORINGS}")
         self._validate_storage()
         return self
+
+    def _validate_memory(self) -> None:
+        """kv_memory, morphkv_recent_share."""
+        memory, share = self.kv_memory, self.morphkv_recent_share
+        if memory is not None and (
+            not isinstance(memory, int) or isinstance(memory, bool) or memory < 1
+        ):
+            raise ValueError(f"kv_memory must be a positive int (bytes) or None, got {memory!r}")
+        if share is not None:
+            if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 <= share < 1:
+                raise ValueError(f"morphkv_recent_share must be in [0, 1), got {share!r}")
+            if self.morphkv_recent is not None:
+                raise ValueError("set morphkv_recent or morphkv_recent_share, not both")
 
     def _validate_persistence(self) -> None:
         """morphkv_peak, morphkv_decay, morphkv_pool."""

@@ -22,11 +22,21 @@ N_SINK = 4
 WINDOW = 16
 PEAK = 0.02  # peak fusion lambda: best tune retention with tune KL below StreamingLLM
 PAPER_BLOCK = 8  # the paper's coarse eviction: every 8 steps (-0.9 accuracy points, 0.82x time)
+MEMORY_BITS = 8  # storage precision of recommended(memory=...)
 
 
-def recommended(budget: int = 512, **overrides) -> KVCacheConfig:
-    """The recommended MorphKV setting for ``budget`` tokens per sequence and KV head;
-    keyword arguments override any ``KVCacheConfig`` field."""
+def recommended(budget: int = 512, *, memory: int | None = None, **overrides) -> KVCacheConfig:
+    """The recommended MorphKV setting.
+
+    ``recommended(budget)`` holds ``budget`` tokens per sequence and KV head, stored in the
+    dtype keys arrive in: every layer's cache holds K/V for ``budget + 1`` slots plus its
+    selection state (``MorphKVCache.nbytes_bound``), so the bytes depend on the model.
+    ``recommended(memory=N)`` holds at most ``N`` bytes per sequence over all layers with a
+    morphkv cache (K/V storage plus selection state), keys and values stored at
+    ``MEMORY_BITS`` bits: ``KVCacheBuilder.for_model`` / ``patch_model`` resolve it from the
+    model's shape into the most tokens per KV head that fit (``budget`` is then ignored), the
+    newest half of them always kept. Keyword arguments override any ``KVCacheConfig`` field.
+    """
     window = overrides.get("morphkv_window", WINDOW)
     fields = dict(
         method="morphkv",
@@ -37,17 +47,26 @@ def recommended(budget: int = 512, **overrides) -> KVCacheConfig:
         morphkv_value=True,
         morphkv_peak=PEAK,
     )
+    if memory is not None:
+        fields.update(morphkv_budget=0, kv_memory=memory, kv_bits=MEMORY_BITS,
+                      morphkv_recent=None, morphkv_recent_share=0.5)
+        if "morphkv_recent" in overrides:
+            fields["morphkv_recent_share"] = None
     fields.update(overrides)
-    return KVCacheConfig(**fields).validate()
+    return KVCacheConfig(**fields).validate(resolved=memory is None)
 
 
-def paper(budget: int = 512, **overrides) -> KVCacheConfig:
+def paper(budget: int = 512, *, memory: int | None = None, **overrides) -> KVCacheConfig:
     """MorphKV as published: window 8 of real queries, mean fusion, nothing else protected,
-    evicting in blocks of ``PAPER_BLOCK`` tokens (the paper's coarse variant)."""
+    evicting in blocks of ``PAPER_BLOCK`` tokens (the paper's coarse variant).
+    ``memory``: bytes per sequence instead of a budget (see ``recommended``), stored as
+    the keys arrive unless ``kv_bits`` says otherwise."""
     fields = dict(method="morphkv", morphkv_budget=budget, morphkv_n_sink=N_SINK,
                   morphkv_block=PAPER_BLOCK)
+    if memory is not None:
+        fields.update(morphkv_budget=0, kv_memory=memory)
     fields.update(overrides)
-    return KVCacheConfig(**fields).validate()
+    return KVCacheConfig(**fields).validate(resolved=memory is None)
 
 
 PRESETS: dict[str, Callable[..., KVCacheConfig]] = {"recommended": recommended, "paper": paper}

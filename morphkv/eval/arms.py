@@ -30,7 +30,9 @@ SHORTHANDS = {
     "attention": ("scoring", "attention"),
     "proxy": ("scoring", "proxy"),
 }
-ALIASES = {"sinks": "morphkv_n_sink", "n_sink": "morphkv_n_sink", "bits": "kv_bits"}
+ALIASES = {"sinks": "morphkv_n_sink", "n_sink": "morphkv_n_sink", "bits": "kv_bits",
+           "memory": "kv_memory"}
+F16 = "f16"  # memory=f16: the bytes of a float16 cache of the command's budget on the model
 NAMED = ("morphkv_fusion", "morphkv_window", "scoring")  # spelled by the legacy arm names
 
 
@@ -143,20 +145,32 @@ class Arm:
                 name += f"_{key.removeprefix('morphkv_').removeprefix('kv_')}{value}"
         return name
 
-    def config(self, budget: int, **extra) -> KVCacheConfig:
-        """The validated config at ``budget``; ``extra`` (e.g. a seed) under the spec."""
+    def config(self, budget: int, model=None, **extra) -> KVCacheConfig:
+        """The validated config at ``budget``; ``extra`` (e.g. a seed) under the spec.
+        With ``memory=SIZE`` (``64M``, bytes) or ``memory=f16`` (the bytes of a float16 cache
+        of ``budget`` tokens on ``model``; needs it) the budget is left for
+        ``KVCacheBuilder.for_model`` to resolve from that memory, and ``recent=0.5`` becomes a
+        share of the resolved budget."""
         fields = {field_name(k): v for k, v in extra.items()}
         if self.method not in PRESETS:  # a preset sets its own values; the spec overrides them
             fields.update(self.defaults)
         fields.update(self.options)
-        for key, value in fields.items():  # recent=0.5: a fraction of the budget
+        memory = fields.pop("kv_memory", None)
+        if memory is not None:
+            memory = memory_bytes(memory, budget, model)
+        for key, value in list(fields.items()):  # recent=0.5: a fraction of the budget
             if key == "morphkv_recent" and isinstance(value, float) and 0 < value < 1:
-                fields[key] = max(1, int(budget * value))
+                if memory is not None:
+                    fields["morphkv_recent_share"] = fields.pop(key)
+                else:
+                    fields[key] = max(1, int(budget * value))
         try:
             if self.method in PRESETS:
-                return PRESETS[self.method](int(budget), **fields)
+                return PRESETS[self.method](int(budget), memory=memory, **fields)
             fields.update(method=self.method, morphkv_budget=int(budget))
-            return dataclasses.replace(KVCacheConfig(), **fields).validate()
+            if memory is not None:
+                fields.update(morphkv_budget=0, kv_memory=memory)
+            return dataclasses.replace(KVCacheConfig(), **fields).validate(resolved=memory is None)
         except (TypeError, ValueError) as e:
             raise ValueError(f"arm {self.name} at budget {budget}: {e}") from None
 
@@ -164,7 +178,27 @@ class Arm:
         """Per-layer caches for ``model`` (the attention hook is attached when needed)."""
         if self.is_baseline:
             return BASELINES[self.method](model, budget, n_sink)
-        return KVCacheBuilder.for_model(model, self.config(budget, n_sink=n_sink))
+        return KVCacheBuilder.for_model(model, self.config(budget, model, n_sink=n_sink))
+
+
+def f16_bytes(model, tokens: int) -> int:
+    """Bytes of a float16 cache of ``tokens`` tokens over the model's morphkv layers (what a
+    GPU user's ``RotatingKVCache(tokens)`` holds): K+V rows of 2-byte elements."""
+    from ..mlxlm.memory import layer_shapes
+
+    return sum(s.kv_heads * (s.key_dim + s.value_dim) * 2 * tokens for s in layer_shapes(model))
+
+
+def memory_bytes(value, budget: int, model) -> int:
+    """An arm's ``memory=`` option in bytes (``f16``: see ``f16_bytes``; before a model is
+    known a stand-in of 1 byte, enough to check the spec)."""
+    if value == F16:
+        return 1 if model is None else f16_bytes(model, budget)
+    if isinstance(value, str):
+        from ..core.memory import parse_size
+
+        return parse_size(value)
+    return int(value)
 
 
 def parse_arms(specs, aliases: dict | None = None, **defaults) -> list[Arm]:

@@ -23,6 +23,7 @@ import numpy as np
 
 from .arms import Arm as SpecArm
 from .recall_items import build_item, is_correct
+from .recall_natural import build_natural_item
 from .recall_report import plot, section, summarize, table  # noqa: F401  (section: report)
 from .util import Progress, environment, load_model, out_dir, write_json
 
@@ -108,10 +109,21 @@ def run_arm(model, tok, item, caches, args, answer: bool) -> dict:
         mx.eval(model(ids[:, s : min(s + args.chunk, len(item.ids) - 1)], cache=caches))
     kept = retention(caches, item.fact_positions)
     out = {"retention": kept, "nbytes": int(sum(c.nbytes for c in caches))}
+    budgets = {c.config.budget for c in caches if hasattr(c, "config")}
+    if budgets:  # tokens per KV head the arm held (resolved from a memory size, or as given)
+        out["tokens"] = max(budgets)
     if answer:
         text = tok.decode(greedy_tokens(model, caches, [item.ids[-1]], args.max_tokens))
         out.update(answer=text, correct=is_correct(text, item.value))
     return out
+
+
+def make_item(tok, args, index: int):
+    """Item ``index`` of the chosen set: ``natural`` (the asked fact 3-6 budgets back) or
+    ``canned`` (at least ``--distance`` tokens back)."""
+    if args.set == "natural":
+        return build_natural_item(tok, args.seed, args.split, index, max(args.budgets))
+    return build_item(tok, args.seed, args.split, index, args.distance)
 
 
 def evaluate(model, tok, args, arms: list[Arm]) -> dict:
@@ -126,7 +138,7 @@ def evaluate(model, tok, args, arms: list[Arm]) -> dict:
         if args.max_minutes and time.perf_counter() - start > 60 * args.max_minutes:
             print(f"[recall] --max-minutes reached before item {index}", file=sys.stderr)
             break
-        item = build_item(tok, args.seed, args.split, index, args.distance)
+        item = make_item(tok, args, index)
         rec = {"index": index, "kind": item.kind, "value": item.value, "tokens": len(item.ids),
                "distance": item.distance, "turns": item.turns,
                "distractors": list(item.distractors), "arms": {}}
@@ -162,6 +174,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-minutes", type=float, default=0, help="stop adding items after this")
     add("--seed", type=int, default=0)
     add("--split", choices=("tune", "test"), default="test")
+    add("--set", choices=("canned", "natural"), default="canned",
+        help="items: canned (short fixed replies, one fact; recall_items) or natural (long "
+        "reference-prose turns, three facts in passing, a reworded question, the asked fact 3-6 "
+        "budgets back; recall_natural) (default canned)")
     add("--distance", type=int, default=0,
         help="min tokens after the fact (0: 3 x the largest budget)")
     add("--max-tokens", type=int, default=8, help="answer tokens generated (default 8)")

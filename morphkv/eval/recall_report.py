@@ -41,6 +41,7 @@ def summarize(records: list[dict], full_label: str, cells, screen: bool) -> dict
             "arm": arm.label, "budget": budget, "n": len(runs),
             "retention": _mean(layers or []), "worst_layer": min(layers) if layers else None,
             "layers": layers, "nbytes": _mean([x["nbytes"] for x in runs]),
+            "tokens": _mean([x.get("tokens") for x in runs]),
         }
         if not screen:
             row["correct"] = k = sum(x["correct"] for x in runs)
@@ -70,14 +71,18 @@ def _pct(x) -> str:
 
 def _cell(row: dict) -> str:
     mib = (row["nbytes"] or 0) / 2**20
+    if row.get("tokens"):
+        mib_text = f"{mib:.2f} MiB, {row['tokens']:.0f} tokens"
+    else:
+        mib_text = f"{mib:.2f} MiB"
     kept = f"retention {_pct(row['retention'])} (worst layer {_pct(row['worst_layer'])})"
     if "accuracy" not in row:
-        return f"{kept}, {mib:.2f} MiB"
+        return f"{kept}, {mib_text}"
     if row["accuracy"] is None:
         return "-"
     lo, hi = row["interval"]
     return (f"**{_pct(row['accuracy'])}** ({row['correct']}/{row['n']}, 95% CI "
-            f"{_pct(lo)}-{_pct(hi)}), {kept}, {mib:.2f} MiB")
+            f"{_pct(lo)}-{_pct(hi)}), {kept}, {mib_text}")
 
 
 def table(summary: dict, budgets: list[int]) -> str:

@@ -10,7 +10,8 @@ from typing import Any
 from ..core.cache import MorphKVCache
 from ..core.config import KVCacheConfig
 from . import hooks
-from .layout import count_global, native_caches, native_factory, replace_global
+from .layout import count_global, morph_caches, native_caches, native_factory, replace_global
+from .memory import resolve_for_model
 
 _WARNED: dict[int, weakref.ref] = {}  # models already warned about proxy scoring
 
@@ -72,8 +73,12 @@ class KVCacheBuilder:
         what). ``head_dim`` is inferred from the model when the config leaves it ``None``.
         Where the model's modules allow it the attention hook is attached, so prefill chunks
         are exact and ``scoring="auto"`` means the model's real queries; elsewhere a warning
-        says scoring is proxy and chunked prefill inexact."""
-        config = config.validate()
+        says scoring is proxy and chunked prefill inexact. A config with ``kv_memory`` and no
+        budget (``morphkv.recommended(memory=N)``) gets the most tokens per KV head whose
+        caches hold at most ``kv_memory`` bytes over all these layers
+        (``morphkv.mlxlm.memory``); ``ValueError`` when even the sinks and recent tokens do
+        not fit."""
+        config = config.validate(resolved=False)
         if config.head_dim is None:
             config = dataclasses.replace(config, head_dim=_model_head_dim(model))
         caches = native_caches(model, _factory)
@@ -84,15 +89,31 @@ class KVCacheBuilder:
                 f"caches: {', '.join(kinds) or 'none'}); morphkv has nothing to do here"
             )
         config = _scoring(model, config)
+        config = resolve_for_model(model, config, _factory)
         return replace_global(caches, lambda: MorphKVCache(config))
+
+    @staticmethod
+    def resolve_with(model: Any, config: KVCacheConfig, factory=None) -> KVCacheConfig:
+        """``resolve`` on top of the cache factory ``factory`` (default: the model's own)."""
+        caches = KVCacheBuilder.for_model(model, config, _factory=factory)
+        return morph_caches(caches)[0].config
+
+    @staticmethod
+    def resolve(model: Any, config: KVCacheConfig) -> KVCacheConfig:
+        """The config ``for_model`` builds caches with: ``head_dim``, scoring and a
+        ``kv_memory`` budget resolved for ``model`` (attaches the hook where it can)."""
+        return KVCacheBuilder.resolve_with(model, config)
 
 
 def patch_model(model: Any, config: KVCacheConfig) -> Any:
     """Install ``model.make_cache`` so mlx_lm's ``generate``, ``stream_generate``,
     ``make_prompt_cache`` (and the server) build fresh caches (``KVCacheBuilder.for_model``)
-    on every call. Returns the model; ``unpatch_model`` restores the original factory."""
-    config.validate()
+    on every call. Returns the model; ``unpatch_model`` restores the original factory. A
+    ``kv_memory`` config is resolved here, once: a size too small fails now."""
+    config = config.validate(resolved=False)
     native = native_factory(model)  # the factory to build on: never our own (no recursion)
+    if config.kv_memory is not None:
+        config = KVCacheBuilder.resolve_with(model, config, native)
 
     def make_cache():
         return KVCacheBuilder.for_model(model, config, _factory=native)

@@ -36,6 +36,7 @@ FLAGS = {  # KVCacheConfig field -> the flag that sets it (also for error messag
     "seed": "--seed",
     "kv_bits": "--kv-bits",
     "kv_group_size": "--kv-group-size",
+    "kv_memory": "--kv-memory",
 }
 OVERRIDES = {  # argparse dest -> KVCacheConfig field
     "method": "method",
@@ -112,6 +113,20 @@ def add_cache_flags(parser, budget: int) -> None:
                    "arrive, unquantized).")
     g.add_argument("--kv-group-size", type=int, default=None, choices=(32, 64, 128),
                    help="Quantization group size with --kv-bits (default: 64).")
+    g.add_argument("--kv-memory", type=_size, default=None, metavar="SIZE",
+                   help="Bytes of KV cache per sequence over all layers (e.g. 64M, 1.5G, 512K: "
+                   "K/V storage plus selection state); replaces --budget with the most tokens "
+                   "per KV head that fit, stored at 8 bits for recommended unless --kv-bits "
+                   "says otherwise (default: none, --budget bounds the tokens).")
+
+
+def _size(text: str) -> int:
+    from ..core.memory import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def config_from_flags(args, seed: int = 0) -> KVCacheConfig:
@@ -121,8 +136,9 @@ def config_from_flags(args, seed: int = 0) -> KVCacheConfig:
     if preset == "paper" and fields.get("method") not in (None, "morphkv"):
         fields.setdefault("morphkv_value", False)
         fields.setdefault("morphkv_block", 1)  # other methods: one token per step
+    memory = getattr(args, "kv_memory", None)
     try:
-        return PRESETS[preset](args.budget, seed=seed, **fields)
+        return PRESETS[preset](args.budget, memory=memory, seed=seed, **fields)
     except ValueError as e:
         raise UsageError(flag_names(str(e), FLAGS)) from None
 
@@ -132,6 +148,9 @@ def describe(config: KVCacheConfig) -> str:
     if config.method == "full":
         return "method=full (no bound)"
     text = f"method={config.method} budget={config.budget} sinks={config.n_sink}"
+    if config.kv_memory is not None:
+        text = f"method={config.method} memory={config.kv_memory} bytes budget=" + (
+            f"{config.budget} sinks={config.n_sink}" if config.budget else "from the model")
     if config.method in ("morphkv", "tova", "h2o", "peak"):
         text += f" window={config.window}"
     text += f" recent={config.recent}"
@@ -148,3 +167,17 @@ def describe(config: KVCacheConfig) -> str:
     if config.kv_bits is not None:
         text += f" {config.kv_bits}-bit (groups of {config.kv_group_size})"
     return text
+
+
+def resolve_for_model(model, config: KVCacheConfig) -> KVCacheConfig:
+    """``config`` with a ``--kv-memory`` size resolved into tokens per KV head for ``model``
+    (``UsageError`` naming the flag when the size is too small); other configs as they are."""
+    from ..core.memory import needs_resolving
+    from ..mlxlm.builder import KVCacheBuilder
+
+    if not needs_resolving(config):
+        return config
+    try:
+        return KVCacheBuilder.resolve(model, config)
+    except ValueError as e:
+        raise UsageError(flag_names(str(e), FLAGS)) from None

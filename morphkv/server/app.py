@@ -138,7 +138,9 @@ def load_served(args, config) -> ServedModel:
             trust_remote_code=args.trust_remote_code,
         )
     if config is not None:
-        patch_model(model, config)
+        from ..runtime.cache_flags import resolve_for_model
+
+        patch_model(model, resolve_for_model(model, config))  # --kv-memory: one-line errors
     model.make_cache()  # raises now for models morphkv cannot serve (sliding-window layers)
     names = {"default_model", path, DEFAULT_MODEL_NAME if name is None else str(name)}
     return ServedModel(model, tokenizer, model_config, path, frozenset(names))

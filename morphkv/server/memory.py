@@ -43,6 +43,8 @@ def startup_line(served, config, bound: int | None, per_token=None) -> str:
         if bound is None
         else f"{_fmt(bound)} ({bound} bytes) per sequence"
     )
+    if bound is not None and getattr(config, "kv_memory", None) is not None:
+        memory += f" (--kv-memory {_fmt(config.kv_memory)}: {config.budget} tokens per KV head)"
     return f"morphkv serve: {served.path}; KV cache {setting}; KV memory bound {memory}"
 
 

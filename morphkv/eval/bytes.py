@@ -1,0 +1,169 @@
+"""``morphkv eval bytes``: fidelity at equal bytes: KL to the unquantized full cache.
+
+Every arm is an arm spec (``morphkv.eval.arms``: any ``KVCacheConfig`` field passes through,
+``morphkv_block`` included); ``memory=f16`` gives an arm the bytes of a float16 cache of the
+command's token count on the model (``--tokens 64,128,256``), resolved by
+``KVCacheBuilder.for_model`` into storage bits (the spec's ``bits``) and the most tokens per KV
+head that fit; an arm without ``memory`` holds ``--tokens`` tokens. Each text is fed teacher-
+forced in chunks of 256 (exact: the attention hook) and KL(full || arm) is averaged over the
+SAME positions for every arm: from the first position a cache of ``--tokens`` tokens lacks a
+token, to the end. The reference is mlx_lm's unquantized ``KVCache``, so quantization error
+counts. Texts: ``--split tune`` or ``heldout`` (``texts.split_texts``: disjoint). Reported per
+arm: bytes held (``cache.nbytes`` summed over layers: storage + selection state), tokens per KV
+head, KL per text, mean and worst ratio to ``--reference`` (default ``streaming_llm`` at
+``--tokens`` in the model's dtype: what mlx_lm's ``RotatingKVCache(tokens, keep=4)`` keeps when
+decoding token by token; mlx_lm's own class is not used as the reference because its queries of
+a multi-token chunk do not see the kept sinks, which would flatter every other arm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import mlx.core as mx
+
+from .arms import check_specs, parse_arms
+from .metrics import held_bytes
+from .runner import reference_logprobs
+from .texts import split_texts
+from .util import (
+    add_flags,
+    csv_ints,
+    environment,
+    load_model,
+    markdown_table,
+    out_dir,
+    plt,
+    write_json,
+)
+
+NAME = "bytes"
+DEFAULT_ARMS = ("h2o,streaming_llm:memory=f16:bits=8,recommended:memory=f16,"
+                "recommended:memory=f16:peak=1")
+CHUNK = 256
+
+
+def kl_of(model, arm, tokens: list[int], ref, budget: int, first: int) -> dict:
+    """Mean KL(full || arm) over positions ``first``..end-1; bytes and tokens held."""
+    caches = arm.caches(model, budget, 4)
+    ids = mx.array([int(t) for t in tokens])[None]
+    kl, n, pos = 0.0, 0, 0
+    while pos < len(tokens) - 1:
+        step = first if pos == 0 else CHUNK  # no eviction before ``first``: one chunk
+        logits = model(ids[:, pos : pos + step], cache=caches)[0].astype(mx.float32)
+        lo, hi = max(pos, first), min(pos + step, len(tokens) - 1)
+        if hi > lo:
+            lp = logits[lo - pos : hi - pos]
+            lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+            r = ref[lo:hi]
+            kl += float((mx.exp(r) * (r - lp)).sum())
+            n += hi - lo
+        pos += step
+    budgets = [c.config.budget for c in caches if hasattr(c, "config")]
+    return {"kl": kl / max(n, 1), "positions": n,
+            "nbytes": int(sum(held_bytes(c) for c in caches)),
+            "tokens": max(budgets) if budgets else budget}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, [
+        ("--arms", DEFAULT_ARMS, "comma-separated arm specs (memory=f16: the bytes of a "
+         "float16 cache of --tokens tokens)"),
+        ("--tokens", "128", "comma-separated token counts (the f16 reference sizes)"),
+        ("--split", "heldout", "texts: tune or heldout"),
+        ("--reference", "streaming_llm", "the arm KL ratios are taken to"),
+        ("--prose-tokens", 1024, "tokens of the prose text"),
+        ("--continuation-tokens", 600, "tokens of the model's own continuation"),
+        ("--model", None, "model (default: the embedded SmolLM2)"),
+        ("--out", None, "output folder (default results/bytes)"),
+        ("--stem", None, "output file stem (default bytes_<split>)"),
+    ])
+
+
+def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
+    specs = [s.strip() for s in args.arms.split(",") if s.strip()]
+    if args.reference not in specs:
+        specs.insert(0, args.reference)
+    check_specs(specs)
+    arms = parse_arms(specs)
+    if model is None:
+        model, tokenizer = load_model(args.model)
+    start, load = time.perf_counter(), os.getloadavg()
+    texts = split_texts(tokenizer, model, args.split, args.prose_tokens, args.continuation_tokens)
+    rows = []
+    for name, tokens in texts.items():
+        ref = reference_logprobs(model, tokens)
+        for budget in csv_ints(str(args.tokens)):
+            for spec, arm in zip(specs, arms, strict=True):
+                row = {"text": name, "arm": spec, "f16_tokens": budget,
+                       **kl_of(model, arm, tokens, ref, budget, budget + 1)}
+                rows.append(row)
+                print(f"{name} {spec} @{budget}: KL {row['kl']:.4f}, {row['tokens']} tokens, "
+                      f"{row['nbytes'] / 2**20:.2f} MiB", flush=True)
+        del ref
+    summary = summarize(rows, args.reference)
+    result = {"benchmark": NAME, "rows": rows, "summary": summary, "args": vars(args),
+              "texts": {k: len(v) for k, v in texts.items()}, "environment": environment(),
+              "seconds": time.perf_counter() - start,
+              "load_average": {"start": load, "end": os.getloadavg()}}
+    result["table"] = table(summary, list(texts))
+    print(result["table"])
+    folder = out_dir(args, NAME)
+    stem = args.stem or f"{NAME}_{args.split}"
+    write_json(folder / f"{stem}.json", result)
+    plot(summary, folder / f"{stem}.png")
+    print(f"wrote {folder / f'{stem}.json'} and {folder / f'{stem}.png'}")
+    return result
+
+
+def summarize(rows: list[dict], reference: str) -> list[dict]:
+    """Per (arm, token count): KL per text, its ratio to the reference arm's, mean and worst."""
+    out = []
+    keys = list(dict.fromkeys((r["arm"], r["f16_tokens"]) for r in rows))
+    for arm, budget in keys:
+        mine = {r["text"]: r for r in rows if (r["arm"], r["f16_tokens"]) == (arm, budget)}
+        ref = {r["text"]: r["kl"] for r in rows if (r["arm"], r["f16_tokens"]) == (reference,
+                                                                                   budget)}
+        ratios = {t: r["kl"] / ref[t] for t, r in mine.items() if ref.get(t)}
+        out.append({
+            "arm": arm, "f16_tokens": budget,
+            "tokens": max(r["tokens"] for r in mine.values()),
+            "mib": max(r["nbytes"] for r in mine.values()) / 2**20,
+            "kl": {t: r["kl"] for t, r in mine.items()},
+            "mean_kl": sum(r["kl"] for r in mine.values()) / len(mine),
+            "worst_kl": max(r["kl"] for r in mine.values()),
+            "ratio": ratios,
+            "mean_ratio": sum(ratios.values()) / len(ratios) if ratios else None,
+            "worst_ratio": max(ratios.values()) if ratios else None,
+        })
+    return out
+
+
+def table(summary: list[dict], texts: list[str]) -> str:
+    headers = ["arm", "f16 tokens", "tokens", "MiB held", *[f"KL {t}" for t in texts],
+               "mean KL", "worst KL", "mean ratio", "worst ratio"]
+    body = [[s["arm"], s["f16_tokens"], s["tokens"], f"{s['mib']:.2f}",
+             *[f"{s['kl'].get(t, float('nan')):.4f}" for t in texts], f"{s['mean_kl']:.4f}",
+             f"{s['worst_kl']:.4f}",
+             "-" if s["mean_ratio"] is None else f"{s['mean_ratio']:.2f}",
+             "-" if s["worst_ratio"] is None else f"{s['worst_ratio']:.2f}"] for s in summary]
+    return markdown_table(headers, body)
+
+
+def plot(summary: list[dict], path) -> None:
+    """Mean KL against bytes held, one point per arm and token count."""
+    pyplot = plt()
+    fig, ax = pyplot.subplots(figsize=(7.5, 4.5))
+    for arm in dict.fromkeys(s["arm"] for s in summary):
+        pts = sorted((s["mib"], s["mean_kl"]) for s in summary if s["arm"] == arm)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arm)
+    ax.set_xlabel("bytes held over all layers (MiB, storage + selection state)")
+    ax.set_ylabel("mean KL(full || arm), nats/token")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot.close(fig)

@@ -1,0 +1,207 @@
+"""Natural-chat recall items: several facts in passing, long natural turns, a reworded question.
+
+A chat opens with the user mentioning two facts about themselves in passing (kinds: pet, home
+town, flat number, job, sibling, dish, instrument, birthday month; each said in one of several
+ways); the assistant replies with a passing comment on each ("Lima must have been an
+interesting place to grow up."), as people do; then come distractor turns in which the user asks
+about a topic and the assistant answers with two or three paragraphs of real reference prose; a
+third fact is dropped into the first distractor question ("By the way, ...") and commented on
+at the start of the answer. The chat ends with a question about one of the three facts, worded
+unlike its statement ("Which city did I grow up in?" for "my childhood was spent in Lima"), and
+the prompt ends in a short lead-in ("You grew up in the city of"). The fact asked for lies 3-6 token
+budgets before the end (drawn per item from the seed).
+
+Distractor pools (no download): ``tune`` items draw the assistant's answers from Python's
+language reference (``pydoc_data.topics``), ``test`` items from the standard library's module
+and class docstrings: different sources, and ``tune`` / ``test`` items are disjoint by seed.
+Prose paragraphs only (code, tables and short lines are left out), and none naming a value of
+the chat's facts.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+
+from .recall_items import Item, _encode, _value_positions
+
+SPLITS = ("tune", "test")
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    values: tuple[str, ...]
+    statements: tuple[str, ...]  # each with {v}
+    question: str
+    lead_in: str
+    ack: str = ""  # the assistant's passing comment, with {v}
+
+
+KINDS = (
+    Kind("pet", ("Biscuit", "Pepper", "Ziggy", "Mango", "Clementine", "Waffles", "Juniper",
+                 "Noodle"),
+         ("we adopted a grey cat last month and named her {v}",
+          "our new kitten, {v}, has taken over the sofa"),
+         "What is my cat's name?", "Your cat's name is", "{v} is a lovely name for a cat."),
+    Kind("town", ("Lima", "Oslo", "Nairobi", "Dublin", "Lisbon", "Krakow", "Osaka", "Quito"),
+         ("I grew up in {v}, though I moved away years ago",
+          "my childhood was spent in {v}"),
+         "Which city did I grow up in?", "You grew up in the city of",
+         "{v} must have been an interesting place to grow up."),
+    Kind("flat", ("214", "358", "471", "629", "735", "862", "517", "943"),
+         ("my flat is number {v}, on the top floor",
+          "the delivery driver keeps missing flat {v}, which is mine"),
+         "What is my flat number?", "Your flat number is",
+         "I hope the deliveries reach flat {v} from now on."),
+    Kind("job", ("beekeeper", "locksmith", "midwife", "surveyor", "glassblower", "stonemason",
+                 "veterinarian", "cartographer"),
+         ("these days I earn my living as a {v}",
+          "I retrained last year and now work as a {v}"),
+         "What is my job?", "You work as a", "Being a {v} sounds like rewarding work."),
+    Kind("sibling", ("Marguerite", "Anselm", "Rosalind", "Tobias", "Imogen", "Casimir",
+                     "Philippa", "Leopold"),
+         ("my older brother {v} is coming to stay next week",
+          "next week I am hosting my brother, {v}"),
+         "What is my brother's name?", "Your brother's name is",
+         "I hope you have a great time with {v}."),
+    Kind("dish", ("paella", "ramen", "moussaka", "goulash", "lasagne", "risotto", "falafel",
+                  "dumplings"),
+         ("nothing beats {v} for me, I could eat it every day",
+          "my comfort food has always been {v}"),
+         "What is my favourite food?", "Your favourite food is", "Good {v} is hard to beat."),
+    Kind("instrument", ("cello", "trombone", "banjo", "harp", "clarinet", "accordion", "oboe",
+                        "ukulele"),
+         ("on weekends I play the {v} in a small band",
+          "I have been taking {v} lessons since spring"),
+         "Which instrument do I play?", "You play the", "The {v} is a wonderful instrument."),
+    Kind("month", ("February", "March", "April", "June", "August", "October", "November",
+                   "December"),
+         ("my birthday falls in {v}",
+          "I was born in {v}, so my birthday is coming up"),
+         "In which month is my birthday?", "Your birthday is in", "A birthday in {v}, how nice."),
+)
+
+OPENERS = ("Hi there! A little about me: {a}, and {b}.",
+           "Hello! Before we start, {a}; also, {b}.",
+           "Good morning. Just so you know, {a}. Oh, and {b}.")
+REPLIES = ("Thanks for sharing that! {a} {b} How can I help you today?",
+           "Nice to meet you. {a} {b} What would you like to talk about?",
+           "{a} {b} What is on your mind today?")
+ASKS = ("Can you explain {t}?", "I keep getting confused by {t}. What should I know?",
+        "Could you walk me through {t}?", "Tell me about {t}, please.",
+        "What is the idea behind {t}?", "I am reading about {t}. Can you summarise it?")
+ASIDE = "By the way, {c}. Anyway: "
+STDLIB = tuple("""argparse ast asyncio base64 bisect calendar cmath codecs collections configparser
+contextlib copy csv dataclasses datetime decimal difflib dis doctest email enum filecmp fileinput
+fnmatch fractions ftplib functools getopt gettext glob graphlib gzip hashlib heapq hmac html
+imaplib inspect io ipaddress itertools json locale logging mailbox math mimetypes mmap numbers
+operator optparse pathlib pdb pickle platform poplib pprint queue random re reprlib sched secrets
+selectors shelve shutil signal smtplib socket sqlite3 stat statistics string struct subprocess
+tarfile tempfile textwrap threading timeit tokenize trace traceback tracemalloc types typing
+unittest uuid warnings wave weakref zipfile zoneinfo""".split())
+
+
+def _prose(text: str) -> list[str]:
+    """Prose paragraphs of ``text``: joined lines, no code, tables or headings."""
+    out = []
+    for para in text.split("\n\n"):
+        lines = [x for x in para.splitlines() if x.strip()]
+        code = (" ", "\t", ">>>", "*", "-", "=", "+", "|")
+        if not lines or any(x.startswith(code) for x in lines):
+            continue
+        joined = " ".join(x.strip() for x in lines)
+        letters = sum(c.isalpha() or c == " " for c in joined)
+        if len(joined) >= 160 and letters >= 0.9 * len(joined) and joined[-1] in ".:)":
+            out.append(joined)
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def pool(split: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(topic, paragraphs) per source document of ``split``'s distractor pool."""
+    docs = []
+    if split == "tune":
+        from pydoc_data.topics import topics
+
+        for name in sorted(topics):
+            docs.append((name.replace("-", " ") if name.isascii() else name, topics[name]))
+    else:
+        import importlib
+        import inspect
+        import warnings
+
+        for name in STDLIB:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    module = importlib.import_module(name)
+            except ImportError:
+                continue
+            parts = [inspect.getdoc(module) or ""]
+            for _, obj in sorted(vars(module).items()):
+                if inspect.isclass(obj) and getattr(obj, "__module__", "") == name:
+                    parts.append(inspect.getdoc(obj) or "")
+            docs.append((f"the {name} module", "\n\n".join(parts)))
+    out = tuple((t, tuple(p)) for t, d in docs if len(p := _prose(d)) >= 2)
+    if not out:
+        raise RuntimeError(f"no distractor prose found for split {split!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class Chat:
+    """The facts of one chat (kind, value, statement) and which one is asked."""
+
+    facts: tuple[tuple[Kind, str, str], ...]
+    asked: int
+
+
+def _facts(rng: random.Random) -> Chat:
+    kinds = rng.sample(KINDS, 3)
+    facts = tuple((k, v := rng.choice(k.values), rng.choice(k.statements).format(v=v))
+                  for k in kinds)
+    return Chat(facts, rng.randrange(3))
+
+
+def build_natural_item(tok, seed: int, split: str, index: int, budget: int,
+                       ratios: tuple[float, float] = (3.0, 6.0)) -> Item:
+    """Item ``index`` of ``split``: the asked fact lies ``ratio x budget`` tokens before the
+    end, ``ratio`` drawn in ``ratios``."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid: {SPLITS}")
+    rng = random.Random(f"natural:{seed}:{split}:{index}")
+    chat = _facts(rng)
+    distance = int(rng.uniform(*ratios) * budget)
+    (ka, va, sa), (kb, vb, sb), (kc, vc, sc) = chat.facts
+    kind, value, _ = chat.facts[chat.asked]
+    values = [w.lower() for _, v, _ in chat.facts for w in v.split()]
+    docs = list(pool(split))
+    rng.shuffle(docs)
+    head = [{"role": "user", "content": rng.choice(OPENERS).format(a=sa, b=sb)},
+            {"role": "assistant", "content": rng.choice(REPLIES).format(
+                a=ka.ack.format(v=va), b=kb.ack.format(v=vb))}]
+    turns: list[dict] = []
+    topics: list[str] = []
+    question = [{"role": "user", "content": kind.question}]
+    for topic, paras in docs:
+        if any(v in p.lower() for p in paras for v in values):
+            continue
+        ask = rng.choice(ASKS).format(t=topic)
+        if not turns:
+            ask = ASIDE.format(c=sc) + ask
+        start = rng.randrange(len(paras))
+        reply = " ".join(paras[start : start + rng.randint(2, 3)])
+        if not turns:
+            reply = kc.ack.format(v=vc) + " " + reply
+        turns += [{"role": "user", "content": ask}, {"role": "assistant", "content": reply}]
+        topics.append(topic)
+        fact_turns = head if chat.asked < 2 else head + turns[:2]
+        fact_ids = _encode(tok, fact_turns, None)
+        ids = _encode(tok, head + turns + question, kind.lead_in)
+        if len(ids) - len(fact_ids) >= distance:
+            spots = tuple(p for p in _value_positions(tok, fact_ids, value))
+            return Item(index, kind.name, value, tuple(ids), len(fact_ids), len(topics),
+                        spots, tuple(topics))
+    raise RuntimeError(f"distractor pool {split!r} too small for distance {distance}")
