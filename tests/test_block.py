@@ -253,3 +253,22 @@ def test_a_save_mid_block_continues_identically(extra, tmp_path):
                 c.update_and_fetch(k, k + 1)
                 c.prepare_attention(mx.array(queries[:, :, t : t + 1]), 0.35, None)
     np.testing.assert_array_equal(loaded.kept_positions, cache.kept_positions)
+
+
+@pytest.mark.parametrize("kd, qd", [(mx.float16, mx.float16), (mx.float32, mx.float16),
+                                    (mx.bfloat16, mx.bfloat16)])
+def test_half_precision_queries_and_keys_settle(kd, qd):
+    """float16/bfloat16 queries (a float16 model's) reach the host rows without a float16
+    kernel signature: the cache evicts and states its bound."""
+    from morphkv.core.cache import MorphKVCache
+    from morphkv.core.queries import queries_by_hand
+    from morphkv.core.presets import recommended
+
+    with queries_by_hand():
+        cache = MorphKVCache(recommended(40))
+        for _ in range(60):
+            k = mx.random.normal((1, 3, 1, 64)).astype(kd)
+            cache.update_and_fetch(k, k)
+            cache.prepare_attention(mx.random.normal((1, 9, 1, 64)).astype(qd), 0.125, None)
+        assert cache.tokens_seen == 60 and cache.tokens_kept <= 40
+        assert cache.nbytes <= cache.nbytes_bound

@@ -10,7 +10,11 @@ from ..core.config import KVCacheConfig
 from ..runtime.argtypes import Number, UsageError, add_number, model_ref
 from ..runtime.cache_flags import add_cache_flags, config_from_flags, resolve_for_model
 from .gen_stats import (  # noqa: F401 (API)
-    CacheStats, blas_status, cache_stats, format_stats, other_layers,
+    CacheStats,
+    blas_status,
+    cache_stats,
+    format_stats,
+    other_layers,
 )
 
 DEFAULT_BUDGET = 64  # demo-sized: the README's first command evicts within seconds

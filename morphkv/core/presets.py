@@ -23,6 +23,7 @@ WINDOW = 16
 PEAK = 0.02  # peak fusion lambda: best tune retention with tune KL below StreamingLLM
 PAPER_BLOCK = 8  # the paper's coarse eviction: every 8 steps (-0.9 accuracy points, 0.82x time)
 MEMORY_BITS = 8  # storage precision of recommended(memory=...)
+BLOCK = 16  # recommended: evict 16 tokens every 16 (no window ring; docs/engine.md, issue 26)
 
 
 def recommended(budget: int = 512, *, memory: int | None = None, **overrides) -> KVCacheConfig:
@@ -35,7 +36,9 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     morphkv cache (K/V storage plus selection state), keys and values stored at
     ``MEMORY_BITS`` bits: ``KVCacheBuilder.for_model`` / ``patch_model`` resolve it from the
     model's shape into the most tokens per KV head that fit (``budget`` is then ignored), the
-    newest half of them always kept. Keyword arguments override any ``KVCacheConfig`` field.
+    newest half of them always kept. Both evict in blocks of ``BLOCK`` tokens: once full, every
+    16th token evicts 16 at once (between evictions the cache holds ``budget - 15`` to
+    ``budget`` tokens). Keyword arguments override any ``KVCacheConfig`` field.
     """
     window = overrides.get("morphkv_window", WINDOW)
     fields = dict(
@@ -46,9 +49,11 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
         morphkv_recent=max(window, budget // 2),
         morphkv_value=True,
         morphkv_peak=PEAK,
+        # at budgets too small for a whole block above the sinks and recent floor: a smaller one
+        morphkv_block=max(1, min(BLOCK, budget - N_SINK - max(window, budget // 2))),
     )
     if memory is not None:
-        fields.update(morphkv_budget=0, kv_memory=memory, kv_bits=MEMORY_BITS,
+        fields.update(morphkv_budget=0, kv_memory=memory, kv_bits=MEMORY_BITS, morphkv_block=BLOCK,
                       morphkv_recent=None, morphkv_recent_share=0.5)
         if "morphkv_recent" in overrides:
             fields["morphkv_recent_share"] = None

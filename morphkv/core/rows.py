@@ -64,7 +64,8 @@ def causal_rows(queries, keys, slots, scale: float, finite: bool, top: float, ha
     over the stored keys (rows, n, D) in slots <= its own: float64, or float16 with ``half``
     (compiled: ``kernels.rows``)."""
     R, P, G, _ = queries.shape
-    if P <= SMALL and keys.dtype in (np.float32, np.float64):  # no float64 copy of the keys
+    wide = (np.float32, np.float64)  # the kernel's signatures (no float16 in numba)
+    if P <= SMALL and keys.dtype in wide and queries.dtype in wide:  # no float64 key copy
         logits = np.empty((R, P, G, keys.shape[1]))
         kernels.dots(np.ascontiguousarray(queries), np.ascontiguousarray(keys), scale, logits)
     else:
