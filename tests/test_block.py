@@ -261,8 +261,8 @@ def test_half_precision_queries_and_keys_settle(kd, qd):
     """float16/bfloat16 queries (a float16 model's) reach the host rows without a float16
     kernel signature: the cache evicts and states its bound."""
     from morphkv.core.cache import MorphKVCache
-    from morphkv.core.queries import queries_by_hand
     from morphkv.core.presets import recommended
+    from morphkv.core.queries import queries_by_hand
 
     with queries_by_hand():
         cache = MorphKVCache(recommended(40))
