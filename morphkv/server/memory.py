@@ -9,9 +9,10 @@ from ..runtime.cache_flags import describe
 def kv_bound(served):
     """(the caches' resolved config, bytes of one sequence's caches once the budget is
     reached, bytes of one more stored token): every layer stores (budget + 1) slots per KV
-    head (one awaits reuse) plus its selection state (``MorphKVCache.nbytes_bound``).
-    Measured after one token, so the KV heads, head dims and dtype are the model's real ones.
-    The bounds are None for method='full' and mlx_lm's default cache."""
+    head (one awaits reuse) plus its selection state at most, block eviction's pending
+    queries included (``morphkv.core.memory.bound_bytes``: probe caches of the model's real
+    layer shapes run past the budget and through an eviction block; what ``--kv-memory``
+    resolves with). The bounds are None for method='full' and mlx_lm's default cache."""
     import mlx.core as mx
 
     from ..core import quant
@@ -23,7 +24,10 @@ def kv_bound(served):
         return config, None, None
     ours = [c for c in caches if hasattr(c, "nbytes_bound")]
     per_token = sum(c.storage_nbytes // quant.dims(c.keys)[2] for c in ours)
-    return config, sum(c.nbytes_bound or 0 for c in ours), per_token
+    from ..core.memory import bound_bytes
+    from ..mlxlm.memory import layer_shapes
+
+    return config, bound_bytes(config, layer_shapes(served.model)), per_token
 
 
 def _fmt(n: float) -> str:
