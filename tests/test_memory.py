@@ -55,7 +55,7 @@ def test_recommended_setting_holds_a_little_more(dtype):
     """Window 16, value norms and the running peak: 4 + 32 + 2 + 2 = 40 bytes per slot, 15.6% of
     float16 K+V (7.8% of float32); at block 16 the window's rows are computed at each eviction
     (no ring): 8 bytes per slot plus the pending queries (at most 16 tokens')."""
-    cache, rotating = full_cache(recommended(128, scoring="attention"), dtype, 3)
+    cache, rotating = full_cache(recommended(128, scoring="attention", morphkv_block=1), dtype, 3)
     per_slot = 4 + 2 * 16 + 2 + 2  # position, window rows, value norm, float16 peak
     assert cache.engine_nbytes == H * (128 + 1) * per_slot  # block 1: nothing pending
     # the bound adds the one query held between a token's arrival and its eviction
