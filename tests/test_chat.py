@@ -205,7 +205,7 @@ def test_bench_chat_quick(tmp_path, capsys):
     morph, full = result["summary"]["morphkv"], result["summary"]["kvcache"]
     assert morph["budget_reached_turn"] is not None
     low, high = morph["cache_bytes_after_budget"]
-    assert low == high  # constant once the budget is reached
+    assert low <= high <= 1.3 * low  # bounded once the budget is reached (blocks of 16 vary it)
     assert full["cache_bytes_first_last"][1] > morph["cache_bytes_first_last"][1]
     assert [r["kept"] for r in result["rows"] if r["arm"] == "kvcache"] == [
         r["seen"] for r in result["rows"] if r["arm"] == "kvcache"]  # keeps everything

@@ -112,7 +112,7 @@ def test_chat_in_a_terminal_saves_and_resumes(tmp_path):
             assert len(reply.split()) >= 2, term.text
             assert seen > seen_before and kept <= BUDGET, term.text
             seen_before = seen
-        assert kept == BUDGET < seen, term.text  # evicting by now
+        assert BUDGET - 16 < kept <= BUDGET < seen, term.text  # evicting (in blocks) by now
         # streamed: the reply arrived in several pieces spread out in time
         assert len(pieces) >= 3 and pieces[-1][0] - pieces[0][0] > 0.1, pieces
 

@@ -276,7 +276,7 @@ def test_generate_subprocess_with_blas_reexec(tmp_path):
     for line in STATS_LINES:
         assert line in proc.stdout, proc.stdout
     seen, kept = map(int, SEEN_KEPT.search(proc.stdout).groups())
-    assert kept == 24 < seen
+    assert 24 - 16 < kept <= 24 < seen  # blocks of up to 16
     assert "Traceback" not in proc.stderr
     if blas.find_blas(env) is not None:
         assert "BLAS:        preloaded" in proc.stdout, proc.stdout

@@ -73,7 +73,7 @@ def test_generate_streams_tokens_before_the_stats_in_a_terminal():
     assert len(answer.split()) >= 5, answer
     stats = text.split(RULE)[1].decode(errors="replace")
     seen, kept = map(int, re.search(r"seen (\d+), kept (\d+)", stats).groups())
-    assert kept == 32 < seen, stats
+    assert 32 - 16 < kept <= 32 < seen, stats  # blocks of up to 16
     assert "Traceback" not in text.decode(errors="replace")
 
 

@@ -67,7 +67,7 @@ def test_readme_example_streams_its_story_and_evicts(tmp_path):
     story, _, tail = out.rpartition("\nseen ")
     assert len(story.split()) >= 20, out  # the story itself is printed, not just numbers
     seen, kept, ratio = SUMMARY.search("seen " + tail).groups()
-    assert int(kept) == 64 < int(seen) and float(ratio) > 1.0, out
+    assert 64 - 16 < int(kept) <= 64 < int(seen) and float(ratio) > 1.0, out
     # streamed: the story arrived piece by piece, well before the process ended
     story_chunks = [t for t, c in chunks if b"seen " not in c]
     assert len(story_chunks) >= 5, chunks

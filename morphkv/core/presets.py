@@ -36,9 +36,12 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     morphkv cache (K/V storage plus selection state), keys and values stored at
     ``MEMORY_BITS`` bits: ``KVCacheBuilder.for_model`` / ``patch_model`` resolve it from the
     model's shape into the most tokens per KV head that fit (``budget`` is then ignored), the
-    newest half of them always kept. Both evict in blocks of ``BLOCK`` tokens: once full, every
-    16th token evicts 16 at once (between evictions the cache holds ``budget - 15`` to
-    ``budget`` tokens). Keyword arguments override any ``KVCacheConfig`` field.
+    newest half of them always kept. ``recommended(budget)`` evicts in blocks of ``BLOCK``
+    tokens: once full, every 16th token evicts 16 at once (between evictions the cache holds
+    ``budget - 15`` to ``budget`` tokens). ``recommended(memory=N)`` evicts one token per token:
+    a block keeps its queries until its eviction (16 x query heads x head dim per layer), which
+    at small memory sizes costs more tokens than the block saves time. Keyword arguments
+    override any ``KVCacheConfig`` field.
     """
     window = overrides.get("morphkv_window", WINDOW)
     fields = dict(
@@ -53,7 +56,7 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
         morphkv_block=max(1, min(BLOCK, budget - N_SINK - max(window, budget // 2))),
     )
     if memory is not None:
-        fields.update(morphkv_budget=0, kv_memory=memory, kv_bits=MEMORY_BITS, morphkv_block=BLOCK,
+        fields.update(morphkv_budget=0, kv_memory=memory, kv_bits=MEMORY_BITS, morphkv_block=1,
                       morphkv_recent=None, morphkv_recent_share=0.5)
         if "morphkv_recent" in overrides:
             fields["morphkv_recent_share"] = None
