@@ -129,6 +129,8 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
             return mask
         H = self.engine.rows // B
         chunk = self._flush()
+        if (chunk.evicted == C).all():  # no eviction inside the chunk: plain causal attention
+            return "causal"
         visible = mx.array(liveness(chunk.before, chunk.evicted))  # (B*H, C, rows)
         rows = visible.shape[-1]
         if self.config.kv_bits is not None:  # mlx_lm's quantized attention adds the group axis

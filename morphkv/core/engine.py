@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from . import kernels
-from .blocks import _concat, _cutter, _nbytes, _unwrap, compaction, host, norms_of, running_kind
+from .blocks import _concat, _cutter, _nbytes, _unwrap, host, norms_of, running_kind
 from .config import KVCacheConfig
 from .host_blas import one_blas_thread
 from .rows import causal_rows, proxy_rows
@@ -59,6 +59,7 @@ class Engine:
         self.slots = 0  # live slots: rows [0, slots) of the storage
         self.capacity = 0
         self.finite = True  # no NaN/inf key or query seen yet: logits need no cleaning
+        self.checked = 0  # slots below this were checked for NaN/inf keys
         self.pending: list = []  # queries (B, n_heads, c, D) of tokens without rows yet
         self.pending_count = 0
         self.queries_held = 0  # pending queries kept (the rows something reads)
@@ -320,8 +321,9 @@ class Engine:
             q = q.reshape(B, H, -1, K, D).transpose(0, 1, 3, 2, 4).reshape(self.rows, K, -1, D)
         else:
             q = keys[:, s0 + need, None]
-        if self.finite:
-            self.finite = bool(np.isfinite(q).all() and np.isfinite(keys).all())
+        if self.finite:  # the keys up to ``checked`` were checked at an earlier settle
+            self.finite = bool(np.isfinite(q).all() and np.isfinite(keys[:, self.checked :]).all())
+        self.checked = n
         rows = causal_rows(q, keys, s0 + need, self.scale, self.finite, TOP, self.real)
         if self.ring is not None:
             last = need[-self.config.window :]
@@ -341,6 +343,10 @@ class Engine:
             else:
                 for k in range(rows.shape[1]):
                     acc[:, :n] += rows[:, k]
+        elif self.decay == 1.0 and acc.dtype == np.float16 == rows.dtype:
+            # rows are >= 0 and never NaN: float16 order is the order of the bit patterns
+            bits = acc.view(np.uint16)
+            np.maximum(bits[:, :n], rows.view(np.uint16).max(axis=1), out=bits[:, :n])
         elif self.decay == 1.0:  # a max is exact in any order
             np.maximum(acc[:, :n], rows.max(axis=1), out=acc[:, :n])
         else:
@@ -354,7 +360,8 @@ class Engine:
             victims = self.select()
         finally:
             self._keys = self._window = None
-        src, dst = compaction(victims, self.slots, self.block)
+        src, dst = np.empty_like(victims), np.empty_like(victims)
+        kernels.moves(victims, self.slots, src, dst)  # = blocks.compaction
         r = np.arange(self.rows)[:, None]
         self.positions[r, dst] = self.positions[r, src]
         for name in ("accumulated", "value_norms"):
@@ -365,6 +372,7 @@ class Engine:
             self.ring[r, :, dst] = self.ring[r, :, src]
         self.slots -= self.block
         self.norms_from = self.slots
+        self.checked = min(self.checked, self.slots)
         return victims, src, dst
 
     def select(self):
@@ -380,7 +388,7 @@ class Engine:
                 scores = scores * self.value_norms[:, : self.slots]
         scores = np.ascontiguousarray(np.where(protected, np.inf, scores))
         out = np.empty((self.rows, self.block), np.int64)
-        kernels.pick(scores, np.ascontiguousarray(positions, np.int64), self.block, out)
+        kernels.pick(scores, np.ascontiguousarray(positions), self.block, out)
         return out
 
 

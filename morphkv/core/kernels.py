@@ -17,6 +17,7 @@ from numba import njit
 
 TIE_RTOL = 1e-9
 NO_POSITION = np.iinfo(np.int64).max
+SCAN = 8  # blocks up to this pick by repeated scans, larger ones sort once per row
 
 
 # ---- float16 on the host without float16 support: values as uint16 bit patterns ------------
@@ -150,7 +151,7 @@ def pick(scores, positions, block, out):
     taken = np.zeros(n, np.bool_)
     for r in range(R):
         taken[:] = False
-        if block <= 4:
+        if block <= SCAN:
             for k in range(block):
                 out[r, k] = _scan(scores[r], positions[r], taken)
                 taken[out[r, k]] = True
@@ -205,3 +206,29 @@ def dots(q, keys, scale, out):
                 for d in range(D):
                     acc += qs[i, d] * np.float64(keys[r, j, d])
                 out[r, i // G, i % G, j] = acc
+
+
+@njit(cache=True)
+def moves(victims, n, src, dst):
+    """Row moves (src, dst) (R, block) that fill the victims' rows below the line
+    ``n - block`` with the live rows above it, in order; the remaining pairs move a victim's
+    row above the line onto itself (``morphkv.core.blocks.compaction`` defines them)."""
+    R, block = victims.shape
+    line = n - block
+    dead = np.zeros(block, np.bool_)
+    for r in range(R):
+        dst[r] = np.sort(victims[r])
+        dead[:] = False
+        for k in range(block):
+            v = victims[r, k]
+            if v >= line:
+                dead[v - line] = True
+        i = 0
+        for k in range(block):  # live rows above the line first, then the victims there
+            if not dead[k]:
+                src[r, i] = line + k
+                i += 1
+        for k in range(block):
+            if dead[k]:
+                src[r, i] = line + k
+                i += 1
