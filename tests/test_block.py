@@ -190,6 +190,17 @@ def test_pick_kernel_is_the_numpy_definition(n, rows, seed, tied):
     assert out.tolist() == pick(scores, positions, block).tolist()
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 17), st.integers(0, 2**31 - 1))
+def test_half_mean_kernel_is_the_numpy_mean(n, window, seed):
+    rng = np.random.default_rng(seed)
+    rows = (rng.random((2, window, n)) ** rng.integers(1, 30) * 3).astype(np.float16)
+    rows[rng.random(rows.shape) < 0.1] = 0.0
+    out = np.empty((2, n))
+    kernels.half_mean(rows.view(np.uint16), out)
+    assert np.array_equal(out, rows.sum(axis=1, dtype=np.float64) / window)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 30), st.integers(1, 6), st.integers(1, 3), st.integers(0, 2**31 - 1))
 def test_rows_kernel_is_the_numpy_definition(n, P, G, seed):

@@ -102,7 +102,11 @@ class Engine:
     def window_mean(self):
         """(rows, slots) mean of the window's rows (float16 sums are exact in float64)."""
         probs = self.window_probs()
-        return probs.sum(axis=1, dtype=np.float64) / probs.shape[1]
+        if probs.dtype != np.float16:
+            return probs.sum(axis=1, dtype=np.float64) / probs.shape[1]
+        out = np.empty((probs.shape[0], probs.shape[2]))
+        kernels.half_mean(np.ascontiguousarray(probs).view(np.uint16), out)
+        return out
 
     def newest_probs(self):
         """(rows, slots) attention of the newest token."""

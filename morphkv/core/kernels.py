@@ -145,8 +145,9 @@ def rows(logits, slots, finite, top, half, out, out_bits):
 def pick(scores, positions, block, out):
     """``block`` successive picks per row of the lowest score (R, n), ties within TIE_RTOL
     (relative) to the oldest position; a picked slot leaves the candidates. Small blocks scan;
-    larger ones sort once per row (the candidates tied with the lowest remaining score are a
-    prefix of the remaining ones in score order)."""
+    larger ones sort, once per row, the slots scoring at most the block-th lowest score times
+    (1 + TIE_RTOL), which holds every pick (the candidates tied with the lowest remaining score
+    are a prefix of the remaining ones in score order)."""
     R, n = scores.shape
     taken = np.zeros(n, np.bool_)
     for r in range(R):
@@ -156,7 +157,15 @@ def pick(scores, positions, block, out):
                 out[r, k] = _scan(scores[r], positions[r], taken)
                 taken[out[r, k]] = True
             continue
-        order = np.argsort(scores[r])
+        # every pick scores <= (the block-th lowest score) * (1 + TIE_RTOL): sort only those
+        kth = np.partition(scores[r], block - 1)[block - 1]
+        if kth == kth:
+            cut = kth * (1.0 + TIE_RTOL)
+            near = np.nonzero(scores[r] <= cut)[0]
+            order = near[np.argsort(scores[r][near])]
+        else:  # NaN scores: all of them, NaN last
+            order = np.argsort(scores[r])
+        m = order.size
         first = 0  # the lowest untaken entry of ``order``
         for k in range(block):
             while taken[order[first]]:
@@ -164,7 +173,7 @@ def pick(scores, positions, block, out):
             limit = scores[r, order[first]] * (1.0 + TIE_RTOL)
             best, oldest = order[first], positions[r, order[first]]
             i = first + 1
-            while i < n and scores[r, order[i]] <= limit:
+            while i < m and scores[r, order[i]] <= limit:
                 j = order[i]
                 if not taken[j] and positions[r, j] < oldest:
                     best, oldest = j, positions[r, j]
@@ -232,3 +241,21 @@ def moves(victims, n, src, dst):
             if dead[k]:
                 src[r, i] = line + k
                 i += 1
+
+
+@njit(cache=True)
+def half_mean(bits, out):
+    """out (R, n) = the mean over axis 1 of float16 rows given as bits (R, W, n) uint16,
+    values >= 0 (their sum is exact in float64 in any order, as NumPy's)."""
+    R, W, n = bits.shape
+    for r in range(R):
+        for j in range(n):
+            out[r, j] = 0.0
+        for w in range(W):
+            for j in range(n):
+                b = bits[r, w, j]
+                e = b >> 10
+                m = b & 1023
+                out[r, j] += (m if e == 0 else m + 1024) * _POW[e]
+        for j in range(n):
+            out[r, j] /= W
