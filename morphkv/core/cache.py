@@ -152,14 +152,15 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
         if chunk.queries is None and self.config.scoring == "attention":
             raise RuntimeError("attention scoring: the cache was read before its queries came")
         engine = self.engine
-        B, H, C = quant.dims(chunk.keys)
-        D = quant.head_dim(chunk.keys, self.config.kv_group_size)
+        keys = chunk.keys
+        B, H, C = keys.shape[:3] if isinstance(keys, mx.array) else quant.dims(keys)
         if C == 1:  # a decode step: nothing is read unless an eviction (or a flush) is due
             if engine.decode(chunk.queries):
                 moves = engine.settle(self._host_keys(), self._host_values())
                 if moves is not None:
                     self._move(moves)
         else:
+            D = quant.head_dim(chunk.keys, self.config.kv_group_size)
             keys = self._host(chunk.keys).reshape(B * H, C, D)
             stored = self._host(chunk.fetched[0]).reshape(B * H, -1, D)
             queries = None if chunk.queries is None else to_numpy(chunk.queries)
@@ -205,18 +206,24 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
         accepted one (the same config and storage dtype) passes at once: the checks below
         depend on nothing else."""
         stored = None
-        if self.keys is not None:
+        if isinstance(self.keys, mx.array):  # cheap: the dtype and dims of the storage
+            stored = (self.keys.dtype, self.keys.shape[:2], self.keys.shape[3],
+                      self.values.shape[3])
+        elif self.keys is not None:
             group_size = self.config.kv_group_size
             stored = (quant.dtype(self.keys), quant.dims(self.keys)[:2],
                       quant.head_dim(self.keys, group_size),
                       quant.head_dim(self.values, group_size))
-        seal = _Seal(keys.ndim, values.ndim, keys.shape[:2], keys.shape[3:], values.shape[:2],
-                     values.shape[3:], keys.dtype, values.dtype, self.config, stored)
-        if seal == getattr(self, "_accepted", None) and keys.shape[2] == values.shape[2]:
+        k, v = keys.shape, values.shape
+        seal = (keys.ndim, values.ndim, k[:2], k[3:], v[:2], v[3:], keys.dtype, values.dtype,
+                stored)
+        accepted = getattr(self, "_accepted", None)
+        if (accepted is not None and accepted[0] is self.config and accepted[1] == seal
+                and k[2] == v[2]):
             return
         self._full_check(keys, values)
-        if stored is not None:  # checked against the storage too
-            self._accepted = seal
+        if stored is not None:  # checked against the storage too (and this config)
+            self._accepted = _Seal(self.config, seal)
 
     def _full_check(self, keys: mx.array, values: mx.array) -> None:
         if keys.ndim != 4 or values.ndim != 4:

@@ -30,6 +30,13 @@ class SlotStorage:
         """Append the new tokens after the ``slots`` live rows (in place when the storage has
         room, as mlx_lm's caches write). Returns the number of rows that now hold tokens."""
         start = self.engine.slots
+        if isinstance(keys, mx.array) and isinstance(self.keys, mx.array):  # plain storage
+            end = start + keys.shape[2]
+            if end > self.keys.shape[2]:
+                self._reserve(end, keys, values)
+            self.keys[:, :, start:end] = keys
+            self.values[:, :, start:end] = values
+            return end
         end = start + quant.dims(keys)[2]
         if self.keys is None or end > quant.dims(self.keys)[2]:
             self._reserve(end, keys, values)
@@ -70,6 +77,10 @@ class SlotStorage:
 
     def _fetch(self, rows: int | None = None) -> tuple[mx.array, mx.array]:
         rows = self.engine.slots if rows is None else rows
+        if isinstance(self.keys, mx.array):  # plain storage
+            if rows == self.keys.shape[2]:
+                return self.keys, self.values
+            return self.keys[:, :, :rows], self.values[:, :, :rows]
         if rows == quant.dims(self.keys)[2]:
             return self.keys, self.values
         return tuple(quant.apply(lambda p: p[:, :, :rows], x) for x in (self.keys, self.values))
