@@ -69,9 +69,9 @@ def compaction(victims, n: int, block: int):
 
 def norms_of(values) -> np.ndarray:
     """(rows, n) float16 norms of values (rows, n, Dv): float32, NaN as 0, capped at 65504."""
-    v = values.astype(np.float32)
+    v = values.astype(np.float32, copy=False)
     norms = np.sqrt((v * v).sum(axis=-1))
-    return np.minimum(np.nan_to_num(norms, nan=0.0), 65504.0).astype(np.float16)
+    return np.minimum(np.fmax(norms, 0.0), 65504.0).astype(np.float16)  # fmax: NaN -> 0
 
 
 def _unwrap(rule):

@@ -105,7 +105,7 @@ class Engine:
         if probs.dtype != np.float16:
             return probs.sum(axis=1, dtype=np.float64) / probs.shape[1]
         out = np.empty((probs.shape[0], probs.shape[2]))
-        kernels.half_mean(np.ascontiguousarray(probs).view(np.uint16), out)
+        kernels.half_mean(probs.view(np.uint16), out)  # (a view of the ring: not copied)
         return out
 
     def newest_probs(self):
@@ -218,11 +218,10 @@ class Engine:
         is due. Returns the row moves (src, dst), each (rows, block), that the storage must
         apply, or None."""
         self.fill_norms(values)
-        with one_blas_thread():
-            self._flush(keys)
-            if not self.over:
-                return None
-            _, src, dst = self._evict(keys)
+        self._flush(keys)  # (its BLAS products run on one thread: rows.logits_of)
+        if not self.over:
+            return None
+        _, src, dst = self._evict(keys)
         return src, dst
 
     def fill_norms(self, values) -> None:
@@ -314,7 +313,7 @@ class Engine:
         s0 = n - P
         pending, self.pending, self.pending_count = self.pending, [], 0
         self.queries_held = 0
-        need = np.nonzero(self._needed(first, P))[0]
+        need = np.arange(P) if self.running else np.nonzero(self._needed(first, P))[0]
         if need.size == 0:
             return
         keys = keys[:, :n]
@@ -326,7 +325,7 @@ class Engine:
         else:
             q = keys[:, s0 + need, None]
         if self.finite:  # the keys up to ``checked`` were checked at an earlier settle
-            self.finite = bool(np.isfinite(q).all() and np.isfinite(keys[:, self.checked :]).all())
+            self.finite = _finite(q) and _finite(keys[:, self.checked :])
         self.checked = n
         rows = causal_rows(q, keys, s0 + need, self.scale, self.finite, TOP, self.real)
         if self.ring is not None:
@@ -394,6 +393,11 @@ class Engine:
         out = np.empty((self.rows, self.block), np.int64)
         kernels.pick(scores, np.ascontiguousarray(positions), self.block, out)
         return out
+
+
+def _finite(x) -> bool:
+    """No NaN/inf in x (its sum is finite; an overflowing sum only costs the cleaning path)."""
+    return bool(np.isfinite(x.sum(dtype=np.float64)))
 
 
 def warm_up() -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels
+from .host_blas import one_blas_thread
 
 SMALL = 4  # at most this many queries: products in a compiled loop, else one BLAS matmul
 
@@ -53,9 +54,9 @@ def logits_of(queries, keys, scale: float):
     """(rows, P, G, n) float64 scaled logits of queries (rows, P, G, D) against keys (rows, n, D).
     The scale multiplies the queries, the smaller operand."""
     R, P, G, D = queries.shape
-    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf keys: cleaned after
+    with np.errstate(invalid="ignore", over="ignore"), one_blas_thread():  # NaN/inf: cleaned after
         q = queries.astype(np.float64).reshape(R, P * G, D) * scale
-        dots = q @ keys.astype(np.float64).transpose(0, 2, 1)
+        dots = q @ keys.astype(np.float64, copy=False).transpose(0, 2, 1)
     return dots.reshape(R, P, G, keys.shape[1])
 
 
