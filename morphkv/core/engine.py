@@ -35,6 +35,7 @@ from .rows import causal_rows, proxy_rows
 from .rules import WindowAttention, make_rule
 
 TOP = float(np.finfo(np.float64).max)
+NO_NORMS = np.zeros((0, 0), np.float16)
 
 
 class Engine:
@@ -383,15 +384,13 @@ class Engine:
         oldest, picked ``block`` times. Scores are >= 0."""
         c = self.config
         positions = self.stored_positions
-        newest = self.seen - 1
-        protected = (positions < c.n_sink) | (positions > newest - c.recent)
         with np.errstate(invalid="ignore", over="ignore"):
             scores = np.asarray(self.rule.score(self), np.float64)
-            if self.value_norms is not None:
-                scores = scores * self.value_norms[:, : self.slots]
-        scores = np.ascontiguousarray(np.where(protected, np.inf, scores))
+        norms = NO_NORMS if self.value_norms is None else self.value_norms[:, : self.slots]
         out = np.empty((self.rows, self.block), np.int64)
-        kernels.pick(scores, np.ascontiguousarray(positions), self.block, out)
+        # protected: the sinks and the last ``recent`` positions; scores times the value norms
+        kernels.select(scores, norms.view(np.uint16), positions, c.n_sink, self.seen - 1 - c.recent,
+                       self.block, out)
         return out
 
 

@@ -259,3 +259,25 @@ def half_mean(bits, out):
                 out[r, j] += (m if e == 0 else m + 1024) * _POW[e]
         for j in range(n):
             out[r, j] /= W
+
+
+@njit(cache=True)
+def select(scores, norm_bits, positions, n_sink, last, block, out):
+    """``pick`` over scores (R, n) float64 times the value norms (float16 bits (R, n) uint16;
+    an empty array: none), the slots at positions < n_sink or > last protected (inf)."""
+    R, n = scores.shape
+    final = np.empty((R, n))
+    weighted = norm_bits.size > 0
+    for r in range(R):
+        for j in range(n):
+            p = positions[r, j]
+            if p < n_sink or p > last:
+                final[r, j] = np.inf
+            elif weighted:
+                b = norm_bits[r, j]
+                e = b >> 10
+                m = b & 1023
+                final[r, j] = scores[r, j] * ((m if e == 0 else m + 1024) * _POW[e])
+            else:
+                final[r, j] = scores[r, j]
+    pick(final, positions, block, out)
