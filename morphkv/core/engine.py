@@ -260,6 +260,9 @@ class Engine:
         i = 0
         while i < C:
             k = min(C - i, (self.config.budget - self.seen) % self.block + 1)  # to the grid
+            quiet = self._quiet()  # the grid points up to there settle nothing: one step
+            if quiet >= k:
+                k += (min(quiet, C - i) - k) // self.block * self.block
             s = self.slots
             source[:, s : s + k] = before + i + np.arange(k)
             slot_keys[:, s : s + k] = keys[:, i : i + k]
@@ -278,6 +281,18 @@ class Engine:
                 slot_keys[r, dst] = slot_keys[r, src]
         self.pending = [np.array(q) for q in self.pending]
         return source[:, : self.slots], evicted  # the pending slices copied: the chunk goes
+
+    def _quiet(self) -> int:
+        """How many tokens from the next one on arrive before the budget with no row anything
+        reads (settling them only drops them; none evicts). 0 with running scores."""
+        if self.running:
+            return 0
+        if not self.rule.evicts:
+            return 1 << 62
+        first = self.config.budget  # the first position that evicts
+        if self.window_rule and self.real:
+            first -= self.reads - 1  # the first row the first eviction reads
+        return max(first - self.seen, 0)
 
     # ---- rows, scores, eviction ----------------------------------------------------------
     def _needs(self, t: int) -> bool:
