@@ -86,3 +86,42 @@ def running_kind(rule) -> tuple[str | None, float]:
     if type(rule) is Peak or (isinstance(rule, WindowAttention) and rule.peak > 0):
         return "peak", rule.decay
     return None, 1.0
+
+
+def update_running(acc, kind: str, decay: float, rows, s0: int, n: int) -> None:
+    """Running scores ``acc`` (rows, >= n) over new attention rows (rows, P, n) in arrival
+    order ('sum' or 'peak' with ``decay``); the new slots [s0, n) start at 0."""
+    acc[:, s0:n] = 0.0
+    if kind == "sum":
+        if rows.dtype == np.float16:  # float16 sums are exact in float64: any order
+            acc[:, :n] += rows.sum(axis=1, dtype=np.float64)
+        else:
+            for k in range(rows.shape[1]):
+                acc[:, :n] += rows[:, k]
+    elif decay == 1.0 and acc.dtype == np.float16 == rows.dtype:
+        # rows are >= 0 and never NaN: float16 order is the order of the bit patterns
+        bits = acc.view(np.uint16)
+        np.maximum(bits[:, :n], rows.view(np.uint16).max(axis=1), out=bits[:, :n])
+    elif decay == 1.0:  # a max is exact in any order
+        np.maximum(acc[:, :n], rows.max(axis=1), out=acc[:, :n])
+    else:
+        for k in range(rows.shape[1]):
+            acc[:, :n] = np.maximum(acc[:, :n] * decay, rows[:, k])
+
+
+def finite(x) -> bool:
+    """No NaN/inf in x (its float64 sum is finite: float16/32 inputs cannot overflow it)."""
+    return bool(np.isfinite(x.sum(dtype=np.float64)))
+
+
+def warm_up() -> None:
+    """Run a tiny engine once (first-call costs of NumPy's paths stay out of timings)."""
+    from .engine import Engine
+    from .presets import recommended
+
+    rng = np.random.default_rng(0)
+    engine = Engine(recommended(40), 1, 8, real_queries=True)
+    keys = rng.standard_normal((1, 48, 8)).astype(np.float32)
+    queries = rng.standard_normal((1, 2, 48, 8)).astype(np.float32)
+    values = np.ones((1, 48, 8), np.float32)
+    engine.feed_chunk(keys, queries, values, keys[:, :0], values[:, :0])

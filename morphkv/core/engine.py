@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from . import kernels
+from . import blocks, kernels
 from .blocks import _concat, _cutter, _nbytes, _unwrap, host, norms_of, running_kind
 from .config import KVCacheConfig
 from .host_blas import one_blas_thread
@@ -341,7 +341,7 @@ class Engine:
         else:
             q = keys[:, s0 + need, None]
         if self.finite:  # the keys up to ``checked`` were checked at an earlier settle
-            self.finite = _finite(q) and _finite(keys[:, self.checked :])
+            self.finite = blocks.finite(q) and blocks.finite(keys[:, self.checked :])
         self.checked = n
         rows = causal_rows(q, keys, s0 + need, self.scale, self.finite, TOP, self.real)
         if self.ring is not None:
@@ -350,27 +350,7 @@ class Engine:
         elif self.window_rule and self.real:
             self._window = rows[:, -self.reads :]  # all the window's rows: see _needed
         if self.running:
-            self._run(rows, s0, n)
-
-    def _run(self, rows, s0: int, n: int) -> None:
-        """Running scores over the new rows (in arrival order); new slots start at 0."""
-        acc = self.accumulated
-        acc[:, s0:n] = 0.0
-        if self.running == "sum":
-            if rows.dtype == np.float16:  # float16 sums are exact in float64: any order
-                acc[:, :n] += rows.sum(axis=1, dtype=np.float64)
-            else:
-                for k in range(rows.shape[1]):
-                    acc[:, :n] += rows[:, k]
-        elif self.decay == 1.0 and acc.dtype == np.float16 == rows.dtype:
-            # rows are >= 0 and never NaN: float16 order is the order of the bit patterns
-            bits = acc.view(np.uint16)
-            np.maximum(bits[:, :n], rows.view(np.uint16).max(axis=1), out=bits[:, :n])
-        elif self.decay == 1.0:  # a max is exact in any order
-            np.maximum(acc[:, :n], rows.max(axis=1), out=acc[:, :n])
-        else:
-            for k in range(rows.shape[1]):
-                acc[:, :n] = np.maximum(acc[:, :n] * self.decay, rows[:, k])
+            blocks.update_running(self.accumulated, self.running, self.decay, rows, s0, n)
 
     def _evict(self, keys):
         """Pick ``block`` victims per row and compact; returns (victims, src, dst)."""
@@ -407,20 +387,3 @@ class Engine:
         kernels.select(scores, norms.view(np.uint16), positions, c.n_sink, self.seen - 1 - c.recent,
                        self.block, out)
         return out
-
-
-def _finite(x) -> bool:
-    """No NaN/inf in x (its sum is finite; an overflowing sum only costs the cleaning path)."""
-    return bool(np.isfinite(x.sum(dtype=np.float64)))
-
-
-def warm_up() -> None:
-    """Run a tiny engine once (first-call costs of NumPy's paths stay out of timings)."""
-    from .presets import recommended
-
-    rng = np.random.default_rng(0)
-    engine = Engine(recommended(40), 1, 8, real_queries=True)
-    keys = rng.standard_normal((1, 48, 8)).astype(np.float32)
-    queries = rng.standard_normal((1, 2, 48, 8)).astype(np.float32)
-    values = np.ones((1, 48, 8), np.float32)
-    engine.feed_chunk(keys, queries, values, keys[:, :0], values[:, :0])
