@@ -20,7 +20,7 @@ import time
 
 import mlx.core as mx
 
-from ..core.blocks import warm_up
+from ..core.warm import warm_up
 from ..eval import plots
 from ..eval.arms import parse_arms
 from ..eval.texts import PROSE_TOPICS, prose_text

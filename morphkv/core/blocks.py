@@ -113,15 +113,3 @@ def finite(x) -> bool:
     """No NaN/inf in x (its float64 sum is finite: float16/32 inputs cannot overflow it)."""
     return bool(np.isfinite(x.sum(dtype=np.float64)))
 
-
-def warm_up() -> None:
-    """Run a tiny engine once (first-call costs of NumPy's paths stay out of timings)."""
-    from .engine import Engine
-    from .presets import recommended
-
-    rng = np.random.default_rng(0)
-    engine = Engine(recommended(40), 1, 8, real_queries=True)
-    keys = rng.standard_normal((1, 48, 8)).astype(np.float32)
-    queries = rng.standard_normal((1, 2, 48, 8)).astype(np.float32)
-    values = np.ones((1, 48, 8), np.float32)
-    engine.feed_chunk(keys, queries, values, keys[:, :0], values[:, :0])
