@@ -106,7 +106,7 @@ def _peak(x, n):
     return peak
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def rows(logits, slots, finite, top, half, out, out_bits):
     """Rows of P queries from their logits (R, P, G, n): query p sees keys j <= slots[p].
     Softmax per head (NaN -> -inf, +inf -> ``top`` unless ``finite``), summed over the G
@@ -197,7 +197,7 @@ def _scan(scores, positions, taken):
     return best
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+@njit(cache=True, fastmath={"reassoc", "contract"})
 def dots(q, keys, scale, out):
     """out[r, p, g, j] = (q[r, p, g] * scale) . keys[r, j] in float64 (exact products; the
     summation order is the compiler's), for few queries: no float64 copy of the keys."""

@@ -23,16 +23,12 @@ rows (and within the engine's tie tolerance for proxy rows).
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
 from . import kernels
 from .host_blas import one_blas_thread
 
 SMALL = 4  # at most this many queries: products in a compiled loop, else one BLAS matmul
-SPLIT = 60_000  # rows x queries x heads x keys from which a batch is split over two threads
 
 
 def clean(logits, top: float):
@@ -67,27 +63,7 @@ def logits_of(queries, keys, scale: float):
 def causal_rows(queries, keys, slots, scale: float, finite: bool, top: float, half: bool):
     """Rows (rows, P, n) of P queries held in ``slots`` (P,) (the same for every row), each
     over the stored keys (rows, n, D) in slots <= its own: float64, or float16 with ``half``
-    (compiled: ``kernels.rows``). A large batch of several rows is split in two halves of rows,
-    one computed on a helper thread (the rows are independent: the same arithmetic either
-    way; the model waits for them, so the second core is free)."""
-    R, P, G, _ = queries.shape
-    n = keys.shape[1]
-    out = np.empty((R, P, n))
-    bits = np.empty((R, P, n) if half else (1, 1, 1), np.uint16)
-    slots = np.asarray(slots, np.int64)
-    if R < 2 or R * P * G * n < SPLIT:
-        _rows_into(queries, keys, slots, scale, finite, top, half, out, bits)
-    else:
-        h = R // 2
-        part = bits[h:] if half else bits
-        helper = helper_pool().submit(_rows_into, queries[h:], keys[h:], slots, scale, finite,
-                                      top, half, out[h:], part)
-        _rows_into(queries[:h], keys[:h], slots, scale, finite, top, half, out[:h], bits[:h])
-        helper.result()
-    return bits.view(np.float16) if half else out
-
-
-def _rows_into(queries, keys, slots, scale, finite, top, half, out, bits) -> None:
+    (compiled: ``kernels.rows``)."""
     R, P, G, _ = queries.shape
     wide = (np.float32, np.float64)  # the kernel's signatures (no float16 in numba)
     if P <= SMALL and keys.dtype in wide and queries.dtype in wide:  # no float64 key copy
@@ -95,17 +71,11 @@ def _rows_into(queries, keys, slots, scale, finite, top, half, out, bits) -> Non
         kernels.dots(np.ascontiguousarray(queries), np.ascontiguousarray(keys), scale, logits)
     else:
         logits = np.ascontiguousarray(logits_of(queries, keys, scale))
-    kernels.rows(logits, slots, finite, top, half, out, bits)
-
-
-_POOL: list = [None, None]  # (process id, executor): a forked child makes its own
-
-
-def helper_pool() -> ThreadPoolExecutor:
-    """One helper thread for the second half of large batches of rows."""
-    if _POOL[0] != os.getpid():
-        _POOL[:] = [os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="morphkv-rows")]
-    return _POOL[1]
+    n = logits.shape[-1]
+    out = np.empty((R, P, n))
+    bits = np.empty((R, P, n) if half else (1, 1, 1), np.uint16)
+    kernels.rows(logits, np.asarray(slots, np.int64), finite, top, half, out, bits)
+    return bits.view(np.float16) if half else out
 
 
 def causal_rows_numpy(queries, keys, slots, scale: float, finite: bool, top: float):
