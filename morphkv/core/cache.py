@@ -48,6 +48,7 @@ class _Chunk:
     rows: int = 0  # rows of the returned keys
     fetched: tuple | None = None  # the returned keys and values, until compacted
     queries: mx.array | None = None  # (B, n_heads, C, head_dim), attention scoring only
+    stored: tuple | None = None  # a decode step's keys and values as stored (block 1 moves)
     fed: bool = False  # the engine has seen it
     evicted: np.ndarray | None = None  # (rows, before + C) step each fetched row was evicted
 
@@ -104,6 +105,8 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
             before=self.engine.slots,
         )
         chunk.rows = self._place(stored_keys, stored_values)
+        if C == 1:
+            chunk.stored = stored_keys, stored_values
         chunk.fetched = fetched = self._fetch(chunk.rows)
         self._chunk = chunk  # the engine sees it later: see _flush
         self.offset += C
@@ -157,8 +160,8 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
         if C == 1:  # a decode step: nothing is read unless an eviction (or a flush) is due
             if engine.decode(chunk.queries):
                 moves = engine.settle(self._host_keys(), self._host_values())
-                if moves is not None:
-                    self._move(moves)
+                if moves is not None:  # block 1: the newest token fills the hole
+                    self._move(moves, chunk.stored if engine.block == 1 else None)
         else:
             D = quant.head_dim(chunk.keys, self.config.kv_group_size)
             keys = self._host(chunk.keys).reshape(B * H, C, D)
@@ -173,7 +176,7 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
             if source.shape[1] < chunk.rows or (source != np.arange(source.shape[1])).any():
                 self._compact(chunk.fetched, source)
         chunk.fed = True
-        chunk.keys = chunk.values = chunk.queries = chunk.fetched = None
+        chunk.keys = chunk.values = chunk.queries = chunk.fetched = chunk.stored = None
         return chunk
 
     def _host_keys(self) -> np.ndarray:

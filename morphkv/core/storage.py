@@ -44,12 +44,20 @@ class SlotStorage:
         quant.assign(self.values, start, end, values)
         return end
 
-    def _move(self, moves) -> None:
-        """Apply an eviction's row moves (src, dst), each (rows, block): row dst = row src."""
+    def _move(self, moves, token: tuple | None = None) -> None:
+        """Apply an eviction's row moves (src, dst), each (rows, block): row dst = row src.
+        ``token``: the keys and values (as stored) of the newest token when every source row
+        holds it (block 1: the top row moves into the hole), written without reading them."""
         src, dst = moves
         B, H, _ = quant.dims(self.keys)
-        src = mx.array(src.reshape(B, H, -1, 1).astype(np.int32))
         dst = mx.array(dst.reshape(B, H, -1, 1).astype(np.int32))
+        if token is not None:
+            for name, rows in zip(("keys", "values"), token, strict=True):
+                put = quant.apply(lambda x, t: mx.put_along_axis(x, dst, t, axis=2),
+                                  getattr(self, name), rows)
+                setattr(self, name, put)
+            return
+        src = mx.array(src.reshape(B, H, -1, 1).astype(np.int32))
 
         def move(x):
             return mx.put_along_axis(x, dst, mx.take_along_axis(x, src, axis=2), axis=2)
