@@ -125,5 +125,7 @@ def test_kernels_counts_a_block_of_decode_steps(tmp_path):
     assert rows["recommended:block=1"]["host_syncs_per_step"] == 1
     blocked = rows["recommended:block=8"]
     assert blocked["host_syncs_per_step"] == 1 / 8 and blocked["steps"] == 8
-    assert 2 <= blocked["kernels_per_step"] <= 3 < rows["recommended:block=1"]["kernels_per_step"]
+    assert 2 <= blocked["kernels_per_step"] <= 3
+    # block 1: the host read each step evaluates the writes; the newest token fills the hole
+    assert rows["recommended:block=1"]["kernels_per_step"] == 2
     assert (tmp_path / "kernels_quick.json").exists()
