@@ -4,6 +4,7 @@ of every "same decisions for any chunking" test over the rule knobs."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 from reference import reference_kept
 
 from morphkv import KVCacheBuilder
@@ -37,3 +38,26 @@ def reference_for(config, keys, queries, h):
         peak=config.morphkv_peak, decay=config.morphkv_decay, pool=config.morphkv_pool,
         block=config.block,
     )
+
+
+def draw_geometry(draw, st, recent_span: int, blocks=(1, 1, 2, 3, 5)) -> dict:
+    """Window, recent floor, sinks, block and a budget just large enough for them (hypothesis
+    ``draw`` and ``strategies``), as KVCacheConfig fields."""
+    window = draw(st.integers(1, 4))
+    recent = draw(st.integers(window, window + recent_span))
+    n_sink = draw(st.integers(0, 2))
+    block = draw(st.sampled_from(list(blocks)))
+    budget = draw(st.integers(n_sink + recent + block, n_sink + recent + block + 7))
+    return dict(morphkv_budget=budget, morphkv_n_sink=n_sink, morphkv_window=window,
+                morphkv_recent=recent, morphkv_block=block)
+
+
+def draw_stream(draw, st, budget: int):
+    """A stream of 2 KV heads x 8 dims for ``feed_in_chunks``: keys (1, 2, T, 8), queries (1, 2,
+    2, T, 8) and up to 3 chunk cuts, T from the budget to about 3 budgets."""
+    T = draw(st.integers(budget, 3 * budget + 4))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    keys = rng.standard_normal((1, 2, T, 8)).astype(np.float32)
+    queries = rng.standard_normal((1, 2, 2, T, 8)).astype(np.float32)  # 2 query heads per KV
+    cuts = sorted(draw(st.lists(st.integers(1, T - 1), max_size=3)))
+    return keys, queries, cuts

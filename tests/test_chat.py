@@ -211,3 +211,39 @@ def test_bench_chat_quick(tmp_path, capsys):
         r["seen"] for r in result["rows"] if r["arm"] == "kvcache"]  # keeps everything
     assert result["resume"]["same_next_reply"] is True
     assert (tmp_path / "chat_quick.png").is_file()
+
+
+@pytest.mark.slow
+def test_a_plain_transcript_reply_ends_at_the_stop_text(embedded):
+    """A model without a chat template gets PLAIN_TEMPLATE; its reply ends where the model starts
+    the next "User:" turn. Here the stop text is a piece of the model's own greedy reply, so
+    the cut is certain: the stream holds back a partial match and never shows the stop text,
+    the turn ends as "stop", the caches saw every generated token, and the next turn goes on."""
+    from morphkv.chat.conversation import PLAIN_STOP, Conversation
+    from morphkv.core.presets import PRESETS
+    from morphkv.model.tokenizer import PLAIN_TEMPLATE
+
+    model, tokenizer = embedded
+    saved = tokenizer.chat_template
+    tokenizer.chat_template = PLAIN_TEMPLATE
+    try:
+        def fresh():
+            return Conversation(model, tokenizer, PRESETS["recommended"](32))
+
+        assert fresh().stop_text == PLAIN_STOP
+        free = fresh()
+        free.stop_text = None
+        whole = _say(free, MESSAGES[0], max_tokens=24)
+        cut = len(whole) // 2
+        stop = whole[cut : cut + 6]
+        assert len(stop) == 6 and stop not in whole[:cut]
+        conv = fresh()
+        conv.stop_text = stop
+        streamed = _say(conv, MESSAGES[0], max_tokens=24)
+        assert streamed == whole[:cut] and conv.last.finish == "stop"
+        assert conv.last.text.lstrip() == streamed.lstrip()
+        assert conv.seen() == conv.fed and conv.ahead.startswith(stop)
+        _say(conv, MESSAGES[1], max_tokens=6)
+        assert conv.seen() == conv.fed and conv.turns == 2
+    finally:
+        tokenizer.chat_template = saved

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from chunked import feed_in_chunks, reference_for
+from chunked import draw_geometry, draw_stream, feed_in_chunks, reference_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,27 +17,14 @@ from morphkv.mlxlm.hooks import queries_by_hand
 @st.composite
 def knob_streams(draw):
     method = draw(st.sampled_from(["morphkv", "tova", "h2o"]))
-    window = draw(st.integers(1, 4))
-    recent = draw(st.integers(window, window + 6))
-    n_sink = draw(st.integers(0, 2))
-    block = draw(st.sampled_from([1, 1, 2, 3, 5]))
-    budget = draw(st.integers(n_sink + recent + block, n_sink + recent + block + 7))
     config = KVCacheConfig(
         method=method,
-        morphkv_budget=budget,
-        morphkv_n_sink=n_sink,
-        morphkv_window=window,
-        morphkv_recent=recent,
-        morphkv_block=block,
+        **draw_geometry(draw, st, recent_span=6),
         morphkv_value=draw(st.booleans()),
         morphkv_fusion=draw(st.sampled_from(["mean", "max"])),
         scoring=draw(st.sampled_from(["proxy", "attention"])),
     )
-    T = draw(st.integers(budget, 3 * budget + 4))
-    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
-    keys = rng.standard_normal((1, 2, T, 8)).astype(np.float32)
-    queries = rng.standard_normal((1, 2, 2, T, 8)).astype(np.float32)  # 2 query heads per KV
-    cuts = sorted(draw(st.lists(st.integers(1, T - 1), max_size=3)))
+    keys, queries, cuts = draw_stream(draw, st, config.budget)
     return config, keys, queries, cuts
 
 

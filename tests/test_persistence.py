@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from chunked import feed_in_chunks, reference_for
+from chunked import draw_geometry, draw_stream, feed_in_chunks, reference_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,22 +19,13 @@ from morphkv.mlxlm.hooks import queries_by_hand
 @st.composite
 def persistence_streams(draw):
     method = draw(st.sampled_from(["peak", "morphkv", "tova", "h2o"]))
-    window = draw(st.integers(1, 4))
-    recent = draw(st.integers(window, window + 5))
-    n_sink = draw(st.integers(0, 2))
-    block = draw(st.sampled_from([1, 1, 2, 3, 5]))
-    budget = draw(st.integers(n_sink + recent + block, n_sink + recent + block + 7))
     peak = draw(st.sampled_from([0.0, 0.25, 1.0])) if method in ("morphkv", "tova") else 0.0
     decay = 1.0
     if method == "peak" or peak:
         decay = draw(st.sampled_from([1.0, 0.99, 0.5]))
     config = KVCacheConfig(
         method=method,
-        morphkv_budget=budget,
-        morphkv_n_sink=n_sink,
-        morphkv_window=window,
-        morphkv_recent=recent,
-        morphkv_block=block,
+        **draw_geometry(draw, st, recent_span=5),
         morphkv_value=draw(st.booleans()),
         morphkv_fusion=draw(st.sampled_from(["mean", "max"])),
         morphkv_peak=peak,
@@ -42,11 +33,7 @@ def persistence_streams(draw):
         morphkv_pool=draw(st.sampled_from([1, 3, 5])),
         scoring=draw(st.sampled_from(["proxy", "attention"])),
     ).validate()
-    T = draw(st.integers(budget, 3 * budget + 4))
-    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
-    keys = rng.standard_normal((1, 2, T, 8)).astype(np.float32)
-    queries = rng.standard_normal((1, 2, 2, T, 8)).astype(np.float32)
-    cuts = sorted(draw(st.lists(st.integers(1, T - 1), max_size=3)))
+    keys, queries, cuts = draw_stream(draw, st, config.budget)
     return config, keys, queries, cuts
 
 

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from ..core.config import KVCacheConfig
 from ..mlxlm.builder import KVCacheBuilder
 from ..mlxlm.layout import morph_caches
+from ..model.tokenizer import PLAIN_TEMPLATE
+
+PLAIN_STOP = "\n\nUser:"  # a base model continuing PLAIN_TEMPLATE's transcript starts a user turn
 
 
 @dataclass
@@ -43,6 +46,8 @@ class Conversation:
             raise ValueError("this model's tokenizer has no chat template; chat needs one")
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.system_prompt = system_prompt
+        plain = getattr(tokenizer, "chat_template", None) == PLAIN_TEMPLATE
+        self.stop_text = PLAIN_STOP if plain else None  # ends a reply like an end-of-turn token
         self.make_caches = make_caches or (
             lambda: KVCacheBuilder.for_model(self.model, self.config))
         self.reset()
@@ -56,6 +61,7 @@ class Conversation:
         self.turns = 0
         self.fed = 0  # tokens the caches have seen
         self.pending = ""  # template text that closes the last reply, not yet fed
+        self.ahead = ""  # template text the cache saw early (a stop text after the reply)
         self.last: Turn | None = None
 
     def copy(self) -> Conversation:
@@ -83,15 +89,17 @@ class Conversation:
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         before = self._template(self.messages, False)
         after = self._template(messages, True)
+        ahead, self.ahead = self.ahead, ""
         if after.startswith(before):
-            return self._encode(self.pending + after[len(before):])
+            text = self.pending + after[len(before):]
+            return self._encode(text[len(ahead):] if text.startswith(ahead) else text)
         # a template that rewrites history: template the new message alone (mlx_lm.chat's way)
         alone = self._template([{"role": "user", "content": user}], True)
         return self._encode(self.pending + alone)
 
     def _closing(self, prompt_text: str, turn: Turn) -> str:
         """Template text after the reply that the cache has not seen (see module doc)."""
-        eos = turn.finish == "stop"
+        eos = turn.finish == "stop" and turn.tokens[-1] in self.tokenizer.eos_token_ids
         done = self._template(self.messages, False)
         head = prompt_text + turn.text
         if done.startswith(head):
@@ -114,7 +122,8 @@ class Conversation:
         prompt = self.new_tokens(user)
         turn = Turn(self.turns + 1, prompt)
         resp = None
-        interrupted = False
+        interrupted = ended = False
+        held = ""  # streamed text held back while it may begin the stop text
         try:
             for resp in mlx_lm.stream_generate(
                 self.model, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
@@ -122,15 +131,24 @@ class Conversation:
                 **generate_kwargs,
             ):
                 turn.tokens.append(int(resp.token))
-                if resp.text:
-                    yield resp.text
+                held += resp.text
+                if self.stop_text and self.stop_text in held:
+                    held, ended = held[: held.index(self.stop_text)], True
+                    break
+                keep = _prefix_tail(held, self.stop_text)
+                if len(held) > keep:
+                    yield held[: len(held) - keep]
+                    held = held[len(held) - keep :]
                 if stop is not None and stop() and resp.finish_reason is None:
                     interrupted = True
                     break
+            if held:
+                yield held
         finally:
-            self._finish(user, prompt_text, turn, resp, interrupted)
+            self._finish(user, prompt_text, turn, resp, interrupted, ended)
 
-    def _finish(self, user, prompt_text, turn: Turn, resp, interrupted: bool) -> None:
+    def _finish(self, user, prompt_text, turn: Turn, resp, interrupted: bool,
+                ended: bool = False) -> None:
         if resp is None:  # nothing generated (interrupted during the prefill): undo nothing
             self.fed = self.seen()
             return
@@ -138,13 +156,20 @@ class Conversation:
         turn.finish = "interrupted" if interrupted else resp.finish_reason
         if interrupted and turn.tokens[-1] in eos_ids:
             turn.finish = "stop"
-        if turn.finish == "stop" and turn.tokens[-1] not in eos_ids:
+        if turn.finish == "stop" and turn.tokens[-1] not in eos_ids and not ended:
             turn.finish = "length"  # a stop word that is not an end-of-turn token
         body = [t for t in turn.tokens if t not in eos_ids]
         turn.text = self.tokenizer.decode(body)
+        if ended:  # the stop text and what came with it: fed, kept out of the reply
+            turn.finish = "stop"
+            turn.text, self.ahead = turn.text.split(self.stop_text, 1)[0], turn.text
+            self.ahead = self.ahead[len(turn.text):]
         turn.last = resp
+        content = turn.text  # PLAIN_TEMPLATE writes "Assistant: " + content; the reply's space
+        if self.stop_text and content.startswith(" "):  # came from the model
+            content = content[1:]
         self.messages += [{"role": "user", "content": user},
-                          {"role": "assistant", "content": turn.text}]
+                          {"role": "assistant", "content": content}]
         self.pending = self._closing(prompt_text, turn)
         self.turns = turn.number
         self.fed += len(turn.prompt) + len(turn.tokens)
@@ -166,3 +191,13 @@ class Conversation:
     def cache_bytes(self) -> int:
         """Every byte the caches hold (morphkv: K/V storage + selection state)."""
         return sum(int(getattr(c, "nbytes", 0)) for c in self.caches)
+
+
+def _prefix_tail(text: str, stop: str | None) -> int:
+    """Length of the longest end of ``text`` that begins ``stop`` (held back from the stream)."""
+    if not stop:
+        return 0
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if stop.startswith(text[-n:]):
+            return n
+    return 0

@@ -6,6 +6,7 @@ import sys
 from dataclasses import dataclass
 
 from ..core import quant
+from ..core.memory import fmt_size as fmt_bytes
 from ..mlxlm.layout import morph_caches
 from ..runtime.cache_flags import describe
 
@@ -59,14 +60,6 @@ def cache_stats(caches) -> CacheStats:
         storage_bytes=storage,
         engine_bytes=engine,
     )
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
 
 
 def eviction_note(stats: CacheStats, config) -> str | None:
