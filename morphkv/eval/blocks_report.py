@@ -107,7 +107,8 @@ def choose(table_rows: list[dict]) -> dict:
             first = next(iter(r["speed"]["contexts"].values()))
             return first["decode"], first["prefill"]
         best = min(timed, key=cost)
-        rule = "lowest decode ratio (then prefill) from --speed among the blocks inside"
+        rule = ("lowest decode ratio (then prefill) from --speed among the blocks inside that "
+                f"it timed ({', '.join(str(r['block']) for r in timed)})")
     else:
         best = max(ok, key=lambda r: r["block"])
         rule = "no --speed: the largest block inside (fewer evictions, fewer host syncs)"
