@@ -74,6 +74,10 @@ def test_quick_run_writes_rows_with_intervals(tmp_path):
     _check(data, [1, 4, 8])
     assert "prose_stdlib" in data["kl"]["texts"]  # test prose: another source than tune's
     assert result["table"].count("\n| block ") == 3
+    (tmp_path / "blocks_test_32.png").unlink()
+    R.main([str(tmp_path / "blocks_test_32.json")])  # redraws table and PNG from the JSON
+    assert (tmp_path / "blocks_test_32.png").stat().st_size > 0
+    assert json.loads((tmp_path / "blocks_test_32.json").read_text())["table"] == result["table"]
 
 
 def test_bootstrap_pairs_draws_and_contains_the_mean():

@@ -173,9 +173,12 @@ def _cells(r: dict) -> list[str]:
 
 
 def table(result: dict) -> str:
+    timed = next(iter((result.get("speed") or {}).values()), None)
+    at = f" (contexts {', '.join(timed['contexts'])})" if timed else ""
     headers = ["arm", "MiB held (bound)", "tokens", "recall (95% CI), lost/gained vs block 1",
                "mean KL (95% CI)", "KL / block 1 (paired 95% CI)",
-               "decode x rotating", "prefill x rotating", "inside block 1's CI (recall/KL)"]
+               f"decode x rotating{at}", f"prefill x rotating{at}",
+               "inside block 1's CI (recall/KL)"]
     body = [_cells(r) for r in result["rows"]]
     lines = [markdown_table(headers, body), ""]
     if "recall" in result:
@@ -195,11 +198,12 @@ def plot(result: dict, path) -> None:
     """Recall and KL against the block, 95% intervals drawn; block 1's interval shaded,
     StreamingLLM at equal bytes dashed."""
     pyplot = plt()
-    fig, axes = pyplot.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = pyplot.subplots(1, 3, figsize=(15, 4.2))
     blocks = [r for r in result["rows"] if r["block"] is not None]
     xs = [r["block"] for r in blocks]
     panels = (("recall", "accuracy", "interval", 100, "recall (% of full-correct items)"),
-              ("kl", "mean", "interval", 1, "mean KL(full || arm), nats/token"))
+              ("kl", "mean", "interval", 1, "mean KL(full || arm), nats/token"),
+              ("kl", "ratio", "ratio_interval", 1, "KL / block 1's (paired 95% interval)"))
     for ax, (key, point, band, scale, label) in zip(axes, panels, strict=True):
         got = [r for r in blocks if r[key] and r[key][point] is not None]
         if got:
@@ -208,7 +212,8 @@ def plot(result: dict, path) -> None:
             hi = np.array([scale * r[key][band][1] for r in got])
             ax.errorbar([r["block"] for r in got], ys, yerr=[ys - lo, hi - ys], marker="o",
                         capsize=4, label=result["setting"])
-            ax.axhspan(lo[0], hi[0], color="C0", alpha=0.12, label="block 1's 95% interval")
+            if point != "ratio":
+                ax.axhspan(lo[0], hi[0], color="C0", alpha=0.12, label="block 1's 95% interval")
         for r in result["rows"]:
             if r["block"] is None and r[key] and r[key][point] is not None:
                 ax.axhline(scale * r[key][point], color="C3", ls="--",
@@ -224,3 +229,20 @@ def plot(result: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     pyplot.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m morphkv.eval.blocks_report RESULT.json``: redraw its table and PNG."""
+    import sys
+
+    for name in argv if argv is not None else sys.argv[1:]:
+        path = Path(name)
+        result = json.loads(path.read_text())
+        result["table"] = table(result)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        plot(result, path.with_suffix(".png"))
+        print(result["table"])
+
+
+if __name__ == "__main__":
+    main()
