@@ -102,7 +102,9 @@ def test_bad_flags_are_one_line_errors(tmp_path):
     bad.write_text('{"args": {"split": "test", "seed": 0, "set": "natural", "budgets": [128]},'
                    ' "items": []}')
     with pytest.raises(SystemExit, match="split"):
-        B.item_indices(str(bad), _args("--split", "tune"))
+        B.settings(_args("--split", "tune", "--items-from", str(bad)))
+    with pytest.raises(SystemExit, match="answered none"):
+        B.settings(_args("--split", "test", "--items-from", str(bad)))
     with pytest.raises(SystemExit, match="not a bench overhead"):
         R.read_speed(str(bad), "recommended", [1])
 

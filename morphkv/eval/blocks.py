@@ -121,7 +121,7 @@ def run_recall(model, tok, args, specs: dict[str, str]) -> dict:
         set="natural", split=args.split, seed=args.seed, budgets=[args.budget], items=args.items,
         first=args.first, max_minutes=args.max_minutes, screen=False, chunk=256,
         max_tokens=8, n_sink=N_SINK, quiet=args.quiet, distance=0,
-        indices=item_indices(args.items_from, args) if args.items_from else None)
+        indices=args.indices)
     arms = recall.parse_arms(",".join(["full", *specs.values()]))
     found = recall.evaluate(model, tok, rargs, arms)
     found["args"] = {k: v for k, v in vars(rargs).items()}
@@ -194,6 +194,10 @@ def settings(args: argparse.Namespace) -> list[int]:
     if args.items < 1 or args.first < 0 or args.draws < 10 or args.bootstrap_block < 1:
         raise SystemExit("morphkv: error: need --items >= 1, --first >= 0, --draws >= 10, "
                          "--bootstrap-block >= 1")
+    args.indices = item_indices(args.items_from, args) if args.items_from else None
+    if args.items_from and not args.indices:
+        raise SystemExit(f"morphkv: error: --items-from {args.items_from}: the full cache "
+                         "answered none of its items")
     for spec in block_specs(args.setting, blocks).values():
         try:
             recall.parse_arms(spec)[0].config(args.budget, N_SINK)
