@@ -155,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--budget", 128, "tokens per KV head"),
         ("--split", "tune", "items and texts: tune or test (module doc)", ["tune", "test"]),
         ("--items", 40, "recall items to build (counted: those the full cache answers)"),
-        ("--first", 0, "index of the first item"),
+        ("--first", 0, "index of the first item (with --items-from: the lowest index used)"),
         ("--items-from", None, "a recall/blocks JSON (same split, seed, budget): only its "
          "items the full cache answered (re-checked here)"),
         ("--max-minutes", 0.0, "stop adding recall items after this (0: no limit)"),
@@ -194,7 +194,9 @@ def settings(args: argparse.Namespace) -> list[int]:
     if args.items < 1 or args.first < 0 or args.draws < 10 or args.bootstrap_block < 1:
         raise SystemExit("morphkv: error: need --items >= 1, --first >= 0, --draws >= 10, "
                          "--bootstrap-block >= 1")
-    args.indices = item_indices(args.items_from, args) if args.items_from else None
+    args.indices = None
+    if args.items_from:  # --first applies to its indices too
+        args.indices = [i for i in item_indices(args.items_from, args) if i >= args.first]
     if args.items_from and not args.indices:
         raise SystemExit(f"morphkv: error: --items-from {args.items_from}: the full cache "
                          "answered none of its items")
