@@ -33,6 +33,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("eval recall", "morphkv.eval.recall"),
     ("eval quantized", "morphkv.eval.quantized"),
     ("eval bytes", "morphkv.eval.bytes"),
+    ("eval blocks", "morphkv.eval.blocks"),
     ("report", "morphkv.eval.report"),
 ]
 

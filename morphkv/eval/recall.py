@@ -127,14 +127,15 @@ def make_item(tok, args, index: int):
 
 
 def evaluate(model, tok, args, arms: list[Arm]) -> dict:
-    """Build items one by one; screen every arm, or answer with every arm on the items the
-    full cache answers correctly."""
+    """Build items one by one (``args.indices`` when set, else ``--first`` on); screen every
+    arm, or answer with every arm on the items the full cache answers correctly."""
     screen = args.screen
     full = next((a for a in arms if a.is_full), None) or parse_arms("full")[0]
     cells = [(a, b) for a in arms if not a.is_full for b in args.budgets]
-    bar = Progress(args.items * (len(cells) + (not screen)), NAME, args.quiet, every=5.0)
+    indices = getattr(args, "indices", None) or range(args.first, args.first + args.items)
+    bar = Progress(len(indices) * (len(cells) + (not screen)), NAME, args.quiet, every=5.0)
     records, start = [], time.perf_counter()
-    for index in range(args.first, args.first + args.items):
+    for index in indices:
         if args.max_minutes and time.perf_counter() - start > 60 * args.max_minutes:
             print(f"[recall] --max-minutes reached before item {index}", file=sys.stderr)
             break
