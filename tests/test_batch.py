@@ -87,11 +87,20 @@ def test_batch_generate_rows_equal_single_runs(method, block):
         assert_same_cache(caches, reference)
 
 
-def test_rows_join_and_leave_mid_stream():
-    config = KVCacheConfig(
-        method="morphkv", morphkv_budget=12, morphkv_n_sink=2, morphkv_window=3, scoring="attention"
-    )
-    model = tiny_model(config, seed=3)
+JOIN_CONFIGS = {
+    "per-token": dict(morphkv_budget=12, morphkv_n_sink=2, morphkv_window=3),
+    "block 4, peak, value": dict(morphkv_budget=14, morphkv_n_sink=2, morphkv_window=3,
+                                 morphkv_recent=4, morphkv_block=4, morphkv_peak=0.02,
+                                 morphkv_value=True),
+    "block 3, 8-bit": dict(morphkv_budget=13, morphkv_n_sink=2, morphkv_window=4,
+                           morphkv_block=3, kv_bits=8, kv_group_size=32),
+}
+
+
+@pytest.mark.parametrize("name", list(JOIN_CONFIGS))
+def test_rows_join_and_leave_mid_stream(name):
+    config = KVCacheConfig(method="morphkv", scoring="attention", **JOIN_CONFIGS[name])
+    model = patch_model(tiny_llama(3, head_dim=64 if config.kv_bits else None), config)
     prompts = prompts_of([7, 19, 3, 26], seed=1)
     max_tokens = [30, 12, 20, 15]
     gen = BatchGenerator(
