@@ -286,3 +286,39 @@ def test_mlx_lm_batch_unique_max_toks(embedded):
             for r in stream_generate(model, tokenizer, prompt, max_tokens=n, prefill_step_size=8)
         ]
         assert out[uid] == tokens
+
+
+def test_decode_step_is_the_same_graph_for_any_number_of_rows():
+    """Between evictions a decode step adds the same MLX operations at 2 rows as at 8 (no
+    per-row work), and an eviction step the same at any number of evicting rows."""
+    from morphkv.bench.kernels import graph_nodes
+    from morphkv.mlxlm.hooks import queries_by_hand
+
+    config = KVCacheConfig(method="morphkv", head_dim=8, morphkv_budget=16, morphkv_n_sink=2,
+                           morphkv_window=3, morphkv_block=4, scoring="attention")
+
+    def step_graph(lengths):
+        rng = np.random.default_rng(0)
+        singles = []
+        with queries_by_hand():
+            for n in lengths:
+                c = MorphKVCache(config)
+                k = mx.array(rng.standard_normal((1, 2, n, 8)).astype(np.float32))
+                c.update_and_fetch(k, k)
+                c.prepare_attention(mx.concatenate([k, k], axis=1), 0.3, "causal")
+                singles.append(c)
+            batch = MorphKVCache.merge(singles)
+            counts = []
+            for _ in range(4):  # one block: the rows reach their grid at different steps
+                mx.eval(batch.state)
+                new = mx.array(rng.standard_normal((len(lengths), 2, 1, 8)).astype(np.float32))
+                keys, values = batch.update_and_fetch(new, new)
+                mask = batch.prepare_attention(mx.concatenate([new, new], axis=1), 0.3, None)
+                counts.append(len(graph_nodes([keys, values, *batch.state]
+                                              + ([] if mask is None else [mask]))))
+            return counts
+
+    two = step_graph([25, 26])
+    eight = step_graph([25, 26, 25, 26, 25, 26, 25, 26])
+    assert two == eight, (two, eight)
+    assert len(set(two)) > 1  # eviction steps and plain steps both measured
