@@ -32,7 +32,7 @@ from mlx_lm.models import cache as mlx_cache
 from . import batch_storage as bs
 from . import quant
 from .batch_feed import BatchFeed
-from .batch_mask import Chunk, chunk_mask, decode_mask, offsets
+from .batch_mask import Chunk, causal_mask, chunk_mask, decode_mask, offsets
 from .batch_rows import BatchRows
 
 
@@ -207,6 +207,8 @@ class BatchMorphKVCache(BatchFeed, BatchRows, mlx_cache._BaseCache):
         if not chunk.fed and self.needs_queries:
             chunk.queries = mx.stop_gradient(queries) if self.config.kv_bits else queries
         B, n_heads, C, _ = queries.shape
+        if not self.chunk_evicts(chunk):  # nothing evicted inside it: causal, fed later
+            return causal_mask(chunk, C)
         self.flush_chunk()
         H = quant.dims(self.keys)[1]
         return chunk_mask(chunk, C, H, n_heads, self.config.kv_bits is not None)
@@ -226,10 +228,9 @@ class BatchMorphKVCache(BatchFeed, BatchRows, mlx_cache._BaseCache):
         settled = self.settled()  # what the update's catch-up leaves
         starts, counts = self.spans(N)
         width = max(int((settled + counts).max(initial=0)), 1)
-        chunk = Chunk(starts, counts, settled, width)
         if N == 1:
             return decode_mask(np.where(counts > 0, settled + counts, width))
-        return chunk_mask(chunk, N, 1, 1, True)
+        return causal_mask(Chunk(starts, counts, settled, width), N, return_array)
 
     # ---- accounting and the rest of the protocol -------------------------------------------
     @property

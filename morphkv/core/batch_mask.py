@@ -63,6 +63,19 @@ class Chunk:
     evicted: dict | None = None  # row -> (H, before + count) step each row was evicted
 
 
+def causal_mask(chunk: Chunk, C: int, return_array: bool = False):
+    """Each row's causal mask over [its stored tokens + the chunk's] (B, 1, C, width), the same
+    for every layer of a forward pass (kept and handed out again); "causal" when every row takes
+    all C columns over equally many stored tokens."""
+    uniform = (not chunk.starts.any() and (chunk.counts == C).all()
+               and (chunk.before == chunk.before[0]).all())
+    if uniform and not return_array:
+        return "causal"
+    key = b"".join(np.asarray(a, np.int64).tobytes()
+                   for a in (chunk.starts, chunk.counts, chunk.before, [C, chunk.width]))
+    return _memo("causal", key, lambda: chunk_mask(chunk, C, 1, 1, True))
+
+
 def chunk_mask(chunk: Chunk, C: int, H: int, n_heads: int, grouped: bool) -> mx.array:
     """(B, n_heads, C, width) mask (``grouped``: (B, H, C, width), as mlx_lm's quantized
     attention wants it): a row's real queries see what token-by-token feeding would have
