@@ -20,7 +20,6 @@ from .config import KVCacheConfig
 from .engine import Engine
 from .rules import make_rule
 
-
 _SHARED = (int, float, bool, str, type(None), KVCacheConfig)
 
 
