@@ -1,6 +1,7 @@
 """What a batched decode step costs: morphkv's batch cache against mlx_lm's batch caches.
 
-Two measurements, arms interleaved and repeated in one process, medians:
+Two measurements, arms interleaved and repeated in one process; each figure is the mean step
+of a run (eviction steps included), the median over repeats:
 
 - ``layer``: one attention layer's cache work per decode step at ``--rows`` rows (the
   embedded model's shape: 3 KV heads, 9 query heads, head dim 64, float32): ``update_and_fetch``,
@@ -73,7 +74,7 @@ def _lengths(rows: int, context: int) -> list[int]:
 
 
 def layer_steps(arm: str, args) -> list[float]:
-    """Seconds per decode step of one layer's cache work + attention."""
+    """Seconds of each decode step of one layer's cache work + attention."""
     from ..mlxlm.hooks import queries_by_hand
 
     rng = np.random.default_rng(0)
@@ -111,7 +112,8 @@ def layer_steps(arm: str, args) -> list[float]:
 
 
 def model_steps(arm: str, model, args) -> list[float]:
-    """Seconds per decode step of BatchGenerator over the whole model."""
+    """(wall, CPU) seconds of each decode step of BatchGenerator over the whole model (CPU:
+    ``process_time``, all threads of this process: less sensitive to other processes)."""
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.models.cache import RotatingKVCache
 
@@ -132,9 +134,9 @@ def model_steps(arm: str, model, args) -> list[float]:
         gen.insert(prompts)
         times, t0 = [], None
         while gen.next_generated():
-            t = time.perf_counter()
+            t = (time.perf_counter(), time.process_time())
             if t0 is not None:
-                times.append(t - t0)
+                times.append((t[0] - t0[0], t[1] - t0[1]))
             t0 = t
     finally:
         gen.close()
@@ -151,21 +153,30 @@ def run(args: argparse.Namespace) -> int:
         args.rows, args.steps, args.warm, args.repeats, args.context = 3, 8, 2, 1, 60
         args.budget = 32
     model = load_model(args.model)[0] if "model" in args.parts else None
-    runs = {part: {arm: [] for arm in args.arms} for part in args.parts}
+    # per repeat: the mean step (a block's evictions included); model: wall and CPU
+    kinds = [("layer", 0)] * ("layer" in args.parts) + [("model", 0), ("model_cpu", 1)] * (
+        "model" in args.parts)
+    runs = {kind: {arm: [] for arm in args.arms} for kind, _ in kinds}
     for _ in range(args.repeats):
         for arm in args.arms:
             for part in args.parts:
-                t = layer_steps(arm, args) if part == "layer" else model_steps(arm, model, args)
-                runs[part][arm].append(statistics.median(t))
+                if part == "layer":
+                    t = [(s, s) for s in layer_steps(arm, args)]
+                else:
+                    t = model_steps(arm, model, args)
+                for kind, k in kinds:
+                    if kind.startswith(part):
+                        runs[kind][arm].append(statistics.fmean(x[k] for x in t))
                 print(f"  {part} {arm}: {1e3 * runs[part][arm][-1]:.3f} ms/step", flush=True)
-    median = {part: {arm: statistics.median(v) for arm, v in arms.items()}
-              for part, arms in runs.items()}
+    median = {kind: {arm: statistics.median(v) for arm, v in arms.items()}
+              for kind, arms in runs.items()}
     rows = []
-    for part, arms in median.items():
+    for kind, arms in median.items():
         for arm, s in arms.items():
-            rows.append([part, arm, 1e3 * s, s / arms.get("kvcache", float("nan")),
+            rows.append([kind, arm, 1e3 * s, s / arms.get("kvcache", float("nan")),
                          s / arms.get("rotating", float("nan"))])
-    table = markdown_table(["part", "arm", "ms/step", "vs kvcache", "vs rotating"], rows)
+    table = markdown_table(["part", "arm", "ms/step (mean of a run; median of repeats)",
+                            "vs kvcache", "vs rotating"], rows)
     print(table)
     import os
 

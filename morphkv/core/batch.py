@@ -207,7 +207,7 @@ class BatchMorphKVCache(BatchFeed, BatchRows, mlx_cache._BaseCache):
         if not chunk.fed and self.needs_queries:
             chunk.queries = mx.stop_gradient(queries) if self.config.kv_bits else queries
         B, n_heads, C, _ = queries.shape
-        if not self.chunk_evicts(chunk):  # nothing evicted inside it: causal, fed later
+        if self.chunk_waits(chunk, C):  # nothing evicted inside it: causal, fed later
             return causal_mask(chunk, C)
         self.flush_chunk()
         H = quant.dims(self.keys)[1]

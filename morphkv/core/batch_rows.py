@@ -20,6 +20,7 @@ from .config import KVCacheConfig
 from .engine import Engine
 from .rules import make_rule
 
+DEFER_TOKENS = 64  # a chunk this short that evicts nothing is fed at the next update
 _SHARED = (int, float, bool, str, type(None), KVCacheConfig)
 
 
@@ -119,11 +120,15 @@ class BatchRows:
         over = self.due() & (self.stored > self.config.budget) if self.evicts else False
         return np.where(over, self.stored - self.config.block, self.stored)
 
-    def chunk_evicts(self, chunk) -> bool:
-        """Does any row evict inside this chunk (so its queries need the liveness mask)?"""
-        if not self.evicts:
+    def chunk_waits(self, chunk, C: int) -> bool:
+        """May this chunk attend causally and reach the engines later (at the next update or
+        read)? Yes when no row evicts inside it and it is short (its keys and queries are held
+        until then: at most ``DEFER_TOKENS`` columns)."""
+        if C > DEFER_TOKENS:
             return False
-        return bool(((chunk.before + chunk.counts > self.config.budget) & (chunk.counts > 0)).any())
+        if not self.evicts:
+            return True
+        return not ((chunk.before + chunk.counts > self.config.budget) & (chunk.counts > 0)).any()
 
     def spans(self, C: int) -> tuple[np.ndarray, np.ndarray]:
         """(first column, count) of each row's real tokens in a chunk of C columns."""
