@@ -190,7 +190,7 @@ class BatchMorphKVCache(BatchFeed, BatchRows, mlx_cache._BaseCache):
         self.consume(starts, counts)
         self.seen += counts
         self.stored = before + counts
-        self._chunk = Chunk(starts, counts, before, width, sk, sv)
+        self._chunk = Chunk(starts, counts, before, width)
         return bs.fetch(self.keys, width), bs.fetch(self.values, width)
 
     def prepare_attention(self, queries: mx.array, scale: float, mask):

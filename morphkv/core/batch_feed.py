@@ -39,7 +39,9 @@ class BatchFeed:
         queries = None
         if self.needs_queries:
             steps = self.steps[len(self.steps) - longest :]
-            queries = to_numpy(steps[0] if longest == 1 else mx.concatenate(steps, axis=2))
+            queries = steps[0] if longest == 1 else mx.concatenate(steps, axis=2)
+            mx.eval(queries, *quant._parts(self.keys), *quant._parts(self.values))
+            queries = to_numpy(queries)
         keys = values = None
         moves = []
         for i in rows:
@@ -78,22 +80,24 @@ class BatchFeed:
             raise RuntimeError("attention scoring: the cache was read before its queries came")
         config = self.config
         rows = np.nonzero(chunk.counts)[0]
-        keys = bs.host(chunk.keys, config)
-        stored = bs.host(bs.fetch(self.keys, chunk.width), config)
-        queries = None if chunk.queries is None else to_numpy(chunk.queries)
-        values = stored_values = None
+        # the chunk's rows are in the storage already: one evaluation, then host views
+        reads = [bs.fetch(self.keys, chunk.width)]
         if config.morphkv_value:
-            values = bs.host(chunk.values, config)
-            stored_values = bs.host(bs.fetch(self.values, chunk.width), config)
+            reads.append(bs.fetch(self.values, chunk.width))
+        mx.eval(*[p for x in reads for p in quant._parts(x)],
+                *([] if chunk.queries is None else [chunk.queries]))
+        stored = bs.host(reads[0], config)
+        stored_values = bs.host(reads[1], config) if config.morphkv_value else None
+        queries = None if chunk.queries is None else to_numpy(chunk.queries)
         B, H = self.B, quant.dims(self.keys)[1]
         sources, chunk.evicted = {}, {}
         for i in rows:
             s, c, b = int(chunk.starts[i]), int(chunk.counts[i]), int(chunk.before[i])
             engine = self.engines[i]
             source, chunk.evicted[i] = engine.feed_chunk(
-                keys[i][:, s : s + c],
+                stored[i][:, b : b + c],
                 None if queries is None else queries[i : i + 1, :, s : s + c],
-                None if values is None else values[i][:, s : s + c],
+                None if stored_values is None else stored_values[i][:, b : b + c],
                 stored[i][:, :b],
                 None if stored_values is None else stored_values[i][:, :b],
             )
@@ -112,5 +116,5 @@ class BatchFeed:
             self.keys = bs.gather_slots(bs.fetch(self.keys, chunk.width), index)
             self.values = bs.gather_slots(bs.fetch(self.values, chunk.width), index)
         chunk.fed = True
-        chunk.keys = chunk.values = chunk.queries = None
+        chunk.queries = None
         self._chunk = None

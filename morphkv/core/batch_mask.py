@@ -56,8 +56,6 @@ class Chunk:
     counts: np.ndarray  # (B,) real tokens of each row
     before: np.ndarray  # (B,) slots each row held before the chunk
     width: int  # columns of the fetched keys
-    keys: object = None  # the chunk's keys / values as stored, until fed
-    values: object = None
     queries: mx.array | None = None  # (B, n_heads, C, D) with attention scoring
     fed: bool = False
     evicted: dict | None = None  # row -> (H, before + count) step each row was evicted
