@@ -87,11 +87,20 @@ def test_batch_generate_rows_equal_single_runs(method, block):
         assert_same_cache(caches, reference)
 
 
-def test_rows_join_and_leave_mid_stream():
-    config = KVCacheConfig(
-        method="morphkv", morphkv_budget=12, morphkv_n_sink=2, morphkv_window=3, scoring="attention"
-    )
-    model = tiny_model(config, seed=3)
+JOIN_CONFIGS = {
+    "per-token": dict(morphkv_budget=12, morphkv_n_sink=2, morphkv_window=3),
+    "block 4, peak, value": dict(morphkv_budget=14, morphkv_n_sink=2, morphkv_window=3,
+                                 morphkv_recent=4, morphkv_block=4, morphkv_peak=0.02,
+                                 morphkv_value=True),
+    "block 3, 8-bit": dict(morphkv_budget=13, morphkv_n_sink=2, morphkv_window=4,
+                           morphkv_block=3, kv_bits=8, kv_group_size=32),
+}
+
+
+@pytest.mark.parametrize("name", list(JOIN_CONFIGS))
+def test_rows_join_and_leave_mid_stream(name):
+    config = KVCacheConfig(method="morphkv", scoring="attention", **JOIN_CONFIGS[name])
+    model = patch_model(tiny_llama(3, head_dim=64 if config.kv_bits else None), config)
     prompts = prompts_of([7, 19, 3, 26], seed=1)
     max_tokens = [30, 12, 20, 15]
     gen = BatchGenerator(
@@ -277,3 +286,55 @@ def test_mlx_lm_batch_unique_max_toks(embedded):
             for r in stream_generate(model, tokenizer, prompt, max_tokens=n, prefill_step_size=8)
         ]
         assert out[uid] == tokens
+
+
+def test_decode_step_is_the_same_graph_for_any_number_of_rows():
+    """Between evictions a decode step adds the same MLX operations at 2 rows as at 8 (no
+    per-row work), and an eviction step the same at any number of evicting rows."""
+    from morphkv.bench.kernels import graph_nodes
+    from morphkv.mlxlm.hooks import queries_by_hand
+
+    config = KVCacheConfig(method="morphkv", head_dim=8, morphkv_budget=16, morphkv_n_sink=2,
+                           morphkv_window=3, morphkv_block=4, scoring="attention")
+
+    def step_graph(lengths):
+        rng = np.random.default_rng(0)
+        singles = []
+        with queries_by_hand():
+            for n in lengths:
+                c = MorphKVCache(config)
+                k = mx.array(rng.standard_normal((1, 2, n, 8)).astype(np.float32))
+                c.update_and_fetch(k, k)
+                c.prepare_attention(mx.concatenate([k, k], axis=1), 0.3, "causal")
+                singles.append(c)
+            batch = MorphKVCache.merge(singles)
+            counts = []
+            for _ in range(4):  # one block: the rows reach their grid at different steps
+                mx.eval(batch.state)
+                new = mx.array(rng.standard_normal((len(lengths), 2, 1, 8)).astype(np.float32))
+                keys, values = batch.update_and_fetch(new, new)
+                mask = batch.prepare_attention(mx.concatenate([new, new], axis=1), 0.3, None)
+                counts.append(len(graph_nodes([keys, values, *batch.state]
+                                              + ([] if mask is None else [mask]))))
+            return counts
+
+    two = step_graph([25, 26])
+    eight = step_graph([25, 26, 25, 26, 25, 26, 25, 26])
+    assert two == eight, (two, eight)
+    assert len(set(two)) > 1  # eviction steps and plain steps both measured
+
+
+def test_bench_batch_quick(tmp_path):
+    """``morphkv bench batch --quick`` measures every arm, layer and model, and saves JSON."""
+    import argparse
+    import json
+
+    from morphkv.bench import batch_step
+
+    parser = argparse.ArgumentParser()
+    batch_step.add_arguments(parser)
+    assert batch_step.run(parser.parse_args(["--quick", "--out", str(tmp_path)])) == 0
+    result = json.loads((tmp_path / "batch.json").read_text())
+    for part in ("layer", "model"):
+        assert set(result["median_s"][part]) == {"kvcache", "rotating", "morphkv"}
+        assert all(s > 0 for s in result["median_s"][part].values())

@@ -1,4 +1,4 @@
-"""BatchMorphKVCache: mlx_lm's batch-cache protocol over one MorphKVCache per sequence.
+"""BatchMorphKVCache: mlx_lm's batch-cache protocol over one shared storage for all rows.
 
 ``mlx_lm.batch_generate``, ``BatchGenerator`` and the server's continuous batching build a
 batched cache with ``caches[0][i].merge([...])`` and then drive it like ``BatchKVCache``:
@@ -6,65 +6,38 @@ left-padded history, right-padded prompts (``prepare(lengths=, right_padding=)``
 ``finalize()``), per-row RoPE offsets, rows leaving (``filter``), joining (``extend``) and
 handed back as single-sequence caches (``extract``).
 
-Design: each row is its own single-sequence ``MorphKVCache``. An update routes each row's real
-tokens (padding dropped) to its cache, and the outputs are stacked, zero-filled on the right
-to the longest row; the mask hides the fill. Rows never share eviction decisions, so every
-row keeps exactly what a single-sequence run of the same tokens keeps. The attention hook
-(``morphkv.attach``) hands the layer's queries to ``prepare_attention``, which gives each row
-its own queries and assembles the rows' masks (the liveness mask for multi-token chunks).
+Design: one storage per K and V, (B, n_kv_heads, capacity, head_dim), rows left-aligned
+(``morphkv.core.batch_storage``); each row keeps its own selection ``Engine`` (rows differ in
+length, so their eviction points differ). A decode step is a constant number of MLX operations
+whatever B: one scatter writes every row's new token at its row's next slot, one slice is what
+attention reads, a (B, 1, 1, L) mask hides each row's free tail (``morphkv.core.batch_mask``).
+Between a row's eviction points nothing per row runs: the step's queries are kept (one
+reference per step) and per-row counters live in NumPy; a row's waiting tokens are handed to
+its engine, token by token as a single-sequence ``MorphKVCache`` hands them (``decode``, then
+``settle``), when the row reaches a point of the engine's grid (an eviction or a flush of its
+pending rows), or when it leaves, joins, is extracted or takes a multi-token chunk. Evicting
+rows move their slots with one gather and one scatter for all of them. So every row keeps
+exactly what a single-sequence run of the same tokens keeps. Multi-token chunks (prefill) go
+through each row's ``feed_chunk`` and the liveness mask, as ``MorphKVCache`` does.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models.base import create_causal_mask
+
+from . import batch_storage as bs
+from . import quant
+from .batch_feed import BatchFeed
+from .batch_mask import Chunk, causal_mask, chunk_mask, decode_mask, offsets
+from .batch_rows import BatchRows
 
 
-@dataclass(frozen=True)
-class _Span:
-    """Where a row's real tokens sit in a chunk: columns [start, start + count)."""
-
-    start: int
-    count: int
-
-
-def _pad_axis(x: mx.array, axis: int, before: int, after: int, value: bool) -> mx.array:
-    """Concatenate constant blocks before/after ``x`` along ``axis`` (bool masks)."""
-    parts = []
-    for n in (before, after):
-        shape = list(x.shape)
-        shape[axis] = n
-        parts.append(mx.full(shape, value, dtype=mx.bool_) if n else None)
-    pieces = [p for p in (parts[0], x, parts[1]) if p is not None]
-    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=axis)
-
-
-def _row_block(mask, span: _Span, C: int, K: int, n_heads: int) -> mx.array:
-    """One row's (1, n_heads, C, K) mask: its own (.., count, R) mask placed at its span;
-    padding queries see every column (all are finite: real keys or zero fill)."""
-    if span.count == 0:  # padding only
-        return mx.ones((1, n_heads, C, K), dtype=mx.bool_)
-    R = mask.shape[-1]
-    mask = mx.broadcast_to(mask.reshape(1, -1, span.count, R), (1, n_heads, span.count, R))
-    mask = _pad_axis(mask, 3, 0, K - R, False)
-    return _pad_axis(mask, 2, span.start, C - span.start - span.count, True)
-
-
-class BatchMorphKVCache(mlx_cache._BaseCache):
-    """A batch of independent single-sequence ``MorphKVCache`` rows (see module docstring)."""
-
-    def __init__(self, rows: list, left_padding: list[int] | None = None):
-        self.rows = list(rows)
-        lead = [0] * len(self.rows) if left_padding is None else [int(p) for p in left_padding]
-        if len(lead) != len(self.rows):
-            raise ValueError(f"left_padding has {len(lead)} entries for {len(self.rows)} rows")
-        self._lead = lead  # padding columns still to skip at the start of the next updates
-        self._remaining: list[int] | None = None  # real tokens left per row (right padding)
-        self._layout: tuple[list[_Span], list[int]] | None = None  # the last update
+class BatchMorphKVCache(BatchFeed, BatchRows, mlx_cache._BaseCache):
+    """A batch of MorphKV rows over one shared storage (see the module docstring)."""
 
     # ---- building -------------------------------------------------------------------------
     @classmethod
@@ -72,55 +45,89 @@ class BatchMorphKVCache(mlx_cache._BaseCache):
         """One batched cache from single-sequence caches of ``row_class`` (``MorphKVCache``,
         whose own ``merge`` calls this; history allowed). The inputs are copied, never updated
         (``batch_generate``'s contract)."""
-        rows = []
         for i, c in enumerate(caches):
             if not isinstance(c, row_class):
                 raise TypeError(
                     f"cache {i} is a {type(c).__name__}; BatchMorphKVCache.merge needs MorphKVCache"
                 )
-            if c.empty():
-                rows.append(row_class(c.config))
-                continue
-            if c.keys.shape[0] != 1:
+            if not c.empty() and quant.dims(c.keys)[0] != 1:
                 raise ValueError(
-                    f"cache {i} holds a batch of {c.keys.shape[0]}; merge takes "
+                    f"cache {i} holds a batch of {quant.dims(c.keys)[0]}; merge takes "
                     "single-sequence caches"
                 )
+        configs = {c.config for c in caches}
+        if len(configs) > 1:
+            raise ValueError("merge needs caches of one config; got " + ", ".join(
+                sorted({c.config.describe() if hasattr(c.config, "describe") else repr(c.config)
+                        for c in caches})))
+        batch = cls(caches[0].config, len(caches), row_class)
+        full = [c for c in caches if not c.empty()]
+        for c in full:
             c.size()  # settles a pending update before copying
-            rows.append(copy.deepcopy(c))
-        return cls(rows)
+        if full:
+            n = max(c.engine.slots for c in full)
+            batch.keys = bs.zeros(full[0].keys, len(caches), max(n, batch.capacity_floor()))
+            batch.values = bs.zeros(full[0].values, len(caches), max(n, batch.capacity_floor()))
+        for i, c in enumerate(caches):
+            if c.empty():
+                continue
+            n = c.engine.slots
+            bs.put_row(batch.keys, i, c.keys, n)
+            bs.put_row(batch.values, i, c.values, n)
+            batch.engines[i] = batch.own(c.engine)
+            batch.seen[i], batch.stored[i] = c.offset, n
+        return batch
 
     def extract(self, idx: int):
         """A copy of row ``idx`` as a single-sequence cache (the row keeps going)."""
-        row = self.rows[idx]
-        row.size()  # settles a pending update before copying
-        return copy.deepcopy(row)
+        self.flush_chunk()
+        self.catch_up([idx])
+        cache = self.row_class(self.config)
+        engine = self.engines[idx]
+        if engine is None:
+            return cache
+        n = int(self.stored[idx])
+        cache.keys = bs.row_copy(self.keys, idx, n)
+        cache.values = bs.row_copy(self.values, idx, n)
+        cache.engine = self.copy_engine(engine)
+        cache.engine.stored_keys = cache._host_keys
+        cache.offset = int(self.seen[idx])
+        return cache
 
     def filter(self, batch_indices) -> None:
         """Keep only the given rows, in that order."""
-        keep = [
-            int(i)
-            for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist") else batch_indices)
-        ]
-        self.rows = [self.rows[i] for i in keep]
-        self._lead = [self._lead[i] for i in keep]
-        if self._remaining is not None:
-            self._remaining = [self._remaining[i] for i in keep]
-        self._layout = None
+        keep = [int(i) for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist")
+                                 else batch_indices)]
+        self.flush_chunk()
+        self.take(keep)
+        if self.keys is not None:
+            self.keys, self.values = bs.take_rows(self.keys, keep), bs.take_rows(self.values, keep)
 
     def extend(self, other: BatchMorphKVCache) -> None:
         """Append the rows of ``other``."""
         if not isinstance(other, BatchMorphKVCache):
             raise TypeError(f"cannot extend a BatchMorphKVCache with {type(other).__name__}")
-        if (self._remaining is None) != (other._remaining is None) and self.rows and other.rows:
+        if other.config != self.config:
+            raise ValueError("cannot extend a BatchMorphKVCache with rows of another config")
+        if (self._remaining is None) != (other._remaining is None) and self.B and other.B:
             raise ValueError("cannot extend while only one of the batches is mid-prompt")
-        if other._remaining is not None:
-            self._remaining = (self._remaining or [0] * len(self.rows)) + other._remaining
-        elif self._remaining is not None:
-            self._remaining += [0] * len(other.rows)
-        self.rows += other.rows
-        self._lead += other._lead
-        self._layout = None
+        self.flush_chunk()
+        other.flush_chunk()
+        B0 = self.B
+        self.join(other)
+        if other.keys is None:
+            other_keys = other_values = None
+        else:
+            other_keys, other_values = other.keys, other.values
+        if self.keys is None and other_keys is not None:
+            self.keys = bs.zeros(other_keys, B0, quant.dims(other_keys)[2])
+            self.values = bs.zeros(other_values, B0, quant.dims(other_values)[2])
+        if self.keys is not None and other_keys is None:
+            other_keys = bs.zeros(self.keys, other.B, quant.dims(self.keys)[2])
+            other_values = bs.zeros(self.values, other.B, quant.dims(self.values)[2])
+        if self.keys is not None:
+            self.keys = bs.concat_rows(self.keys, other_keys) if B0 else other_keys
+            self.values = bs.concat_rows(self.values, other_values) if B0 else other_values
 
     # ---- padding --------------------------------------------------------------------------
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
@@ -128,147 +135,133 @@ class BatchMorphKVCache(mlx_cache._BaseCache):
         ``lengths``/``right_padding``: the next updates are right-padded prompts with
         ``lengths`` real tokens per row, until ``finalize``."""
         if left_padding is not None:
-            left_padding = [int(p) for p in left_padding]
-            if len(left_padding) != len(self.rows) or min(left_padding, default=0) < 0:
-                raise ValueError(f"left_padding {left_padding} does not fit {len(self.rows)} rows")
-            self._lead = [a + b for a, b in zip(self._lead, left_padding, strict=True)]
+            pad = np.asarray([int(p) for p in left_padding], np.int64)
+            if len(pad) != self.B or pad.min(initial=0) < 0:
+                raise ValueError(f"left_padding {left_padding} does not fit {self.B} rows")
+            self.lead = self.lead + pad
         if right_padding is not None and max(right_padding, default=0) > 0:
-            if lengths is None or len(lengths) != len(self.rows):
+            if lengths is None or len(lengths) != self.B:
                 raise ValueError("prepare(right_padding=...) needs lengths, one per row")
-            self._remaining = [int(n) for n in lengths]
+            self._remaining = np.asarray([int(n) for n in lengths], np.int64)
 
     def finalize(self) -> None:
         """End of a right-padded prompt (the padding was never stored)."""
         self._remaining = None
 
-    def _spans(self, C: int) -> list[_Span]:
-        spans = []
-        for i in range(len(self.rows)):
-            skip = min(self._lead[i], C)
-            count = C - skip
-            if self._remaining is not None:
-                count = max(0, min(count, self._remaining[i]))
-            spans.append(_Span(skip, count))
-        return spans
-
-    def _consume(self, spans: list[_Span]) -> None:
-        for i, s in enumerate(spans):
-            self._lead[i] -= s.start
-            if self._remaining is not None:
-                self._remaining[i] -= s.count
-
     # ---- mlx_lm hot path ------------------------------------------------------------------
     @property
     def offset(self) -> mx.array:
         """Per-row RoPE offset of the next chunk's first column."""
-        return mx.array([r.offset - p for r, p in zip(self.rows, self._lead, strict=True)])
+        return offsets(self.seen - self.lead)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Route each row's real tokens to its cache; return the rows' keys/values stacked,
-        zero-filled on the right to the longest row."""
-        if keys.ndim != 4 or keys.shape[0] != len(self.rows):
-            raise ValueError(
-                f"keys of shape {tuple(keys.shape)} do not match a batch of {len(self.rows)} rows"
-            )
-        B, H, C, D = keys.shape
-        spans = self._spans(C)
-        fetched = []
-        for i, (row, s) in enumerate(zip(self.rows, spans, strict=True)):
-            cols = slice(s.start, s.start + s.count)
-            fetched.append(
-                row.update_and_fetch(keys[i : i + 1, :, cols], values[i : i + 1, :, cols])
-                if s.count
-                else None
-            )
-        self._consume(spans)
-        lengths = [0 if f is None else f[0].shape[2] for f in fetched]
-        K = max(max(lengths), 1)
-        self._layout = (spans, lengths)
-        out = []
-        for which, template in ((0, keys), (1, values)):
-            parts = []
-            for f, n in zip(fetched, lengths, strict=True):
-                fill = mx.zeros((1, H, K - n, template.shape[3]), template.dtype)
-                parts.append(
-                    fill
-                    if f is None
-                    else f[which]
-                    if n == K
-                    else mx.concatenate([f[which], fill], axis=2)
-                )
-            out.append(parts[0] if B == 1 else mx.concatenate(parts, axis=0))
-        return out[0], out[1]
+        """Store each row's real tokens after its live slots; return every row's slots up to
+        the longest row (the mask hides each row's free tail)."""
+        self.check(keys, values)
+        self.flush_chunk()
+        C = keys.shape[2]
+        if C == 1 and self.plain_decode():
+            self.settle_due()
+            self.reserve(int(self.stored.max()) + 1, keys, values)
+            self.start_rows(range(self.B), keys.shape[3])
+            self.keys = bs.write_tokens(self.keys, self.stored, bs.store_form(keys, self.config))
+            self.values = bs.write_tokens(self.values, self.stored,
+                                          bs.store_form(values, self.config))
+            self.stored += 1
+            self.seen += 1
+            self.waiting += 1
+            self._queries_due = self.needs_queries
+            n = int(self.stored.max())
+            return bs.fetch(self.keys, n), bs.fetch(self.values, n)
+        return self._chunk_update(keys, values)
+
+    def _chunk_update(self, keys, values):
+        self.catch_up(range(self.B))
+        starts, counts = self.spans(keys.shape[2])
+        before = self.stored.copy()
+        width = max(int((before + counts).max(initial=0)), 1)
+        self.reserve(width, keys, values)
+        self.start_rows(np.nonzero(counts)[0], keys.shape[3])
+        sk, sv = bs.store_form(keys, self.config), bs.store_form(values, self.config)
+        for i in np.nonzero(counts)[0]:
+            span = (int(starts[i]), int(counts[i]))
+            bs.write_span(self.keys, int(i), int(before[i]), sk, span)
+            bs.write_span(self.values, int(i), int(before[i]), sv, span)
+        self.consume(starts, counts)
+        self.seen += counts
+        self.stored = before + counts
+        self._chunk = Chunk(starts, counts, before, width)
+        return bs.fetch(self.keys, width), bs.fetch(self.values, width)
 
     def prepare_attention(self, queries: mx.array, scale: float, mask):
-        """Attention hook: each row takes its own queries and returns its mask; the rows'
-        masks are assembled into one (B, n_heads, C, K) mask over the stacked keys."""
-        if self._layout is None:
-            return mask
-        spans, lengths = self._layout
+        """Attention hook: keeps this layer's queries (one reference per decode step) and
+        returns the mask: (B, 1, 1, L) for a decode step, each row's liveness for a chunk."""
+        self.set_scale(float(scale))
+        chunk = self._chunk
+        if chunk is None:
+            if self._queries_due:
+                # a new array: mlx_lm's quantized attention scales its queries in place
+                self.steps.append(mx.stop_gradient(queries) if self.config.kv_bits else queries)
+                self._queries_due = False
+            return decode_mask(self.stored)
+        if not chunk.fed and self.needs_queries:
+            chunk.queries = mx.stop_gradient(queries) if self.config.kv_bits else queries
         B, n_heads, C, _ = queries.shape
-        K = max(max(lengths), 1)
-        row_masks = []
-        for i, (row, s) in enumerate(zip(self.rows, spans, strict=True)):
-            if s.count == 0:
-                row_masks.append(None)
-                continue
-            q = queries[i : i + 1, :, s.start : s.start + s.count]
-            row_masks.append(row.prepare_attention(q, scale, None if s.count == 1 else "causal"))
-        if C == 1:
-            return _decode_mask(lengths)
-        blocks = []
-        for m, s, n in zip(row_masks, spans, lengths, strict=True):
-            if s.count == 1 or isinstance(m, str):  # a row without the liveness mask
-                m = create_causal_mask(s.count, offset=n - s.count)[None, None]
-            blocks.append(_row_block(m, s, C, K, n_heads))
-        return blocks[0] if B == 1 else mx.concatenate(blocks, axis=0)
+        if self.chunk_waits(chunk, C):  # nothing evicted inside it: causal, fed later
+            return causal_mask(chunk, C)
+        self.flush_chunk()
+        H = quant.dims(self.keys)[1]
+        return chunk_mask(chunk, C, H, n_heads, self.config.kv_bits is not None)
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs
     ):
         """Mask for N new columns, as mlx_lm builds it before the layers run (the attention
-        hook replaces it per layer with the rows' own masks)."""
+        hook hands each layer the same for a decode step, the rows' liveness for a chunk)."""
         if window_size is not None:
             raise NotImplementedError(
                 "BatchMorphKVCache does not support sliding-window attention layers"
             )
-        spans = self._spans(N)
-        kept = [r.tokens_kept for r in self.rows]
-        lengths = [k + s.count if s.count else 0 for k, s in zip(kept, spans, strict=True)]
-        uniform = all(s == _Span(0, N) for s in spans) and len(set(kept)) <= 1
+        self.flush_chunk()
+        if N == 1 and self.plain_decode():
+            return decode_mask(self.settled() + 1)
+        settled = self.settled()  # what the update's catch-up leaves
+        starts, counts = self.spans(N)
+        width = max(int((settled + counts).max(initial=0)), 1)
         if N == 1:
-            return None if uniform else _decode_mask(lengths)
-        if uniform and not return_array:
-            return "causal"
-        K = max(max(lengths), 1)
-        blocks = [
-            _row_block(create_causal_mask(s.count, offset=k)[None, None], s, N, K, 1)
-            if s.count
-            else _row_block(None, s, N, K, 1)
-            for s, k in zip(spans, kept, strict=True)
-        ]
-        return blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=0)
+            return decode_mask(np.where(counts > 0, settled + counts, width))
+        return causal_mask(Chunk(starts, counts, settled, width), N, return_array)
 
     # ---- accounting and the rest of the protocol -------------------------------------------
     @property
     def state(self) -> list:
-        """The rows' stored keys and values (what ``mx.eval`` must compute); a batched cache
-        is not saved as such: ``extract`` rows and save those."""
-        return [a for r in self.rows for a in (r.keys, r.values) if a is not None]
+        """The shared keys and values (what ``mx.eval`` must compute); a batched cache is not
+        saved as such: ``extract`` rows and save those."""
+        if self.keys is None:
+            return []
+        return [*quant._parts(self.keys), *quant._parts(self.values)]
 
     @property
     def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.rows)
+        """Storage + every row's selection state + the decode steps' queries held."""
+        storage = 0 if self.keys is None else quant.nbytes(self.keys) + quant.nbytes(self.values)
+        return storage + self.rows_nbytes()
 
     @property
     def tokens_kept(self) -> list[int]:
-        return [r.tokens_kept for r in self.rows]
+        self.flush_chunk()
+        return [int(n) for n in self.settled()]
+
+    @property
+    def rows(self) -> list:
+        """Every row as a single-sequence cache (copies; see ``extract``)."""
+        return [self.extract(i) for i in range(self.B)]
 
     def size(self) -> int:
-        return max((r.tokens_kept for r in self.rows), default=0)
+        return max(self.tokens_kept, default=0)
 
     def empty(self) -> bool:
-        return all(r.empty() for r in self.rows)
+        return all(e is None for e in self.engines)
 
     def is_trimmable(self) -> bool:
         return False
@@ -276,12 +269,27 @@ class BatchMorphKVCache(mlx_cache._BaseCache):
     def trim(self, n: int) -> int:
         return 0
 
+    @property
+    def bits(self) -> int:
+        """Bits per stored element; absent when unquantized (mlx_lm's attention takes its
+        quantized path exactly when the cache has ``bits``)."""
+        if self.config.kv_bits is None:
+            raise AttributeError("this BatchMorphKVCache stores keys and values unquantized")
+        return self.config.kv_bits
 
-def _decode_mask(lengths: list[int]):
-    """(B, 1, 1, K) mask for one new token per row: row i sees its first lengths[i] columns."""
-    K = max(max(lengths), 1)
-    if len(set(lengths)) <= 1 and lengths[0] == K:
-        return None
-    n = mx.array([m if m else K for m in lengths])  # a padding-only row sees all columns
-    mask = mx.arange(K)[None, :] < n[:, None]
-    return mask.reshape(len(lengths), 1, 1, K)
+    @property
+    def group_size(self) -> int:
+        if self.config.kv_bits is None:
+            raise AttributeError("this BatchMorphKVCache stores keys and values unquantized")
+        return self.config.kv_group_size
+
+    def __deepcopy__(self, memo):
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for name, value in vars(self).items():
+            if name == "engines":
+                value = [None if e is None else self.copy_engine(e) for e in value]
+            elif name != "row_class":
+                value = copy.deepcopy(value, memo)
+            setattr(new, name, value)
+        return new

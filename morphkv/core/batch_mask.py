@@ -1,0 +1,94 @@
+"""Masks of ``BatchMorphKVCache``: which of the shared storage's columns each row's queries see.
+
+Rows are left-aligned: row i's live tokens are columns [0, n_i) of what attention reads, the
+rest of the row is free and hidden. A decode step's mask is (B, 1, 1, L); every layer of a
+step asks for the same one, so the last one built is kept and handed out again (one small
+array per step, not per layer). A multi-token chunk's mask is built on the host from each
+row's liveness (exact chunked prefill) or its causal triangle (no attention hook).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .liveness import liveness
+
+_LAST: dict = {}  # kind -> (key, array): the last mask / offset built
+
+
+def _memo(kind: str, key: bytes, build):
+    last = _LAST.get(kind)
+    if last is not None and last[0] == key:
+        return last[1]
+    value = build()
+    _LAST[kind] = (key, value)
+    return value
+
+
+def decode_mask(counts: np.ndarray):
+    """(B, 1, 1, L) mask for one new token per row, row i seeing its first ``counts[i]``
+    columns (L = the largest); None when every row sees all L."""
+    L = int(counts.max(initial=1))
+    if (counts == L).all():
+        return None
+    counts = counts.astype(np.int64)
+
+    def build():
+        return mx.array(np.arange(L)[None, :] < counts[:, None]).reshape(-1, 1, 1, L)
+
+    return _memo("mask", counts.tobytes(), build)
+
+
+def offsets(values: np.ndarray) -> mx.array:
+    """Per-row RoPE offsets as an MLX array (the same one for every layer of a step)."""
+    values = values.astype(np.int64)
+    return _memo("offset", values.tobytes(), lambda: mx.array(values.astype(np.int32)))
+
+
+@dataclass
+class Chunk:
+    """One multi-token update: where each row's real tokens sit, what it held before."""
+
+    starts: np.ndarray  # (B,) first real column of each row in the chunk
+    counts: np.ndarray  # (B,) real tokens of each row
+    before: np.ndarray  # (B,) slots each row held before the chunk
+    width: int  # columns of the fetched keys
+    queries: mx.array | None = None  # (B, n_heads, C, D) with attention scoring
+    fed: bool = False
+    evicted: dict | None = None  # row -> (H, before + count) step each row was evicted
+
+
+def causal_mask(chunk: Chunk, C: int, return_array: bool = False):
+    """Each row's causal mask over [its stored tokens + the chunk's] (B, 1, C, width), the same
+    for every layer of a forward pass (kept and handed out again); "causal" when every row takes
+    all C columns over equally many stored tokens."""
+    uniform = (not chunk.starts.any() and (chunk.counts == C).all()
+               and (chunk.before == chunk.before[0]).all())
+    if uniform and not return_array:
+        return "causal"
+    key = b"".join(np.asarray(a, np.int64).tobytes()
+                   for a in (chunk.starts, chunk.counts, chunk.before, [C, chunk.width]))
+    return _memo("causal", key, lambda: chunk_mask(chunk, C, 1, 1, True))
+
+
+def chunk_mask(chunk: Chunk, C: int, H: int, n_heads: int, grouped: bool) -> mx.array:
+    """(B, n_heads, C, width) mask (``grouped``: (B, H, C, width), as mlx_lm's quantized
+    attention wants it): a row's real queries see what token-by-token feeding would have
+    stored (its liveness), padding queries every column."""
+    B = len(chunk.counts)
+    mask = np.ones((B, H, C, chunk.width), bool)
+    for i in np.nonzero(chunk.counts)[0]:
+        s, c, b = int(chunk.starts[i]), int(chunk.counts[i]), int(chunk.before[i])
+        mask[i, :, s : s + c] = False
+        if chunk.evicted is not None and i in chunk.evicted:
+            mask[i, :, s : s + c, : b + c] = liveness(b, chunk.evicted[i])
+        else:  # causal over [its stored tokens + the chunk's]
+            mask[i, :, s : s + c, : b + c] = np.tril(np.ones((c, b + c), bool), k=b)
+    visible = mx.array(mask)
+    if grouped or n_heads == H:
+        return visible
+    visible = mx.broadcast_to(visible[:, :, None], (B, H, n_heads // H, C, chunk.width))
+    return visible.reshape(B, n_heads, C, chunk.width)
