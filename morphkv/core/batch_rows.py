@@ -19,6 +19,7 @@ from . import quant
 from .config import KVCacheConfig
 from .engine import Engine
 from .rules import make_rule
+from .storage import check_pair
 
 DEFER_TOKENS = 64  # a chunk this short that evicts nothing is fed at the next update
 _SHARED = (int, float, bool, str, type(None), KVCacheConfig)
@@ -211,17 +212,11 @@ class BatchRows:
     # ---- input checks ---------------------------------------------------------------------
     def check(self, keys: mx.array, values: mx.array) -> None:
         """Reject malformed input before anything is changed."""
-        if keys.ndim != 4 or values.ndim != 4 or keys.shape[0] != self.B:
+        check_pair(keys, values)
+        if keys.shape[0] != self.B:
             raise ValueError(
                 f"keys of shape {tuple(keys.shape)} do not match a batch of {self.B} rows"
             )
-        if keys.shape[:3] != values.shape[:3]:
-            raise ValueError(
-                f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree on "
-                "batch, heads or tokens"
-            )
-        if not mx.issubdtype(keys.dtype, mx.floating):
-            raise ValueError(f"keys must be floating point, got {keys.dtype}")
         if self.keys is None:
             return
         group = self.config.kv_group_size

@@ -35,7 +35,7 @@ from .liveness import liveness
 from .quant import QuantizedAttributes
 from .queries import hooks_attached
 from .saved import SavedState
-from .storage import SlotStorage, to_numpy
+from .storage import SlotStorage, check_pair, to_numpy
 
 
 @dataclass
@@ -229,18 +229,7 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
             self._accepted = _Seal(self.config, seal)
 
     def _full_check(self, keys: mx.array, values: mx.array) -> None:
-        if keys.ndim != 4 or values.ndim != 4:
-            raise ValueError(
-                "keys and values must be (batch, n_kv_heads, tokens, head_dim); "
-                f"got keys {tuple(keys.shape)} and values {tuple(values.shape)}"
-            )
-        if keys.shape[:3] != values.shape[:3]:
-            raise ValueError(
-                f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree on "
-                "batch, heads or tokens"
-            )
-        if not mx.issubdtype(keys.dtype, mx.floating):
-            raise ValueError(f"keys must be floating point, got {keys.dtype}")
+        check_pair(keys, values)
         if 0 in (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]):
             raise ValueError(
                 "batch, n_kv_heads and head_dim must be >= 1; got keys "

@@ -22,6 +22,23 @@ def to_numpy(x: mx.array) -> np.ndarray:
     return np.asarray(x)
 
 
+def check_pair(keys: mx.array, values: mx.array) -> None:
+    """Reject keys and values that are not a floating (batch, n_kv_heads, tokens, head_dim) pair
+    agreeing on batch, heads and tokens (one line naming the problem)."""
+    if keys.ndim != 4 or values.ndim != 4:
+        raise ValueError(
+            "keys and values must be (batch, n_kv_heads, tokens, head_dim); "
+            f"got keys {tuple(keys.shape)} and values {tuple(values.shape)}"
+        )
+    if keys.shape[:3] != values.shape[:3]:
+        raise ValueError(
+            f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree on "
+            "batch, heads or tokens"
+        )
+    if not mx.issubdtype(keys.dtype, mx.floating):
+        raise ValueError(f"keys must be floating point, got {keys.dtype}")
+
+
 class SlotStorage:
     """The storage half of ``MorphKVCache`` (it reads ``keys``, ``values``, ``config`` and
     ``engine`` of the cache)."""
