@@ -36,7 +36,7 @@ from .batch_mask import Chunk, causal_mask, chunk_mask, decode_mask, offsets
 from .batch_rows import BatchRows
 
 
-class BatchMorphKVCache(BatchFeed, BatchRows, mlx_cache._BaseCache):
+class BatchMorphKVCache(BatchFeed, BatchRows, quant.QuantizedBits, mlx_cache._BaseCache):
     """A batch of MorphKV rows over one shared storage (see the module docstring)."""
 
     # ---- building -------------------------------------------------------------------------
@@ -268,20 +268,6 @@ class BatchMorphKVCache(BatchFeed, BatchRows, mlx_cache._BaseCache):
 
     def trim(self, n: int) -> int:
         return 0
-
-    @property
-    def bits(self) -> int:
-        """Bits per stored element; absent when unquantized (mlx_lm's attention takes its
-        quantized path exactly when the cache has ``bits``)."""
-        if self.config.kv_bits is None:
-            raise AttributeError("this BatchMorphKVCache stores keys and values unquantized")
-        return self.config.kv_bits
-
-    @property
-    def group_size(self) -> int:
-        if self.config.kv_bits is None:
-            raise AttributeError("this BatchMorphKVCache stores keys and values unquantized")
-        return self.config.kv_group_size
 
     def __deepcopy__(self, memo):
         new = self.__class__.__new__(self.__class__)

@@ -121,24 +121,31 @@ def check_triplet(name: str, x, bits: int, group_size: int) -> None:
         )
 
 
-class QuantizedAttributes:
-    """What mlx_lm reads off a quantized cache (``bits``, ``group_size``) and its switch to
-    quantized storage (``to_quantized``), for ``MorphKVCache``."""
+class QuantizedBits:
+    """What mlx_lm reads off a quantized cache (``bits``, ``group_size``), from ``config``: for
+    ``MorphKVCache`` and ``BatchMorphKVCache``."""
 
     @property
     def bits(self) -> int:
         """Bits per stored element; absent (AttributeError) when unquantized, because mlx_lm's
         attention takes its quantized path exactly when the cache has ``bits``."""
         if self.config.kv_bits is None:
-            raise AttributeError("this MorphKVCache stores keys and values unquantized")
+            raise AttributeError(
+                f"this {type(self).__name__} stores keys and values unquantized")
         return self.config.kv_bits
 
     @property
     def group_size(self) -> int:
         """Elements per quantization group; absent when unquantized (see ``bits``)."""
         if self.config.kv_bits is None:
-            raise AttributeError("this MorphKVCache stores keys and values unquantized")
+            raise AttributeError(
+                f"this {type(self).__name__} stores keys and values unquantized")
         return self.config.kv_group_size
+
+
+class QuantizedAttributes(QuantizedBits):
+    """``QuantizedBits`` and the switch to quantized storage (``to_quantized``), for
+    ``MorphKVCache``."""
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedAttributes:
         """This cache with quantized storage: the same kept tokens and selection state, keys
