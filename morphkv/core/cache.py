@@ -30,6 +30,7 @@ from mlx_lm.models.base import create_causal_mask
 from . import quant
 from .batch import BatchMorphKVCache
 from .config import KVCacheConfig
+from .device_cache import DevicePath
 from .engine import Engine
 from .liveness import liveness
 from .quant import QuantizedAttributes
@@ -64,13 +65,16 @@ class _Seal(tuple):
         return None
 
 
-class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._BaseCache):
+class MorphKVCache(DevicePath, SlotStorage, SavedState, QuantizedAttributes,
+                   mlx_cache._BaseCache):
     """A fixed-budget KV cache for one attention layer (see the module docstring)."""
 
     def __init__(self, config: KVCacheConfig) -> None:
         config = config.validate()
         if config.scoring == "auto":  # built without a model: only keys will be seen
             config = dataclasses.replace(config, scoring="proxy")
+        if config.engine == "auto":
+            config = dataclasses.replace(config, engine=config.default_engine)
         self.config = config
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
@@ -82,18 +86,20 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store new keys/values (B, n_kv_heads, C, head_dim); return what attention reads."""
         self._check(keys, values)
-        self._flush()
         B, H, C, D = keys.shape
+        if C and self.config.scoring == "attention" and not hooks_attached():
+            raise RuntimeError(
+                "scoring='attention' ranks tokens by the model's real queries, which reach the "
+                "cache only through morphkv.attach(model, config): call it before generating"
+            )
+        if self._device:
+            return self._device_update(keys, values)
+        self._flush()
         if C == 0 and self.keys is not None:
             return self._fetch()
         stored_keys, stored_values = self._store_form(keys), self._store_form(values)
         if C == 0:
             return stored_keys, stored_values
-        if self.config.scoring == "attention" and not hooks_attached():
-            raise RuntimeError(
-                "scoring='attention' ranks tokens by the model's real queries, which reach the "
-                "cache only through morphkv.attach(model, config): call it before generating"
-            )
         if self.engine is None:
             self.engine = Engine(self.config, B * H, D, self.config.scoring == "attention")
             self.engine.stored_keys = self._host_keys
@@ -118,6 +124,10 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
         attention scoring and returns the mask for the update: mlx_lm's own for one token (the
         engine runs later, see ``_flush``), for several the liveness mask, which needs the
         engine's decisions now: query i sees exactly what token-by-token feeding would store."""
+        if self._device:  # the hook attends through ``attend``; here: a caller that only
+            if self._held is not None:  # hands the queries in (benchmarks, memory probes)
+                self.attend(queries, scale, mask)
+            return mask
         chunk = self._chunk
         if chunk is None:
             return mask
@@ -149,6 +159,9 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
         chunk (its mask needs the evictions), else at the next update or read. By then a
         decode step's keys (and queries) have been computed, so reading them on the host does
         not cut the model's graph into one evaluation per layer."""
+        if self._device:
+            self._settle_device()
+            return None
         chunk = self._chunk
         if chunk is None or chunk.fed:
             return chunk
@@ -304,7 +317,9 @@ class MorphKVCache(SlotStorage, SavedState, QuantizedAttributes, mlx_cache._Base
         if self.engine is None:
             return np.zeros((0, 0, 0), np.int64)
         B, H, _ = quant.dims(self.keys)
-        kept = np.sort(self.engine.stored_positions.astype(np.int64), axis=1)
+        if self._device:
+            self._evict_due()
+        kept = np.sort(np.array(self.engine.stored_positions).astype(np.int64), axis=1)
         return kept.reshape(B, H, -1)
 
     @property

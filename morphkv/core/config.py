@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 FUSIONS = ("mean", "max")
 ATTENTION_METHODS = ("morphkv", "tova", "h2o", "peak")
 SCORINGS = ("auto", "attention", "proxy")
+ENGINES = ("auto", "mlx", "host")
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,12 @@ class KVCacheConfig:
     morphkv_block: int = 1
     kv_memory: int | None = None
     morphkv_recent_share: float | None = None
+    engine: str = "auto"
+
+    @property
+    def default_engine(self) -> str:
+        """What ``engine="auto"`` selects."""
+        return "host" if self.method == "full" else "mlx"
 
     @property
     def budget(self) -> int:
@@ -162,6 +169,11 @@ class KVCacheConfig:
             raise ValueError(f"morphkv_fusion={self.morphkv_fusion!r} is unknown; valid: {FUSIONS}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring={self.scoring!r} is unknown; valid: {SCORINGS}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine={self.engine!r} is unknown; valid: {ENGINES}")
+        if self.engine == "mlx" and self.method == "full":
+            raise ValueError("engine='mlx' runs evictions on the device: method='full' evicts "
+                             "nothing (use engine='auto' or 'host')")
         self._validate_storage()
         return self
 

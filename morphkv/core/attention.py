@@ -1,0 +1,79 @@
+"""One piece of attention on the device, computed once for the model's output and the rules.
+
+For ``k`` new queries of one layer (B, n_heads, k, D) against the first ``n`` stored rows
+(the piece's own tokens are the last ``k`` of them, query i sees the rows up to ``n - k + i``):
+the logits, a float32 softmax (``precise``), the output ``P @ V`` in the values' dtype, and
+from the same ``P`` the attention rows the rules read: summed over the query heads that share
+a KV head, (B * n_kv_heads, k, n) float32. Plain or quantized storage (mlx_lm's quantized
+matmuls, as its own quantized attention); an optional attention sink logit per query head
+(gpt_oss) joins the softmax and is dropped afterwards. Everything stays lazy MLX.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def _causal(n: int, k: int) -> mx.array:
+    """(k, n) bool: query i sees rows j <= n - k + i."""
+    return mx.arange(n)[None, :] <= mx.arange(n - k, n)[:, None]
+
+
+def _rows(x, n: int):
+    """The first n stored rows of plain (B, H, N, D) storage or of a quantized triplet,
+    with a group axis for the query heads."""
+    if isinstance(x, tuple):
+        return tuple(p[:, :, None, :n] for p in x)
+    return x[:, :, None, :n]
+
+
+def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None):
+    """(output (B, n_heads, k, Dv), rows (B * H, k, n) float32) of ``queries`` (B, n_heads,
+    k, D) over stored ``keys`` / ``values`` rows [0, n) (``quant``: (group_size, bits) of
+    quantized storage)."""
+    B, n_heads, k, D = queries.shape
+    H = (keys[0] if isinstance(keys, tuple) else keys).shape[1]
+    G = n_heads // H
+    q = (queries * scale).reshape(B, H, G, k, D)
+    K, V = _rows(keys, n), _rows(values, n)
+    if quant is None:
+        logits = q @ K.swapaxes(-1, -2)
+    else:
+        logits = mx.quantized_matmul(q, *K, transpose=True, group_size=quant[0], bits=quant[1])
+    logits = logits.astype(mx.float32)
+    if k > 1:
+        logits = mx.where(_causal(n, k), logits, -mx.inf)
+    if sinks is not None:
+        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, H, G, 1, 1), (B, H, G, k, 1))
+        probs = mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1, precise=True)
+        probs = probs[..., :n]
+    else:
+        probs = mx.softmax(logits, axis=-1, precise=True)
+    vdtype = (values[1] if isinstance(values, tuple) else values).dtype
+    if quant is None:
+        out = probs.astype(vdtype) @ V
+    else:
+        out = mx.quantized_matmul(probs.astype(vdtype), *V, transpose=False,
+                                  group_size=quant[0], bits=quant[1])
+    out = out.reshape(B, n_heads, k, out.shape[-1]).astype(queries.dtype)
+    rows = probs.sum(axis=2) if G > 1 else probs[:, :, 0]
+    return out, rows.reshape(B * H, k, n)
+
+
+def self_rows(keys, n: int, k: int, scale: float) -> mx.array:
+    """Proxy rows: the piece's own stored keys (the last k of the first n rows of float
+    keys (R, N, D)) as queries, causal; (R, k, n) float32."""
+    q = keys[:, n - k : n] * scale
+    logits = (q @ keys[:, :n].swapaxes(-1, -2)).astype(mx.float32)
+    if k > 1:
+        logits = mx.where(_causal(n, k), logits, -mx.inf)
+    return mx.softmax(logits, axis=-1, precise=True)
+
+
+def proxy_window(keys, positions, window: int, scale: float) -> mx.array:
+    """(R, window, n) float32: the stored keys (R, n, D) of the newest ``window`` tokens as
+    queries over every stored key (the proxy rule's window)."""
+    newest = mx.argsort(positions, axis=1)[:, -window:]
+    q = mx.take_along_axis(keys, newest[..., None], axis=1) * scale
+    logits = (q @ keys.swapaxes(-1, -2)).astype(mx.float32)
+    return mx.softmax(logits, axis=-1, precise=True)

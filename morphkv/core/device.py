@@ -1,0 +1,205 @@
+"""The selection engine on the device: every statistic, pick and move an MLX op, no host sync.
+
+It keeps what the host engine (``morphkv.core.engine``) keeps, as MLX arrays of fixed width
+``budget + 1`` per (batch row, KV head): each slot's position, running score (h2o: a sum,
+peak: a running max), value norm, and for real-query window rules a ring of the last
+``window`` tokens' attention rows (float16, as the host engine rounds them). Rows come from
+the attention the layer computes anyway (``morphkv.core.attention``): a piece of tokens is
+observed once its attention is known (``observe``). Tokens are fed in pieces that end at the
+eviction grid (positions ``budget``, ``budget + block``, ...), so a piece never needs more
+than ``budget + 1`` stored rows and every query sees what token-by-token feeding would store.
+
+At a grid point the rule scores the slots (rules read ``xp = mlx.core``), the ``block`` lowest
+unprotected scores go (``select``: one argpartition over (float32 score bits, position) keys,
+so exact ties go to the oldest), and at most ``block`` rows move down (``moves``), all lazily.
+Scores are float32 of float16 rows where the host's are float64 of the same float16 rows: two
+candidates whose scores are within ``RTOL`` (relative) may be ranked the other way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from .blocks import _unwrap, running_kind
+from .rules import WindowAttention, make_rule
+
+RTOL = 2.0**-9  # two float16 ulps: rows rounded from float32 instead of float64 (+ value norms)
+TOP_BITS = mx.array(0xFFFFFFFF, mx.uint32)  # above every float32's bits (NaN included)
+SHIFT = mx.array(32, mx.uint64)
+
+
+def norms16(values) -> mx.array:
+    """(R, k) float16 norms of values (R, k, Dv): float32, capped at 65504."""
+    v = values.astype(mx.float32)
+    return mx.minimum(mx.sqrt((v * v).sum(axis=-1)), 65504.0).astype(mx.float16)
+
+
+def moves(victims, n: int, block: int):
+    """Row moves (src, dst), each (R, block), filling the victims' rows below the line
+    ``n - block`` with the live rows above it (``morphkv.core.blocks.compaction``)."""
+    if block == 1:
+        return mx.full(victims.shape, n - 1, mx.uint32), victims
+    above = mx.arange(n - block, n).astype(victims.dtype)
+    dead = (victims[:, :, None] == above[None, None, :]).any(axis=1)  # (R, block)
+    order = mx.argsort(dead.astype(mx.int32) * block + mx.arange(block), axis=1)
+    return (order + (n - block)).astype(victims.dtype), mx.sort(victims, axis=1)
+
+
+def move(x, src, dst, axis: int):
+    """x with the rows dst (along ``axis``) replaced by the rows src."""
+    return mx.put_along_axis(x, dst, mx.take_along_axis(x, src, axis=axis), axis=axis)
+
+
+class DeviceEngine:
+    """Per-layer selection state on the device for B * H independent sequences."""
+
+    xp, float = mx, mx.float32  # what rules read
+    ARRAYS = ("positions", "accumulated", "value_norms", "ring")
+
+    def __init__(self, config, B: int, H: int, head_dim: int, real_queries: bool) -> None:
+        self.config, self.rule = config, make_rule(config)
+        self.B, self.H, self.rows, self.head_dim = B, H, B * H, head_dim
+        self.scale = 1.0 / math.sqrt(config.head_dim or head_dim)
+        self.block = config.block
+        self.real = bool(real_queries and self.rule.attention)
+        self.running, self.decay = running_kind(self.rule)
+        inner = _unwrap(self.rule)
+        self.window_rule = isinstance(inner, WindowAttention)
+        self.newest_only = self.window_rule and inner.newest_only
+        self.seen = self.slots = 0
+        self.due = False  # an eviction is due before the next token
+        self._keys = None  # float stored keys (R, n, D) while a proxy window is scored
+        R, cap = self.rows, config.budget + 1
+        self.capacity = cap
+        self.positions = mx.zeros((R, cap), mx.int32)
+        exact16 = self.running == "peak" and self.decay == 1.0 and self.real
+        acc = mx.float16 if exact16 else mx.float32
+        self.accumulated = mx.zeros((R, cap), acc) if self.running else None
+        self.value_norms = mx.zeros((R, cap), mx.float16) if config.morphkv_value else None
+        self.ring_rows = 1 if self.newest_only else config.window
+        ringed = self.window_rule and self.real
+        self.ring = mx.zeros((R, self.ring_rows, cap), mx.float16) if ringed else None
+
+    # ---- what rules read -----------------------------------------------------------------
+    @property
+    def kept(self) -> int:
+        return self.slots - self.block if self.due else self.slots
+
+    @property
+    def stored_positions(self):
+        return self.positions[:, : self.slots]
+
+    def window_probs(self):
+        if self.ring is not None:
+            return self.ring[..., : self.slots]
+        from .attention import proxy_window
+
+        return proxy_window(self._keys, self.stored_positions, self.config.window, self.scale)
+
+    def window_mean(self):
+        probs = self.window_probs()
+        return probs.astype(mx.float32).sum(axis=1) / probs.shape[1]
+
+    def newest_probs(self):
+        if self.ring is not None:
+            return self.ring[:, (self.seen - 1) % self.ring_rows, : self.slots]
+        return self.window_probs()[:, -1]  # the newest key is the last of the window
+
+    @property
+    def needs_rows(self) -> bool:
+        """Does observing a piece read its attention rows?"""
+        return bool(self.running or self.ring is not None)
+
+    # ---- state ---------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return sum(int(getattr(self, n).nbytes) for n in self.ARRAYS if getattr(self, n) is not None)
+
+    def bound_nbytes(self, query_bytes: int | None = None) -> int:
+        return self.nbytes  # fixed-size arrays: what is held is the most ever held
+
+    def piece(self, remaining: int) -> int:
+        """Tokens of the next piece: up to and including the next eviction point."""
+        budget, block = self.config.budget, self.block
+        t = self.seen
+        nxt = budget if t <= budget else budget + -(-(t - budget) // block) * block
+        return min(remaining, nxt - t + 1)
+
+    # ---- feeding -------------------------------------------------------------------------
+    def observe(self, k: int, rows=None, values=None) -> None:
+        """k tokens written at rows [slots, slots + k) of the storage; ``rows`` (R, k, n)
+        float32 their attention rows over the n = slots + k stored rows (when
+        ``needs_rows``), ``values`` (R, k, Dv) float with ``morphkv_value``."""
+        n0, n, t0 = self.slots, self.slots + k, self.seen
+        self.positions[:, n0:n] = mx.arange(t0, t0 + k, dtype=mx.int32)
+        if self.value_norms is not None:
+            self.value_norms[:, n0:n] = norms16(values)
+        if self.real and rows is not None:
+            rows = rows.astype(mx.float16)  # the host engine's rounding
+        if self.ring is not None:
+            self._ring(rows, t0, k, n)
+        if self.running:
+            self._running(rows, n0, n, k)
+        self.seen, self.slots = t0 + k, n
+        self.due = self.rule.evicts and n > self.config.budget
+
+    def _ring(self, rows, t0: int, k: int, n: int) -> None:
+        W = self.ring_rows
+        m = min(k, W)
+        last = rows[:, k - m :]
+        first = (t0 + k - m) % W
+        head = min(m, W - first)
+        self.ring[:, first : first + head, :n] = last[:, :head]
+        if head < m:
+            self.ring[:, : m - head, :n] = last[:, head:]
+
+    def _running(self, rows, n0: int, n: int, k: int) -> None:
+        acc = self.accumulated
+        acc[:, n0:n] = 0
+        old = acc[:, :n]
+        if self.running == "sum":
+            new = old + rows.astype(mx.float32).sum(axis=1)
+        elif self.decay == 1.0:
+            new = mx.maximum(old, rows.max(axis=1).astype(acc.dtype))
+        else:  # max(d^k old, max_i d^(k-1-i) row_i): k steps of max(d * peak, row)
+            powers = mx.array(self.decay ** np.arange(k - 1, -1, -1), mx.float32)
+            rows = rows.astype(mx.float32) * powers[None, :, None]
+            new = mx.maximum(old * (self.decay**k), rows.max(axis=1))
+        acc[:, :n] = new.astype(acc.dtype)
+
+    # ---- selection -----------------------------------------------------------------------
+    def select(self, keys=None):
+        """(R, block) uint32 slots to evict: the lowest (score, position) keys among the
+        unprotected slots. ``keys``: the stored keys (R, n, D) float, for proxy windows."""
+        c, n = self.config, self.slots
+        self._keys = keys
+        try:
+            scores = self.rule.score(self).astype(mx.float32)
+        finally:
+            self._keys = None
+        if self.value_norms is not None:
+            scores = scores * self.value_norms[:, :n].astype(mx.float32)
+        pos = self.stored_positions
+        protected = (pos < c.n_sink) | (pos > self.seen - 1 - c.recent)
+        bits = mx.where(protected, TOP_BITS, mx.maximum(scores, 0.0).view(mx.uint32))
+        key = (bits.astype(mx.uint64) << SHIFT) | pos.astype(mx.uint64)
+        if self.block == 1:
+            return mx.argmin(key, axis=1, keepdims=True)
+        return mx.argpartition(key, self.block - 1, axis=1)[:, : self.block]
+
+    def evict(self, keys=None):
+        """The due eviction: returns (src, dst) (R, block) row moves for the storage, the
+        engine's own arrays already moved."""
+        n, block = self.slots, self.block
+        src, dst = moves(self.select(keys), n, block)
+        self.positions = move(self.positions, src, dst, 1)
+        for name in ("accumulated", "value_norms"):
+            if getattr(self, name) is not None:
+                setattr(self, name, move(getattr(self, name), src, dst, 1))
+        if self.ring is not None:
+            self.ring = move(self.ring, src[:, None], dst[:, None], 2)
+        self.slots, self.due = n - block, False
+        return src, dst

@@ -1,0 +1,146 @@
+"""The MLX path of ``MorphKVCache`` (``engine="mlx"``): attention and selection in one graph.
+
+An update is held (``_held``) until its queries come: the attention hook calls ``attend``,
+which feeds the update in pieces ending at the eviction grid (``DeviceEngine.piece``): each
+piece is written into the storage, attended once (``morphkv.core.attention``: the output and
+the rows the rule reads from the same softmax), observed by the engine, and an eviction due at
+its end runs before the next piece. So every query sees what token-by-token feeding would
+store, and the storage never holds more than ``budget + 1`` rows, inside a long prefill too.
+Without the hook (keys as proxy queries, a cache used alone) ``update_and_fetch`` returns
+[stored + new] for mlx_lm's attention and the pieces are fed at the next update or read,
+without output. Nothing here reads an MLX array on the host.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import quant
+from .attention import attend, self_rows
+from .device import DeviceEngine, move
+
+
+class DevicePath:
+    """Mixed into ``MorphKVCache``; uses its storage (``SlotStorage``) and config."""
+
+    _held = None  # (keys, values as stored, keys and values as given, written rows)
+
+    @property
+    def _device(self) -> bool:
+        return self.config.engine == "mlx"
+
+    def _device_update(self, keys: mx.array, values: mx.array):
+        B, H, C, D = keys.shape
+        stored_keys, stored_values = self._store_form(keys), self._store_form(values)
+        if C == 0:
+            return self._fetch() if self.keys is not None else (stored_keys, stored_values)
+        self._settle_device()
+        if self.engine is None:
+            self.engine = DeviceEngine(self.config, B, H, D, self.config.scoring == "attention")
+        self._evict_due()
+        engine = self.engine
+        written = 0
+        if engine.piece(C) == C:  # one piece: written in place now, fetched as a view
+            self._write(stored_keys, stored_values, engine.slots)
+            written = C
+            fetched = self._fetch(engine.slots + C)
+        elif self.keys is None:
+            fetched = stored_keys, stored_values
+        else:
+            old = self._fetch()
+            fetched = tuple(quant.apply(lambda a, b: mx.concatenate([a, b], axis=2), o, s)
+                            for o, s in zip(old, (stored_keys, stored_values), strict=True))
+        self._held = (stored_keys, stored_values, keys, values, written)
+        self.offset += C
+        return fetched
+
+    def _write(self, keys, values, start: int) -> None:
+        end = start + quant.dims(keys)[2]
+        if self.keys is None or end > quant.dims(self.keys)[2]:
+            self._grow(keys, values)
+        quant.assign(self.keys, start, end, keys)
+        quant.assign(self.values, start, end, values)
+
+    def _grow(self, keys, values) -> None:
+        """Storage of ``budget + 1`` rows (the most a piece ever needs)."""
+        used = 0 if self.keys is None else self.engine.slots
+        cap = self.engine.capacity
+
+        def grow(old, fresh):
+            return mx.concatenate([old[:, :, :used], fresh], 2)
+
+        grown = []
+        for old, new in ((self.keys, keys), (self.values, values)):
+            fresh = quant.zeros(new, cap - used)
+            grown.append(fresh if old is None else quant.apply(grow, old, fresh))
+        self.keys, self.values = grown
+
+    def _quant(self):
+        c = self.config
+        return None if c.kv_bits is None else (c.kv_group_size, c.kv_bits)
+
+    def _float_keys(self, n: int):
+        """The first n stored keys as floats (R, n, D)."""
+        keys = self._float(quant.apply(lambda p: p[:, :, :n], self.keys))
+        return keys.reshape(self.engine.rows, n, -1)
+
+    def _evict_due(self) -> None:
+        engine = self.engine
+        if engine is None or not engine.due:
+            return
+        proxy_window = engine.window_rule and engine.ring is None
+        src, dst = engine.evict(self._float_keys(engine.slots) if proxy_window else None)
+        B, H = engine.B, engine.H
+        src, dst = (x.reshape(B, H, -1, 1) for x in (src, dst))
+        self.keys = quant.apply(lambda x: move(x, src, dst, 2), self.keys)
+        self.values = quant.apply(lambda x: move(x, src, dst, 2), self.values)
+
+    def attend(self, queries, scale: float, mask=None, sinks=None):
+        """The attention output of the held update for ``queries`` (B, n_heads, C, D), the
+        update fed to the engine on the way; None on the host path (the hook then attends
+        with mlx_lm's function)."""
+        if not self._device:
+            return None
+        held, self._held = self._held, None
+        if held is None:
+            raise RuntimeError("MorphKVCache.attend: no update is waiting for its queries")
+        self.engine.scale = float(scale)
+        return self._feed(held, queries, sinks)
+
+    def _settle_device(self) -> None:
+        """Feed a held update that no attention came for (keys as proxy queries)."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        if self.engine.real:
+            raise RuntimeError("attention scoring: the cache was read before its queries came")
+        self._feed(held, None, None)
+
+    def _feed(self, held, queries, sinks):
+        stored_keys, stored_values, keys, values, written = held
+        engine, C = self.engine, keys.shape[2]
+        B, H = engine.B, engine.H
+        outputs, i = [], 0
+        while i < C:
+            self._evict_due()
+            k = engine.piece(C - i)
+            n0, n = engine.slots, engine.slots + k
+            if not written:
+                self._write(*(quant.apply(lambda p: p[:, :, i : i + k], s)
+                              for s in (stored_keys, stored_values)), n0)
+            rows = None
+            if queries is not None:
+                out, rows = attend(queries[:, :, i : i + k], self.keys, self.values, n,
+                                   engine.scale, sinks, self._quant())
+                outputs.append(out)
+            if engine.needs_rows and not engine.real:
+                rows = self_rows(self._float_keys(n), n, k, engine.scale)
+            norms_of = None
+            if engine.value_norms is not None:
+                v = self._float(quant.apply(lambda p: p[:, :, n0:n], self.values))
+                norms_of = v.reshape(B * H, k, -1)
+            engine.observe(k, rows, norms_of)
+            i += k
+        if queries is None:
+            return None
+        return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)
