@@ -36,6 +36,7 @@ def reference_kept(
     decay: float = 1.0,
     pool: int = 1,
     block: int = 1,
+    margins: list | None = None,
 ) -> list[int]:
     """Positions kept after feeding ``keys`` (T, D) one token at a time.
 
@@ -56,6 +57,10 @@ def reference_kept(
     ``block``: when a token arrives with ``budget`` tokens stored, the ``block`` lowest-scoring
     unprotected tokens are evicted at once (successive lowest picks over the same scores), and
     the next ``block - 1`` tokens are only stored.
+
+    ``margins``: a list that gets, at every eviction, how far the decision is from a tie: the
+    relative gap between the lowest score kept among the candidates and the highest evicted
+    (<= 0: a tie decided by position; small: a near-tie another precision may break apart).
     """
     norms = None
     if values is not None:
@@ -120,6 +125,7 @@ def reference_kept(
         candidates = [
             (s, p) for s, p in zip(scores, stored, strict=True) if p >= n_sink and p <= t - recent
         ]
+        start = list(candidates)
         for _ in range(block):
             low = min(s for s, _ in candidates)
             victim = min(p for s, p in candidates if s <= low + TIE_RTOL * abs(low))
@@ -127,4 +133,11 @@ def reference_kept(
             stored.remove(victim)
             h2o.pop(victim, None)
             peaks.pop(victim, None)
+        if margins is not None:
+            gone = {p for _, p in start} - {p for _, p in candidates}
+            worst = max(s for s, p in start if p in gone)
+            rest = [s for s, p in candidates]
+            if rest:
+                best = min(rest)
+                margins.append((best - worst) / max(abs(best), abs(worst), 1e-300))
     return stored

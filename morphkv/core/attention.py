@@ -2,7 +2,8 @@
 
 For ``k`` new queries of one layer (B, n_heads, k, D) against the first ``n`` stored rows
 (the piece's own tokens are the last ``k`` of them, query i sees the rows up to ``n - k + i``):
-the logits, a float32 softmax (``precise``), the output ``P @ V`` in the values' dtype, and
+the float32 logits, a float32 softmax, the output ``P @ V`` (float32, returned in the
+queries' dtype), and
 from the same ``P`` the attention rows the rules read: summed over the query heads that share
 a KV head, (B * n_kv_heads, k, n) float32. Plain or quantized storage (mlx_lm's quantized
 matmuls, as its own quantized attention); an optional attention sink logit per query head
@@ -34,10 +35,10 @@ def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None):
     B, n_heads, k, D = queries.shape
     H = (keys[0] if isinstance(keys, tuple) else keys).shape[1]
     G = n_heads // H
-    q = (queries * scale).reshape(B, H, G, k, D)
+    q = (queries.astype(mx.float32) * scale).reshape(B, H, G, k, D)
     K, V = _rows(keys, n), _rows(values, n)
     if quant is None:
-        logits = q @ K.swapaxes(-1, -2)
+        logits = q @ K.astype(mx.float32).swapaxes(-1, -2)
     else:
         logits = mx.quantized_matmul(q, *K, transpose=True, group_size=quant[0], bits=quant[1])
     logits = logits.astype(mx.float32)
@@ -49,11 +50,10 @@ def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None):
         probs = probs[..., :n]
     else:
         probs = mx.softmax(logits, axis=-1, precise=True)
-    vdtype = (values[1] if isinstance(values, tuple) else values).dtype
     if quant is None:
-        out = probs.astype(vdtype) @ V
+        out = probs @ V.astype(mx.float32)
     else:
-        out = mx.quantized_matmul(probs.astype(vdtype), *V, transpose=False,
+        out = mx.quantized_matmul(probs, *V, transpose=False,
                                   group_size=quant[0], bits=quant[1])
     out = out.reshape(B, n_heads, k, out.shape[-1]).astype(queries.dtype)
     rows = probs.sum(axis=2) if G > 1 else probs[:, :, 0]
@@ -63,8 +63,9 @@ def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None):
 def self_rows(keys, n: int, k: int, scale: float) -> mx.array:
     """Proxy rows: the piece's own stored keys (the last k of the first n rows of float
     keys (R, N, D)) as queries, causal; (R, k, n) float32."""
-    q = keys[:, n - k : n] * scale
-    logits = (q @ keys[:, :n].swapaxes(-1, -2)).astype(mx.float32)
+    keys = keys[:, :n].astype(mx.float32)
+    q = keys[:, n - k :] * scale
+    logits = q @ keys.swapaxes(-1, -2)
     if k > 1:
         logits = mx.where(_causal(n, k), logits, -mx.inf)
     return mx.softmax(logits, axis=-1, precise=True)
@@ -73,7 +74,8 @@ def self_rows(keys, n: int, k: int, scale: float) -> mx.array:
 def proxy_window(keys, positions, window: int, scale: float) -> mx.array:
     """(R, window, n) float32: the stored keys (R, n, D) of the newest ``window`` tokens as
     queries over every stored key (the proxy rule's window)."""
+    keys = keys.astype(mx.float32)
     newest = mx.argsort(positions, axis=1)[:, -window:]
     q = mx.take_along_axis(keys, newest[..., None], axis=1) * scale
-    logits = (q @ keys.swapaxes(-1, -2)).astype(mx.float32)
+    logits = q @ keys.swapaxes(-1, -2)
     return mx.softmax(logits, axis=-1, precise=True)

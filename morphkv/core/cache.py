@@ -159,8 +159,9 @@ class MorphKVCache(DevicePath, SlotStorage, SavedState, QuantizedAttributes,
         chunk (its mask needs the evictions), else at the next update or read. By then a
         decode step's keys (and queries) have been computed, so reading them on the host does
         not cut the model's graph into one evaluation per layer."""
-        if self._device:
+        if self._device:  # a read: everything due runs (lazily)
             self._settle_device()
+            self._evict_due()
             return None
         chunk = self._chunk
         if chunk is None or chunk.fed:
@@ -317,8 +318,6 @@ class MorphKVCache(DevicePath, SlotStorage, SavedState, QuantizedAttributes,
         if self.engine is None:
             return np.zeros((0, 0, 0), np.int64)
         B, H, _ = quant.dims(self.keys)
-        if self._device:
-            self._evict_due()
         kept = np.sort(np.array(self.engine.stored_positions).astype(np.int64), axis=1)
         return kept.reshape(B, H, -1)
 

@@ -72,6 +72,7 @@ class DeviceEngine:
         self.seen = self.slots = 0
         self.due = False  # an eviction is due before the next token
         self._keys = None  # float stored keys (R, n, D) while a proxy window is scored
+        self.stored_keys = None  # () -> the float stored keys (R, >= slots, D); set by the cache
         R, cap = self.rows, config.budget + 1
         self.capacity = cap
         self.positions = mx.zeros((R, cap), mx.int32)
@@ -97,7 +98,9 @@ class DeviceEngine:
             return self.ring[..., : self.slots]
         from .attention import proxy_window
 
-        return proxy_window(self._keys, self.stored_positions, self.config.window, self.scale)
+        keys = self.stored_keys() if self._keys is None else self._keys
+        n = self.slots
+        return proxy_window(keys[:, :n], self.stored_positions, self.config.window, self.scale)
 
     def window_mean(self):
         probs = self.window_probs()

@@ -37,6 +37,7 @@ class DevicePath:
         self._settle_device()
         if self.engine is None:
             self.engine = DeviceEngine(self.config, B, H, D, self.config.scoring == "attention")
+            self.engine.stored_keys = lambda: self._float_keys(self.engine.slots)
         self._evict_due()
         engine = self.engine
         written = 0

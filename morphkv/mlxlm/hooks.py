@@ -5,9 +5,10 @@ mlx_lm hands queries to the cache nowhere: each model module calls
 it imported from ``mlx_lm.models.base``. ``install`` rebinds that name in every Python module
 that defines a class of the model's tree (a wrapper such as ``gemma3`` reaches its
 ``gemma3_text`` attention that way; patching ``base`` alone would change nothing). With a cache
-that has ``prepare_attention`` (``MorphKVCache``) the hook hands it this layer's queries and the
-scale the model uses, and attends with the mask the cache returns; any other cache, or none,
-falls through to the original function unchanged.
+that has ``attend`` (``MorphKVCache`` on the MLX path) the cache computes the attention itself
+(one softmax for the output and the rule's statistics); on the host path (``prepare_attention``)
+the hook hands it this layer's queries and the scale the model uses, and attends with the mask
+the cache returns; any other cache, or none, falls through to the original function unchanged.
 
 The rebinding is per Python module, the bookkeeping per model: a module keeps the hook while at
 least one model installed on it is alive and not uninstalled (models are held weakly).
@@ -90,12 +91,32 @@ def _release(name: str, key: int) -> None:
         setattr(module, HOOK_NAME, original)
 
 
+def attend(original, queries, keys, values, cache, scale, mask, sinks=None):
+    """One layer's attention as the hook runs it: a morphkv cache on the MLX path attends
+    itself (``attend``: the output and the rule's statistics from one softmax); on the host
+    path it takes the queries and may change the mask; anything else is ``original``."""
+    own = getattr(cache, "attend", None)
+    out = None if own is None else own(queries, scale, mask, sinks)
+    if out is not None:
+        return out
+    prepare = getattr(cache, "prepare_attention", None)
+    if prepare is not None:  # a morphkv cache: it takes the queries, may change the mask
+        mask = prepare(queries, scale, mask)
+    return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def attention_step(cache, queries, keys, values, scale: float, mask=None):
+    """One layer's update and attention as a hooked model runs them (benchmarks, tests):
+    ``cache.update_and_fetch`` then the hook's attention; any cache (mlx_lm's too)."""
+    k, v = cache.update_and_fetch(keys, values)
+    if mask is None and queries.shape[2] > 1:
+        mask = "causal"
+    return attend(base.scaled_dot_product_attention, queries, k, v, cache, scale, mask)
+
+
 def _make_hook(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        prepare = getattr(cache, "prepare_attention", None)
-        if prepare is not None:  # a morphkv cache: it takes the queries, may change the mask
-            mask = prepare(queries, scale, mask)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return attend(original, queries, keys, values, cache, scale, mask, sinks)
 
     scaled_dot_product_attention.morphkv_original = original
     return scaled_dot_product_attention
