@@ -75,7 +75,7 @@ def test_survivors_keep_their_rotation():
         cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
     kept = cache.kept_positions
     stored_k, stored_v = (np.array(a) for a in cache._fetch())
-    pos = cache.engine.positions[:, : cache.engine.slots].reshape(1, 2, -1)
+    pos = np.array(cache.engine.positions)[:, : cache.engine.slots].reshape(1, 2, -1)
     for h in range(2):
         live = np.isin(pos[0, h], kept[0, h])
         np.testing.assert_array_equal(stored_k[0, h][live], np.array(k)[0, h, pos[0, h][live]])

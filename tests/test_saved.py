@@ -18,10 +18,12 @@ from morphkv.core import saved as saved_mod
 SMALL = dict(morphkv_budget=12, morphkv_n_sink=2, morphkv_window=4)
 
 
-def filled(method="morphkv", T=30):
+def filled(method="morphkv", T=30, engine="host"):
+    """A filled cache; the host engine's saved format unless ``engine="mlx"``."""
     rng = np.random.default_rng(0)
     k = mx.array(rng.standard_normal((1, 2, T, 8)).astype(np.float16))
-    cache = KVCacheBuilder.build(KVCacheConfig(method=method, **SMALL))
+    engine = "host" if method == "full" else engine
+    cache = KVCacheBuilder.build(KVCacheConfig(method=method, engine=engine, **SMALL))
     cache.update_and_fetch(k[:, :, : T - 1], k[:, :, : T - 1])
     cache.update_and_fetch(k[:, :, T - 1 :], k[:, :, T - 1 :])
     return cache
@@ -42,9 +44,10 @@ def load(state):
     return cache
 
 
+@pytest.mark.parametrize("engine", ["host", "mlx"])
 @pytest.mark.parametrize("method", ["morphkv", "h2o", "streaming_llm", "full", "tova"])
-def test_a_saved_state_round_trips(method, tmp_path):
-    cache = filled(method)
+def test_a_saved_state_round_trips(method, engine, tmp_path):
+    cache = filled(method, engine=engine)
     path = str(tmp_path / "c.safetensors")
     mlx_cache.save_prompt_cache(path, [cache])
     loaded = mlx_cache.load_prompt_cache(path)[0]
@@ -128,3 +131,38 @@ def test_random_byte_edits_never_crash_or_mislead(data):
     kept = cache.kept_positions
     assert kept.shape[2] <= cache.config.budget
     assert (kept >= 0).all() and (kept < cache.offset).all()
+
+
+def device_edits():
+    """Edits of an MLX engine state (``morphkv.core.device_saved``) that must be refused."""
+
+    def array(i, fn):
+        def edit(state):
+            names = state[3].split(";")
+            index = 4 + [n.split(":")[0] for n in names].index(i)
+            return [*state[:index], fn(state[index]), *state[index + 1 :]]
+
+        return edit
+
+    return [
+        ("position out of range", array("positions", lambda p: p + 10_000)),
+        ("a position twice", array("positions", lambda p: mx.concatenate([p[:, :1], p[:, :-1]], 1))),
+        ("slots past the budget", array("counters", lambda c: c + mx.array([0, 5, 0], mx.int32))),
+        ("seen shrunk", array("counters", lambda c: c - mx.array([20, 0, 0], mx.int32))),
+        ("positions as float", array("positions", lambda p: p.astype(mx.float32))),
+        ("a negative peak", array("accumulated", lambda a: a - 1)),
+        ("scale zero", array("scale", lambda s: s * 0)),
+        ("host engine for engine=mlx", lambda s: [*s[:3], s[3].removeprefix("device:"), *s[4:]]),
+        ("array missing", lambda s: [*s[:-1]]),
+    ]
+
+
+@pytest.mark.parametrize("name, edit", device_edits(), ids=[n for n, _ in device_edits()])
+def test_edited_device_state_is_refused_and_nothing_changes(name, edit):
+    state = filled("h2o", engine="mlx").state
+    assert state[3].startswith("device:")
+    target = filled("streaming_llm")
+    before = target.kept_positions.copy()
+    with pytest.raises(ValueError):
+        target.state = edit(state)
+    np.testing.assert_array_equal(target.kept_positions, before)

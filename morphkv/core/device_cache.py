@@ -37,7 +37,7 @@ class DevicePath:
         self._settle_device()
         if self.engine is None:
             self.engine = DeviceEngine(self.config, B, H, D, self.config.scoring == "attention")
-            self.engine.stored_keys = lambda: self._float_keys(self.engine.slots)
+            self.engine.stored_keys = self._stored_float_keys
         self._evict_due()
         engine = self.engine
         written = 0
@@ -84,6 +84,9 @@ class DevicePath:
         """The first n stored keys as floats (R, n, D)."""
         keys = self._float(quant.apply(lambda p: p[:, :, :n], self.keys))
         return keys.reshape(self.engine.rows, n, -1)
+
+    def _stored_float_keys(self):
+        return self._float_keys(self.engine.slots)
 
     def _evict_due(self) -> None:
         engine = self.engine

@@ -169,7 +169,8 @@ class QuantizedAttributes(QuantizedBits):
             if any(d % group_size for d in dims):
                 raise ValueError(f"kv_group_size={group_size} must divide the head dims {dims}")
         new = copy.copy(self)
-        new.config, new.engine, new._chunk = config, copy.deepcopy(self.engine), None
+        new.config, new._chunk = config, None
+        new.engine = copy.deepcopy(self.engine, {id(self): new})  # its key reader: the new cache
         if self.keys is not None:
             new.keys, new.values = (quantize(x, group_size, bits) for x in self._fetch())
         return new

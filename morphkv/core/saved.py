@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import quant
+from . import device_saved, quant
 from .config import KVCacheConfig
 from .engine import Engine
 
@@ -142,9 +142,13 @@ class SavedState:
         self._flush()
         if self.engine is None:
             return [self.config.to_json()]
-        self.engine.fill_norms(self._host_values())  # the pending tokens' norms, from storage
-        keys, values = self._fetch()
-        spec, arrays = pack(snapshot(self.engine))
+        if self._device:  # MLX arrays as they are: no host read (see core.device_saved)
+            keys, values = self.keys, self.values
+            spec, arrays = device_saved.snapshot(self.engine)
+        else:
+            self.engine.fill_norms(self._host_values())  # pending tokens' norms, from storage
+            keys, values = self._fetch()
+            spec, arrays = pack(snapshot(self.engine))
         storage = [keys, values] if self.config.kv_bits is None else [*keys, *values]
         return [self.config.to_json(), *storage, spec, *arrays]
 
@@ -165,12 +169,24 @@ class SavedState:
             self._check_saved_storage(config, keys, values)
             B, H, N = quant.dims(keys)
             D = quant.head_dim(keys, config.kv_group_size)
+            if spec.startswith(device_saved.PREFIX):
+                if config.engine != "mlx" or N > config.budget + 1:
+                    raise ValueError("saved cache: MLX engine state for a host config or "
+                                     f"{N} stored rows for budget {config.budget}")
+                engine = device_saved.restore(config, B, H, D, N, spec, arrays)
+                engine.stored_keys = self._stored_float_keys
+                self.config, self.keys, self.values, self.engine = config, keys, values, engine
+                self._chunk = self._held = None
+                self.offset = engine.seen
+                return
+            if config.engine == "mlx":
+                raise ValueError("saved cache: host engine state for engine='mlx'")
             engine = restore(config, B * H, D, N, unpack(spec, arrays))
             engine.stored_keys = self._host_keys
             if engine.slots != N:
                 raise ValueError(f"saved cache: {N} stored rows for {engine.slots} slots")
         self.config, self.keys, self.values, self.engine = config, keys, values, engine
-        self._chunk = None
+        self._chunk = self._held = None
         self.offset = 0 if engine is None else engine.seen
 
     @staticmethod
