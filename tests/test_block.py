@@ -1,5 +1,6 @@
-"""Block eviction: any chunking makes the decisions token-by-token feeding makes with the same
-block (kept sets, slot layout, attention rows bit for bit, running scores), for every rule,
+"""Block eviction on the host engine (``engine="host"``, the float64 reference the MLX engine is
+held to in ``tests/test_device.py``): any chunking makes the decisions token-by-token feeding
+makes with the same block (kept sets, slot layout, attention rows bit for bit, running scores), for every rule,
 real queries or none, float16 and float32, tied streams, NaN/inf input; and a decode step
 between evictions reads nothing on the host."""
 
@@ -36,7 +37,7 @@ def cases(draw):
     attention = method in ATTENTION
     peak = draw(st.sampled_from([0.0, 0.02, 0.5])) if method in ("tova", "morphkv") else 0.0
     persists = peak > 0 or method == "peak"
-    config = KVCacheConfig(
+    config = KVCacheConfig(engine="host", 
         method=method,
         morphkv_budget=budget,
         morphkv_n_sink=n_sink,
@@ -118,7 +119,7 @@ def test_non_finite_keys_and_queries_decide_alike_for_any_chunking(method, bad):
     queries = rng.standard_normal((1, 4, 40, 8)).astype(np.float32)
     keys[0, 1, 25, 3] = bad  # a decode step's key
     queries[0, 0, 31, 2] = bad  # a decode step's query
-    config = KVCacheConfig(method=method, morphkv_budget=16, morphkv_window=3,
+    config = KVCacheConfig(engine="host", method=method, morphkv_budget=16, morphkv_window=3,
                            morphkv_block=4, scoring="attention")
     with queries_by_hand(), np.errstate(all="ignore"):
         fed = run(config, keys, queries, list(range(20, 40)), mx.float32)
@@ -135,7 +136,7 @@ def test_decode_reads_the_host_only_at_evictions(block):
     T, budget = 120, 32
     keys = rng.standard_normal((1, 2, T, 8)).astype(np.float32)
     queries = rng.standard_normal((1, 4, T, 8)).astype(np.float32)
-    config = KVCacheConfig(method="morphkv", morphkv_budget=budget, morphkv_window=4,
+    config = KVCacheConfig(engine="host", method="morphkv", morphkv_budget=budget, morphkv_window=4,
                            morphkv_recent=8, morphkv_block=block, scoring="attention")
     with queries_by_hand():
         cache = run(config, keys[:, :, :40], queries[:, :, :40], [], mx.float32)
@@ -251,7 +252,7 @@ def test_a_save_mid_block_continues_identically(extra, tmp_path):
     rng = np.random.default_rng(4)
     keys = rng.standard_normal((1, 2, 90, 8)).astype(np.float32)
     queries = rng.standard_normal((1, 4, 90, 8)).astype(np.float32)
-    config = KVCacheConfig(**{**dict(method="morphkv", morphkv_budget=24, morphkv_window=3,
+    config = KVCacheConfig(engine="host", **{**dict(method="morphkv", morphkv_budget=24, morphkv_window=3,
                                      morphkv_recent=8, morphkv_block=5, scoring="attention"),
                               **extra})
     with queries_by_hand():

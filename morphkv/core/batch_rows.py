@@ -9,6 +9,8 @@ during a right-padded prompt, ``_remaining`` (real tokens left).
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 
 import mlx.core as mx
@@ -33,7 +35,8 @@ class BatchRows:
     """Rows of a batch: engines, counters, the decode steps' queries (see module docstring)."""
 
     def __init__(self, config, rows: int, row_class: type):
-        self.config = config
+        # the batch runs the host engine (its rows' caches too: see MorphKVCache.on_host)
+        self.config = dataclasses.replace(config, engine="host")
         self.row_class = row_class
         self.evicts = make_rule(config).evicts
         self.engines: list[Engine | None] = [None] * rows

@@ -19,6 +19,7 @@ is therefore the same for any chunking of a stream, and at most ``budget`` token
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
-from . import quant
+from . import device_saved, quant
 from .batch import BatchMorphKVCache
 from .config import KVCacheConfig
 from .device_cache import DevicePath
@@ -367,8 +368,24 @@ class MorphKVCache(DevicePath, SlotStorage, SavedState, QuantizedAttributes,
     @classmethod
     def merge(cls, caches: list):
         """mlx_lm's batch protocol (``batch_generate``, ``BatchGenerator``, the server): one
-        batched cache over single-sequence caches; see ``morphkv.core.batch``."""
-        return BatchMorphKVCache.merge(caches, row_class=cls)
+        batched cache over single-sequence caches; see ``morphkv.core.batch``. The batch runs
+        the host engine: caches on the MLX path are handed over as host copies."""
+        return BatchMorphKVCache.merge(
+            [c.on_host() if isinstance(c, cls) else c for c in caches], row_class=cls)
+
+    def on_host(self) -> MorphKVCache:
+        """This cache on the host engine: itself when it runs there, else a copy (the same
+        kept tokens and selection state; reads the device once)."""
+        if not self._device:
+            return self
+        self._flush()
+        new = copy.copy(self)
+        new.config, new._held = dataclasses.replace(self.config, engine="host"), None
+        if self.engine is not None:
+            new.engine = device_saved.to_host(self.engine, new.config)
+            new.engine.stored_keys = new._host_keys
+            new.keys, new.values = self._fetch()
+        return new
 
 
 # load_prompt_cache looks cache classes up in mlx_lm.models.cache by name.
