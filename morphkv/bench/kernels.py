@@ -1,14 +1,16 @@
 """MLX kernels per layer per decode step and host synchronizations per step, per cache.
 
 One layer (B=1, 4 KV heads, head_dim 64, float16, real queries: ``--groups`` query heads per
-KV head, handed in as the attention hook hands them), filled past its budget; then ``--blocks``
-eviction blocks of single-token updates. Each update's MLX graph (everything the cache adds
-between the new key/value and what attention reads, plus the storage it keeps) is exported
-with ``mx.export_to_dot`` before it is evaluated and its nodes counted: ``kernels`` are the
-primitives that run code on the device, ``views`` the ones that only re-describe memory
-(slices, reshapes, broadcasts, transposes). Host synchronizations are the updates that read
-MLX arrays on the host (a morphkv eviction: the stored keys and the pending queries), counted
-on the CPU. Averages are over whole eviction blocks. RotatingKVCache is the reference.
+KV head), filled past its budget; then ``--blocks`` eviction blocks of single-token steps, each
+the layer's update and attention as the hooked model runs them (``attention_step``; the MLX
+engine computes both from one softmax, the host engine adds its selection to mlx_lm's fused
+attention). Each step's MLX graph (the attention output plus the storage the cache keeps) is
+exported with ``mx.export_to_dot`` before it is evaluated and its nodes counted: ``kernels``
+are the primitives that run code on the device, ``views`` the ones that only re-describe memory
+(slices, reshapes, broadcasts, transposes). Host synchronizations are the reads of MLX arrays
+on the host inside a step (``SyncCounter``: ``item``, ``tolist``, NumPy conversions,
+``mx.eval`` ...), counted as they happen. Averages are over whole eviction blocks.
+RotatingKVCache (update + mlx_lm's attention) is the reference.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..eval.util import add_flags, environment, markdown_table, out_dir, write_json
-from ..mlxlm.hooks import queries_by_hand
+from ..mlxlm.hooks import attention_step, queries_by_hand
 from .layer import B, D, H, make_cache, stream
 
 NAME = "kernels"
@@ -46,7 +48,46 @@ def storage_of(cache) -> list:
     return [p for x in parts for p in (x if isinstance(x, tuple) else (x,)) if p is not None]
 
 
+class SyncCounter:
+    """Counts host reads of MLX arrays while active: every way Python code reaches an array's
+    data (``item``, ``tolist``, ``__array__``, scalar conversions, NumPy's constructors,
+    ``mx.eval``), each a synchronization with the device."""
+
+    METHODS = ("item", "tolist", "__array__", "__float__", "__int__", "__bool__", "__index__")
+    NUMPY = ("asarray", "array", "ascontiguousarray")
+
+    def __init__(self) -> None:
+        self.count, self.active, self._saved = 0, False, []
+
+    def _wrap(self, fn, first_is_array: bool = True):
+        def wrapped(*args, **kwargs):
+            if self.active and any(isinstance(a, mx.array) for a in args[:1]):
+                self.count += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def __enter__(self):
+        import numpy as np
+
+        for name in self.METHODS:
+            if hasattr(mx.array, name):
+                self._saved.append((mx.array, name, getattr(mx.array, name)))
+        for name in self.NUMPY:
+            self._saved.append((np, name, getattr(np, name)))
+        self._saved.append((mx, "eval", mx.eval))
+        for owner, name, fn in self._saved:
+            setattr(owner, name, self._wrap(fn))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
+
+
 def count(spec: str, budget: int, groups: int, blocks: int) -> dict:
+    """Kernels and host syncs of one layer's decode steps (update + attention, as the hooked
+    model runs them: ``attention_step``), averaged over ``blocks`` eviction blocks."""
     cache = make_cache(spec, budget, groups=groups)
     block = getattr(getattr(cache, "config", None), "block", 1)
     steps = blocks * block
@@ -54,37 +95,26 @@ def count(spec: str, budget: int, groups: int, blocks: int) -> dict:
     k, v, q = stream(n, mx.float16, groups)
     warm = budget + 8
     warm += -(warm - budget) % block  # start right after an eviction
-    cache.update_and_fetch(k[:, :, :warm], v[:, :, :warm])
+    mx.eval(attention_step(cache, q[:, :, :warm], k[:, :, :warm], v[:, :, :warm], D**-0.5))
     if hasattr(cache, "prepare_attention"):
-        cache.prepare_attention(q[:, :, :warm], D**-0.5, None)
         cache.size()
     mx.eval(storage_of(cache))
-    syncs = [0]
-    engine = getattr(cache, "engine", None)
-    if engine is not None:
-        settle = engine.settle
-
-        def counted(*args):
-            syncs[0] += 1
-            return settle(*args)
-
-        engine.settle = counted
     kernels = views = 0
-    for t in range(warm, warm + steps):
-        token = [x[:, :, t : t + 1] for x in (k, v, q) if x is not None]
-        mx.eval(token)
-        out = cache.update_and_fetch(token[0], token[1])
-        if hasattr(cache, "prepare_attention"):
-            cache.prepare_attention(token[2], D**-0.5, None)
-            cache.size()  # the step's deferred work (an eviction's row moves) joins its graph
-        nodes = graph_nodes([*out, *storage_of(cache)])
-        kernels += sum(1 for x in nodes if x not in VIEWS)
-        views += sum(1 for x in nodes if x in VIEWS)
-        mx.eval(*out, *storage_of(cache))
-    if engine is not None:
-        del engine.settle
+    with SyncCounter() as syncs:
+        for t in range(warm, warm + steps):
+            token = [x[:, :, t : t + 1] for x in (k, v, q)]
+            mx.eval(token)
+            syncs.active = True
+            out = attention_step(cache, token[2], token[0], token[1], D**-0.5)
+            if hasattr(cache, "prepare_attention"):
+                cache.size()  # the step's deferred work (an eviction) joins its graph
+            syncs.active = False
+            nodes = graph_nodes([out, *storage_of(cache)])
+            kernels += sum(1 for x in nodes if x not in VIEWS)
+            views += sum(1 for x in nodes if x in VIEWS)
+            mx.eval(out, *storage_of(cache))
     return {"cache": spec, "block": block, "kernels_per_step": kernels / steps,
-            "views_per_step": views / steps, "host_syncs_per_step": syncs[0] / steps,
+            "views_per_step": views / steps, "host_syncs_per_step": syncs.count / steps,
             "steps": steps, "rows": B * H}
 
 

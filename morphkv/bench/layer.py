@@ -4,8 +4,11 @@ One layer, B=1, 4 KV heads, head_dim 64, float16 (``--dtype``), 4 sinks. Per cas
 single-token update once the cache is full, interleaved token by token with a RotatingKVCache
 (so the ratio is measured side by side), and one ``--chunk``-token update into an empty cache.
 Each update is timed with its selection step (``tokens_kept`` forces morphkv's deferred step).
-``--groups G`` scores with real queries (G query heads per KV head, handed to the cache as the
-attention hook would); 0 uses keys as proxy queries. Memory per case once full: K/V storage,
+``--groups G`` scores with real queries (G query heads per KV head) and times each update with
+the layer's attention, as the hooked model runs them (``attention_step``; the MLX engine
+computes both from one softmax), for every cache alike; 0 uses keys as proxy queries and times
+the update alone. Arms compare the engines side by side: ``recommended:engine=host`` (the
+float64 host reference) next to ``recommended`` (the MLX path). Memory per case once full: K/V storage,
 the selection engine's state, both next to the kept K+V and to the RotatingKVCache's bytes.
 Default: each of ``--methods`` at ``--budget``; ``--grid``: morphkv across budgets x windows,
 plus the other methods at 512 (also ``morphkv bench speed --micro``).
@@ -31,7 +34,7 @@ from ..eval.util import (
     require_matplotlib,
     write_json,
 )
-from ..mlxlm.hooks import queries_by_hand
+from ..mlxlm.hooks import attention_step, queries_by_hand
 
 NAME = "layer"
 B, H, D = 1, 4, 64
@@ -74,9 +77,7 @@ def timed_parts(cache, k, v, q=None) -> dict[str, float]:
     engine.decode, engine.settle = timed(engine.decode), timed(engine.settle)
     try:
         t0 = time.perf_counter()
-        out = cache.update_and_fetch(k, v)
-        if q is not None:
-            cache.prepare_attention(q, D**-0.5, None)
+        out = cache.update_and_fetch(k, v) if q is None else attention_step(cache, q, k, v, D**-0.5)
         t1 = time.perf_counter()
         mx.eval(out)
         t2 = time.perf_counter()
@@ -89,10 +90,10 @@ def timed_parts(cache, k, v, q=None) -> dict[str, float]:
 
 
 def timed_update(cache, k, v, q=None) -> float:
+    """Seconds of one update; with queries, of the update and the layer's attention as the
+    hooked model runs them (``attention_step``: the MLX path computes both at once)."""
     start = time.perf_counter()
-    out = cache.update_and_fetch(k, v)
-    if q is not None and hasattr(cache, "prepare_attention"):
-        cache.prepare_attention(q, D**-0.5, None)  # what the attention hook does
+    out = cache.update_and_fetch(k, v) if q is None else attention_step(cache, q, k, v, D**-0.5)
     mx.eval(out)
     getattr(cache, "tokens_kept", None)  # morphkv runs a token's selection step when read
     return time.perf_counter() - start
@@ -160,7 +161,7 @@ def decode_costs(spec: str, budget: int, window: int, repeats: int, k, v, q) -> 
             token = _token(k, v, q, t)
             times[name].append(timed_update(cache, *token))
     arm = caches["arm"]
-    if getattr(arm, "engine", None) is not None:  # the parts, in steps of their own
+    if hasattr(getattr(arm, "engine", None), "settle"):  # host engine: the parts, in steps
         for t in range(first + steps, first + 2 * steps):
             parts.append(timed_parts(arm, *_token(k, v, q, t)))
     out = {name: statistics.median(per_block(ts, block)) for name, ts in times.items()}

@@ -21,41 +21,47 @@ def _causal(n: int, k: int) -> mx.array:
 
 
 def _rows(x, n: int):
-    """The first n stored rows of plain (B, H, N, D) storage or of a quantized triplet,
-    with a group axis for the query heads."""
+    """The first n stored rows of plain (B, H, N, D) storage or of a quantized triplet."""
     if isinstance(x, tuple):
-        return tuple(p[:, :, None, :n] for p in x)
-    return x[:, :, None, :n]
+        return tuple(p[:, :, :n] for p in x)
+    return x[:, :, :n]
+
+
+def _f32(x):
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
 
 
 def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None):
     """(output (B, n_heads, k, Dv), rows (B * H, k, n) float32) of ``queries`` (B, n_heads,
     k, D) over stored ``keys`` / ``values`` rows [0, n) (``quant``: (group_size, bits) of
-    quantized storage)."""
+    quantized storage). A KV group's G query heads x k queries are one (G * k, D) matrix, so
+    the products need no broadcast copy of the keys."""
     B, n_heads, k, D = queries.shape
     H = (keys[0] if isinstance(keys, tuple) else keys).shape[1]
     G = n_heads // H
-    q = (queries.astype(mx.float32) * scale).reshape(B, H, G, k, D)
+    q = (_f32(queries) * scale).reshape(B, H, G * k, D)
     K, V = _rows(keys, n), _rows(values, n)
     if quant is None:
-        logits = q @ K.astype(mx.float32).swapaxes(-1, -2)
+        logits = q @ _f32(K).swapaxes(-1, -2)
     else:
         logits = mx.quantized_matmul(q, *K, transpose=True, group_size=quant[0], bits=quant[1])
-    logits = logits.astype(mx.float32)
+    logits = _f32(logits)
     if k > 1:
-        logits = mx.where(_causal(n, k), logits, -mx.inf)
+        logits = mx.where(mx.tile(_causal(n, k), (G, 1)), logits, -mx.inf)
     if sinks is not None:
-        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, H, G, 1, 1), (B, H, G, k, 1))
+        sink = _f32(sinks).reshape(1, H, G, 1, 1)
+        sink = mx.broadcast_to(sink, (B, H, G, k, 1)).reshape(B, H, G * k, 1)
         probs = mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1, precise=True)
         probs = probs[..., :n]
     else:
         probs = mx.softmax(logits, axis=-1, precise=True)
     if quant is None:
-        out = probs @ V.astype(mx.float32)
+        out = probs @ _f32(V)
     else:
-        out = mx.quantized_matmul(probs, *V, transpose=False,
-                                  group_size=quant[0], bits=quant[1])
-    out = out.reshape(B, n_heads, k, out.shape[-1]).astype(queries.dtype)
+        out = mx.quantized_matmul(probs, *V, transpose=False, group_size=quant[0], bits=quant[1])
+    out = out.reshape(B, n_heads, k, out.shape[-1])
+    out = out if out.dtype == queries.dtype else out.astype(queries.dtype)
+    probs = probs.reshape(B, H, G, k, n)
     rows = probs.sum(axis=2) if G > 1 else probs[:, :, 0]
     return out, rows.reshape(B * H, k, n)
 

@@ -37,6 +37,9 @@ def norms16(values) -> mx.array:
     return mx.minimum(mx.sqrt((v * v).sum(axis=-1)), 65504.0).astype(mx.float16)
 
 
+_norms16 = mx.compile(norms16, shapeless=True)
+
+
 def moves(victims, n: int, block: int):
     """Row moves (src, dst), each (R, block), filling the victims' rows below the line
     ``n - block`` with the live rows above it (``morphkv.core.blocks.compaction``)."""
@@ -137,11 +140,13 @@ class DeviceEngine:
         float32 their attention rows over the n = slots + k stored rows (when
         ``needs_rows``), ``values`` (R, k, Dv) float with ``morphkv_value``."""
         n0, n, t0 = self.slots, self.slots + k, self.seen
-        self.positions[:, n0:n] = mx.arange(t0, t0 + k, dtype=mx.int32)
+        self.positions[:, n0:n] = t0 if k == 1 else mx.arange(t0, t0 + k, dtype=mx.int32)
         if self.value_norms is not None:
-            self.value_norms[:, n0:n] = norms16(values)
+            self.value_norms[:, n0:n] = _norms16(values)
         if self.real and rows is not None:
             rows = rows.astype(mx.float16)  # the host engine's rounding
+            if self.running == "sum":
+                rows = rows.astype(mx.float32)  # (float16 rows summed in float32)
         if self.ring is not None:
             self._ring(rows, t0, k, n)
         if self.running:
@@ -160,13 +165,13 @@ class DeviceEngine:
             self.ring[:, : m - head, :n] = last[:, head:]
 
     def _running(self, rows, n0: int, n: int, k: int) -> None:
+        """The rows [n0, n) start at 0: never written yet, or cleared by ``evict``."""
         acc = self.accumulated
-        acc[:, n0:n] = 0
         old = acc[:, :n]
         if self.running == "sum":
-            new = old + rows.astype(mx.float32).sum(axis=1)
+            new = old + (rows[:, 0] if k == 1 else rows.astype(mx.float32).sum(axis=1))
         elif self.decay == 1.0:
-            new = mx.maximum(old, rows.max(axis=1).astype(acc.dtype))
+            new = mx.maximum(old, rows[:, 0] if k == 1 else rows.max(axis=1))
         else:  # max(d^k old, max_i d^(k-1-i) row_i): k steps of max(d * peak, row)
             powers = mx.array(self.decay ** np.arange(k - 1, -1, -1), mx.float32)
             rows = rows.astype(mx.float32) * powers[None, :, None]
@@ -202,6 +207,8 @@ class DeviceEngine:
         for name in ("accumulated", "value_norms"):
             if getattr(self, name) is not None:
                 setattr(self, name, move(getattr(self, name), src, dst, 1))
+        if self.accumulated is not None:  # the freed rows: new tokens' scores start at 0
+            self.accumulated[:, n - block : n] = 0
         if self.ring is not None:
             self.ring = move(self.ring, src[:, None], dst[:, None], 2)
         self.slots, self.due = n - block, False
