@@ -1,8 +1,8 @@
-"""Block eviction on the host engine (``engine="host"``, the float64 reference the MLX engine is
-held to in ``tests/test_device.py``): any chunking makes the decisions token-by-token feeding
-makes with the same block (kept sets, slot layout, attention rows bit for bit, running scores), for every rule,
-real queries or none, float16 and float32, tied streams, NaN/inf input; and a decode step
-between evictions reads nothing on the host."""
+"""Block eviction on the host engine (``engine="host"``, the float64 reference the MLX engine
+is held to in ``tests/test_device.py``): any chunking makes the decisions token-by-token
+feeding makes with the same block (kept sets, slot layout, attention rows bit for bit,
+running scores), for every rule, real queries or none, float16 and float32, tied streams,
+NaN/inf input; and a decode step between evictions reads nothing on the host."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def cases(draw):
     attention = method in ATTENTION
     peak = draw(st.sampled_from([0.0, 0.02, 0.5])) if method in ("tova", "morphkv") else 0.0
     persists = peak > 0 or method == "peak"
-    config = KVCacheConfig(engine="host", 
+    config = KVCacheConfig(engine="host",
         method=method,
         morphkv_budget=budget,
         morphkv_n_sink=n_sink,
@@ -252,7 +252,8 @@ def test_a_save_mid_block_continues_identically(extra, tmp_path):
     rng = np.random.default_rng(4)
     keys = rng.standard_normal((1, 2, 90, 8)).astype(np.float32)
     queries = rng.standard_normal((1, 4, 90, 8)).astype(np.float32)
-    config = KVCacheConfig(engine="host", **{**dict(method="morphkv", morphkv_budget=24, morphkv_window=3,
+    config = KVCacheConfig(engine="host", **{**dict(method="morphkv", morphkv_budget=24,
+                                                    morphkv_window=3,
                                      morphkv_recent=8, morphkv_block=5, scoring="attention"),
                               **extra})
     with queries_by_hand():

@@ -146,7 +146,8 @@ def device_edits():
 
     return [
         ("position out of range", array("positions", lambda p: p + 10_000)),
-        ("a position twice", array("positions", lambda p: mx.concatenate([p[:, :1], p[:, :-1]], 1))),
+        ("a position twice",
+         array("positions", lambda p: mx.concatenate([p[:, :1], p[:, :-1]], 1))),
         ("slots past the budget", array("counters", lambda c: c + mx.array([0, 5, 0], mx.int32))),
         ("seen shrunk", array("counters", lambda c: c - mx.array([20, 0, 0], mx.int32))),
         ("positions as float", array("positions", lambda p: p.astype(mx.float32))),

@@ -7,9 +7,9 @@ Each update is timed with its selection step (``tokens_kept`` forces morphkv's d
 ``--groups G`` scores with real queries (G query heads per KV head) and times each update with
 the layer's attention, as the hooked model runs them (``attention_step``; the MLX engine
 computes both from one softmax), for every cache alike; 0 uses keys as proxy queries and times
-the update alone. Arms compare the engines side by side: ``recommended:engine=host`` (the
-float64 host reference) next to ``recommended`` (the MLX path). Memory per case once full: K/V storage,
-the selection engine's state, both next to the kept K+V and to the RotatingKVCache's bytes.
+the update alone. Arms compare the engines side by side: ``recommended:engine=host``
+(the float64 host reference) next to ``recommended`` (the MLX path). Memory per case once
+full: K/V storage, the selection engine's state, both next to the kept K+V and to the RotatingKVCache's bytes.
 Default: each of ``--methods`` at ``--budget``; ``--grid``: morphkv across budgets x windows,
 plus the other methods at 512 (also ``morphkv bench speed --micro``).
 """

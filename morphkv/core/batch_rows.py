@@ -9,9 +9,8 @@ during a right-padded prompt, ``_remaining`` (real tokens left).
 
 from __future__ import annotations
 
-import dataclasses
-
 import copy
+import dataclasses
 
 import mlx.core as mx
 import numpy as np

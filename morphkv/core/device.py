@@ -122,7 +122,8 @@ class DeviceEngine:
     # ---- state ---------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        return sum(int(getattr(self, n).nbytes) for n in self.ARRAYS if getattr(self, n) is not None)
+        arrays = (getattr(self, n) for n in self.ARRAYS)
+        return sum(int(a.nbytes) for a in arrays if a is not None)
 
     def bound_nbytes(self, query_bytes: int | None = None) -> int:
         return self.nbytes  # fixed-size arrays: what is held is the most ever held

@@ -20,6 +20,11 @@ from .attention import attend, self_rows
 from .device import DeviceEngine, move
 
 
+def _rows(x, start: int, end: int):
+    """Rows [start, end) of plain or quantized (B, H, N, ...) storage."""
+    return quant.apply(lambda p: p[:, :, start:end], x)
+
+
 class DevicePath:
     """Mixed into ``MorphKVCache``; uses its storage (``SlotStorage``) and config."""
 
@@ -130,8 +135,7 @@ class DevicePath:
             k = engine.piece(C - i)
             n0, n = engine.slots, engine.slots + k
             if not written:
-                self._write(*(quant.apply(lambda p: p[:, :, i : i + k], s)
-                              for s in (stored_keys, stored_values)), n0)
+                self._write(*(_rows(s, i, i + k) for s in (stored_keys, stored_values)), n0)
             rows = None
             if queries is not None:
                 out, rows = attend(queries[:, :, i : i + k], self.keys, self.values, n,
@@ -141,7 +145,7 @@ class DevicePath:
                 rows = self_rows(self._float_keys(n), n, k, engine.scale)
             norms_of = None
             if engine.value_norms is not None:
-                v = self._float(quant.apply(lambda p: p[:, :, n0:n], self.values))
+                v = self._float(_rows(self.values, n0, n))
                 norms_of = v.reshape(B * H, k, -1)
             engine.observe(k, rows, norms_of)
             i += k

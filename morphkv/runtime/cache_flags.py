@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.config import FUSIONS, SCORINGS, KVCacheConfig
+from ..core.config import ENGINES, FUSIONS, SCORINGS, KVCacheConfig
 from ..core.presets import PRESETS
 from .argtypes import Number, UsageError, add_number, flag_names
 
@@ -33,6 +33,7 @@ FLAGS = {  # KVCacheConfig field -> the flag that sets it (also for error messag
     "n_sink": "--sinks",
     "morphkv_fusion": "--fusion",
     "scoring": "--scoring",
+    "engine": "--engine",
     "seed": "--seed",
     "kv_bits": "--kv-bits",
     "kv_group_size": "--kv-group-size",
@@ -50,6 +51,7 @@ OVERRIDES = {  # argparse dest -> KVCacheConfig field
     "sinks": "morphkv_n_sink",
     "fusion": "morphkv_fusion",
     "scoring": "scoring",
+    "engine": "engine",
     "kv_bits": "kv_bits",
     "kv_group_size": "kv_group_size",
 }
@@ -107,6 +109,12 @@ def add_cache_flags(parser, budget: int) -> None:
         "--scoring", default=None, choices=list(SCORINGS),
         help="attention: the model's real queries; proxy: stored keys stand in for queries; "
         "auto: attention where the model is supported (default: auto).",
+    )
+    g.add_argument(
+        "--engine", default=None, choices=list(ENGINES),
+        help="Where the rule's statistics and selection run: mlx (from the layer's own "
+        "attention, no host sync), host (the float64 NumPy reference), auto: mlx for every "
+        "evicting method (default: auto).",
     )
     g.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
                    help="Store keys and values quantized to 4 or 8 bits (default: as they "
