@@ -9,7 +9,8 @@ the layer's attention, as the hooked model runs them (``attention_step``; the ML
 computes both from one softmax), for every cache alike; 0 uses keys as proxy queries and times
 the update alone. Arms compare the engines side by side: ``recommended:engine=host``
 (the float64 host reference) next to ``recommended`` (the MLX path). Memory per case once
-full: K/V storage, the selection engine's state, both next to the kept K+V and to the RotatingKVCache's bytes.
+full: K/V storage, the selection engine's state, both next to the kept K+V and to the
+RotatingKVCache's bytes.
 Default: each of ``--methods`` at ``--budget``; ``--grid``: morphkv across budgets x windows,
 plus the other methods at 512 (also ``morphkv bench speed --micro``).
 """
