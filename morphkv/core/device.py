@@ -38,6 +38,26 @@ def norms16(values) -> mx.array:
 
 
 _norms16 = mx.compile(norms16, shapeless=True)
+_LOWEST: dict = {}
+
+
+def _lowest(block: int, weighted: bool):
+    """Compiled: the ``block`` lowest (score [x value norm], position) keys per row among the
+    slots whose positions are in [bounds[0], bounds[1]] (the unprotected ones)."""
+    if (block, weighted) not in _LOWEST:
+
+        def lowest(scores, norms, pos, bounds):
+            if weighted:
+                scores = scores * norms.astype(mx.float32)
+            protected = (pos < bounds[0]) | (pos > bounds[1])
+            bits = mx.where(protected, TOP_BITS, mx.maximum(scores, 0.0).view(mx.uint32))
+            key = (bits.astype(mx.uint64) << SHIFT) | pos.astype(mx.uint64)
+            if block == 1:
+                return mx.argmin(key, axis=1, keepdims=True)
+            return mx.argpartition(key, block - 1, axis=1)[:, :block]
+
+        _LOWEST[block, weighted] = mx.compile(lowest)
+    return _LOWEST[block, weighted]
 
 
 def moves(victims, n: int, block: int):
@@ -189,15 +209,9 @@ class DeviceEngine:
             scores = self.rule.score(self).astype(mx.float32)
         finally:
             self._keys = None
-        if self.value_norms is not None:
-            scores = scores * self.value_norms[:, :n].astype(mx.float32)
-        pos = self.stored_positions
-        protected = (pos < c.n_sink) | (pos > self.seen - 1 - c.recent)
-        bits = mx.where(protected, TOP_BITS, mx.maximum(scores, 0.0).view(mx.uint32))
-        key = (bits.astype(mx.uint64) << SHIFT) | pos.astype(mx.uint64)
-        if self.block == 1:
-            return mx.argmin(key, axis=1, keepdims=True)
-        return mx.argpartition(key, self.block - 1, axis=1)[:, : self.block]
+        norms = None if self.value_norms is None else self.value_norms[:, :n]
+        bounds = mx.array([c.n_sink, self.seen - 1 - c.recent], mx.int32)
+        return _lowest(self.block, norms is not None)(scores, norms, self.stored_positions, bounds)
 
     def evict(self, keys=None):
         """The due eviction: returns (src, dst) (R, block) row moves for the storage, the
