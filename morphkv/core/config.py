@@ -81,8 +81,14 @@ class KVCacheConfig:
 
     @property
     def default_engine(self) -> str:
-        """What ``engine="auto"`` selects."""
-        return "host" if self.method == "full" else "mlx"
+        """What ``engine="auto"`` selects once ``scoring`` is resolved: ``"mlx"`` where it is
+        at least as fast as the host (real-query scoring through the attention hook: one
+        softmax for the output and the statistics), ``"host"`` for keys as proxy queries (a
+        cache used alone: per-token proxy rows and evictions cost more MLX ops than the host
+        engine's compiled kernels) and for ``full``."""
+        if self.method == "full" or self.scoring != "attention":
+            return "host"
+        return "mlx"
 
     @property
     def budget(self) -> int:
