@@ -63,23 +63,9 @@ class DevicePath:
     def _write(self, keys, values, start: int) -> None:
         end = start + quant.dims(keys)[2]
         if self.keys is None or end > quant.dims(self.keys)[2]:
-            self._grow(keys, values)
+            self._grow_to(self.engine.capacity, keys, values)  # the most a piece needs
         quant.assign(self.keys, start, end, keys)
         quant.assign(self.values, start, end, values)
-
-    def _grow(self, keys, values) -> None:
-        """Storage of ``budget + 1`` rows (the most a piece ever needs)."""
-        used = 0 if self.keys is None else self.engine.slots
-        cap = self.engine.capacity
-
-        def grow(old, fresh):
-            return mx.concatenate([old[:, :, :used], fresh], 2)
-
-        grown = []
-        for old, new in ((self.keys, keys), (self.values, values)):
-            fresh = quant.zeros(new, cap - used)
-            grown.append(fresh if old is None else quant.apply(grow, old, fresh))
-        self.keys, self.values = grown
 
     def _quant(self):
         c = self.config

@@ -89,6 +89,11 @@ class SlotStorage:
         capacity = -(-rows // step) * step
         if self.config.method != "full":
             capacity = max(rows, min(capacity, self.config.budget + 1))
+        self._grow_to(capacity, keys, values)
+
+    def _grow_to(self, capacity: int, keys, values) -> None:
+        """Storage of ``capacity`` rows: the live ones kept, zeros shaped like ``keys`` /
+        ``values`` after them."""
         used = 0 if self.keys is None else self.engine.slots
 
         def grow(old, fresh):
