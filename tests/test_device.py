@@ -118,3 +118,23 @@ def test_every_scorer_and_block_decides_as_the_reference():
                     decided["equal"] += 1
                     assert cache.kept_positions[0, h].tolist() == expected, (method, block)
     assert decided["near_tie"] <= decided["equal"] // 3, decided
+
+
+def test_attention_output_is_mlx_lms_before_any_eviction():
+    """Below the budget the MLX path's output (prefill chunk, then decode steps; with and
+    without gpt_oss-style sink logits) is mlx_lm's own attention over every token."""
+    rng = np.random.default_rng(1)
+    k, v = (mx.array(rng.standard_normal((1, 2, 40, 16)).astype(np.float32)) for _ in range(2))
+    q = mx.array(rng.standard_normal((1, 6, 40, 16)).astype(np.float32))
+    for sinks in (None, mx.array(rng.standard_normal(6).astype(np.float32))):
+        cache = KVCacheBuilder.build(KVCacheConfig(morphkv_budget=64, scoring="attention",
+                                                   engine="mlx"))
+        got = []
+        with queries_by_hand():
+            for start, end in ((0, 30), *((t, t + 1) for t in range(30, 40))):
+                cache.update_and_fetch(k[:, :, start:end], v[:, :, start:end])
+                got.append(cache.attend(q[:, :, start:end], SCALE, None, sinks))
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask="causal",
+                                                    sinks=sinks)
+        np.testing.assert_allclose(np.array(mx.concatenate(got, axis=2)), np.array(want),
+                                   rtol=1e-4, atol=1e-5)
