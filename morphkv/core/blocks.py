@@ -6,8 +6,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .rules import Cumulative, Peak, Pooled, WindowAttention
-
 TIE_RTOL = 1e-9  # scores this close (relative) to the minimum count as tied; oldest goes
 NO_POSITION = np.iinfo(np.int32).max
 
@@ -74,18 +72,10 @@ def norms_of(values) -> np.ndarray:
     return np.minimum(np.fmax(norms, 0.0), 65504.0).astype(np.float16)  # fmax: NaN -> 0
 
 
-def _unwrap(rule):
-    return rule.inner if isinstance(rule, Pooled) else rule
-
-
 def running_kind(rule) -> tuple[str | None, float]:
-    """('sum' | 'peak' | None, decay) of the running score a rule keeps per slot."""
-    rule = _unwrap(rule)
-    if type(rule) is Cumulative:
-        return "sum", 1.0
-    if type(rule) is Peak or (isinstance(rule, WindowAttention) and rule.peak > 0):
-        return "peak", rule.decay
-    return None, 1.0
+    """('sum' | 'peak' | None, decay) of the running score a rule keeps per slot (what the
+    rule declares: ``Rule.running``, ``Rule.decay``)."""
+    return rule.running, (rule.decay if rule.running == "peak" else 1.0)
 
 
 def update_running(acc, kind: str, decay: float, rows, s0: int, n: int) -> None:

@@ -23,8 +23,8 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from .blocks import _unwrap, running_kind
-from .rules import WindowAttention, make_rule
+from .blocks import running_kind
+from .rules import make_rule
 
 RTOL = 2.0**-9  # two float16 ulps: rows rounded from float32 instead of float64 (+ value norms)
 TOP_BITS = mx.array(0xFFFFFFFF, mx.uint32)  # above every float32's bits (NaN included)
@@ -89,9 +89,8 @@ class DeviceEngine:
         self.block = config.block
         self.real = bool(real_queries and self.rule.attention)
         self.running, self.decay = running_kind(self.rule)
-        inner = _unwrap(self.rule)
-        self.window_rule = isinstance(inner, WindowAttention)
-        self.newest_only = self.window_rule and inner.newest_only
+        self.window_rule = self.rule.window_rows is not None  # what the rule reads
+        self.newest_only = self.rule.window_rows == "newest"
         self.seen = self.slots = 0
         self.due = False  # an eviction is due before the next token
         self._keys = None  # float stored keys (R, n, D) while a proxy window is scored

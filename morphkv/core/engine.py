@@ -28,11 +28,11 @@ import math
 import numpy as np
 
 from . import blocks, kernels
-from .blocks import _concat, _cutter, _nbytes, _unwrap, host, norms_of, running_kind
+from .blocks import _concat, _cutter, _nbytes, host, norms_of, running_kind
 from .config import KVCacheConfig
 from .host_blas import one_blas_thread
 from .rows import causal_rows, proxy_rows
-from .rules import WindowAttention, make_rule
+from .rules import make_rule
 
 TOP = float(np.finfo(np.float64).max)
 NO_NORMS = np.zeros((0, 0), np.float16)
@@ -53,9 +53,8 @@ class Engine:
         self.block = config.block
         self.real = bool(real_queries and self.rule.attention)
         self.running, self.decay = running_kind(self.rule)
-        inner = _unwrap(self.rule)
-        self.window_rule = isinstance(inner, WindowAttention)
-        self.reads = 1 if self.window_rule and inner.newest_only else config.window
+        self.window_rule = self.rule.window_rows is not None  # what the rule reads
+        self.reads = 1 if self.rule.window_rows == "newest" else config.window
         self.seen = 0  # tokens fed; the next token's absolute position
         self.slots = 0  # live slots: rows [0, slots) of the storage
         self.capacity = 0

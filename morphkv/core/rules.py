@@ -16,11 +16,18 @@ Array = Any  # numpy.ndarray or mlx.core.array
 
 
 class Rule:
-    """Base rule. ``attention`` says whether the engine must keep attention logits."""
+    """Base rule. Each rule declares the statistics it reads, and the engines (host and MLX)
+    keep exactly those: ``attention`` (attention rows at all), ``window_rows`` (``"all"``:
+    the last ``window`` tokens' rows, ``"newest"``: the newest token's row, None: neither),
+    ``running`` (a running score per slot: ``"sum"`` for h2o, ``"peak"`` for a running max
+    decaying by ``decay``; None: none)."""
 
     attention = False  # needs attention rows
     evicts = True
     observes = False  # keeps a running score per slot (the engine updates it: h2o, peak)
+    window_rows: str | None = None
+    running: str | None = None
+    decay = 1.0
 
     def score(self, engine) -> Array:
         raise NotImplementedError
@@ -77,6 +84,8 @@ class WindowAttention(Rule):
         self.newest_only = newest_only
         self.peak, self.decay = float(peak), float(decay)
         self.observes = self.peak > 0
+        self.window_rows = "newest" if newest_only else "all"
+        self.running = "peak" if self.observes else None
 
     def score(self, engine) -> Array:
         if self.newest_only:
@@ -98,6 +107,7 @@ class Peak(Rule):
 
     attention = True
     observes = True
+    running = "peak"
 
     def __init__(self, decay: float = 1.0) -> None:
         self.decay = float(decay)
@@ -115,6 +125,7 @@ class Pooled(Rule):
     def __init__(self, inner: Rule, kernel: int) -> None:
         self.inner, self.kernel = inner, kernel
         self.attention, self.evicts, self.observes = inner.attention, inner.evicts, inner.observes
+        self.window_rows, self.running, self.decay = inner.window_rows, inner.running, inner.decay
 
     def score(self, engine) -> Array:
         xp, c = engine.xp, engine.config
@@ -139,6 +150,7 @@ class Cumulative(Rule):
 
     attention = True
     observes = True
+    running = "sum"
 
     def score(self, engine) -> Array:
         return engine.accumulated[:, : engine.slots].astype(engine.float)
