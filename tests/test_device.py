@@ -138,3 +138,34 @@ def test_attention_output_is_mlx_lms_before_any_eviction():
                                                     sinks=sinks)
         np.testing.assert_allclose(np.array(mx.concatenate(got, axis=2)), np.array(want),
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_a_cache_handed_to_the_host_engine_continues_as_the_reference():
+    """``on_host`` (how MLX caches join a batch): the host copy keeps the same tokens and
+    state and goes on deciding as the reference, as the MLX cache does."""
+    rng = np.random.default_rng(3)
+    config = KVCacheConfig(morphkv_budget=32, morphkv_window=4, morphkv_recent=8,
+                           morphkv_block=4, morphkv_value=True, morphkv_peak=0.5,
+                           scoring="attention", engine="mlx")
+    keys = 2 * rng.standard_normal((1, 2, 90, 16)).astype(np.float32)
+    queries = rng.standard_normal((1, 4, 90, 16)).astype(np.float32)
+    values = rng.standard_normal((1, 2, 90, 16)).astype(np.float32)
+    with queries_by_hand():
+        cache = feed(config, keys[:, :, :61], queries[:, :, :61], values[:, :, :61], [50],
+                     mx.float32)
+        host = cache.on_host()
+        assert host.config.engine == "host" and host is not cache
+        np.testing.assert_array_equal(host.kept_positions, cache.kept_positions)
+        for t in range(61, 90):
+            for c in (cache, host):
+                k, v, q = (mx.array(x[:, :, t : t + 1]) for x in (keys, values, queries))
+                mx.eval(attention_step(c, q, k, v, SCALE))
+    compared = 0
+    for h in range(2):
+        margins: list = []
+        expected = reference(config, keys, queries, values, h, margins)
+        if min(margins) > RTOL:
+            compared += 1
+            assert cache.kept_positions[0, h].tolist() == expected
+            assert host.kept_positions[0, h].tolist() == expected
+    assert compared

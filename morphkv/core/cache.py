@@ -382,6 +382,7 @@ class MorphKVCache(DevicePath, SlotStorage, SavedState, QuantizedAttributes,
         new = copy.copy(self)
         new.config, new._held = dataclasses.replace(self.config, engine="host"), None
         if self.engine is not None:
+            self.engine.fill_norms(self._float_values)
             new.engine = device_saved.to_host(self.engine, new.config)
             new.engine.stored_keys = new._host_keys
             new.keys, new.values = self._fetch()

@@ -91,7 +91,7 @@ class DeviceEngine:
         self.running, self.decay = running_kind(self.rule)
         self.window_rule = self.rule.window_rows is not None  # what the rule reads
         self.newest_only = self.rule.window_rows == "newest"
-        self.seen = self.slots = 0
+        self.seen = self.slots = self.norms_from = 0
         self.due = False  # an eviction is due before the next token
         self._keys = None  # float stored keys (R, n, D) while a proxy window is scored
         self.stored_keys = None  # () -> the float stored keys (R, >= slots, D); set by the cache
@@ -155,14 +155,22 @@ class DeviceEngine:
         return min(remaining, nxt - t + 1)
 
     # ---- feeding -------------------------------------------------------------------------
-    def observe(self, k: int, rows=None, values=None) -> None:
+    def fill_norms(self, values) -> None:
+        """Value norms of the slots that have none yet (``norms_from`` on: the tokens since
+        the last eviction, contiguous), from ``values(start, end)`` -> (R, end - start, Dv)
+        float: once per eviction block, not per token."""
+        if self.value_norms is None or self.norms_from >= self.slots:
+            return
+        start, end = self.norms_from, self.slots
+        self.value_norms[:, start:end] = _norms16(values(start, end))
+        self.norms_from = end
+
+    def observe(self, k: int, rows=None) -> None:
         """k tokens written at rows [slots, slots + k) of the storage; ``rows`` (R, k, n)
         float32 their attention rows over the n = slots + k stored rows (when
-        ``needs_rows``), ``values`` (R, k, Dv) float with ``morphkv_value``."""
+        ``needs_rows``). Their value norms wait for ``fill_norms``."""
         n0, n, t0 = self.slots, self.slots + k, self.seen
         self.positions[:, n0:n] = t0 if k == 1 else mx.arange(t0, t0 + k, dtype=mx.int32)
-        if self.value_norms is not None:
-            self.value_norms[:, n0:n] = _norms16(values)
         if self.real and rows is not None:
             rows = rows.astype(mx.float16)  # the host engine's rounding
             if self.running == "sum":
@@ -212,9 +220,11 @@ class DeviceEngine:
         bounds = mx.array([c.n_sink, self.seen - 1 - c.recent], mx.int32)
         return _lowest(self.block, norms is not None)(scores, norms, self.stored_positions, bounds)
 
-    def evict(self, keys=None):
+    def evict(self, keys=None, values=None):
         """The due eviction: returns (src, dst) (R, block) row moves for the storage, the
-        engine's own arrays already moved."""
+        engine's own arrays already moved. ``values(start, end)``: stored values rows, for
+        the value norms (``fill_norms``)."""
+        self.fill_norms(values)
         n, block = self.slots, self.block
         src, dst = moves(self.select(keys), n, block)
         self.positions = move(self.positions, src, dst, 1)
@@ -226,4 +236,5 @@ class DeviceEngine:
         if self.ring is not None:
             self.ring = move(self.ring, src[:, None], dst[:, None], 2)
         self.slots, self.due = n - block, False
+        self.norms_from = min(self.norms_from, self.slots)
         return src, dst

@@ -76,6 +76,11 @@ class DevicePath:
         keys = self._float(quant.apply(lambda p: p[:, :, :n], self.keys))
         return keys.reshape(self.engine.rows, n, -1)
 
+    def _float_values(self, start: int, end: int):
+        """Stored values rows [start, end) as floats (R, end - start, Dv)."""
+        v = self._float(_rows(self.values, start, end))
+        return v.reshape(self.engine.rows, end - start, -1)
+
     def _stored_float_keys(self):
         return self._float_keys(self.engine.slots)
 
@@ -84,7 +89,8 @@ class DevicePath:
         if engine is None or not engine.due:
             return
         proxy_window = engine.window_rule and engine.ring is None
-        src, dst = engine.evict(self._float_keys(engine.slots) if proxy_window else None)
+        src, dst = engine.evict(self._float_keys(engine.slots) if proxy_window else None,
+                                self._float_values)
         B, H = engine.B, engine.H
         src, dst = (x.reshape(B, H, -1, 1) for x in (src, dst))
         self.keys = quant.apply(lambda x: move(x, src, dst, 2), self.keys)
@@ -114,7 +120,6 @@ class DevicePath:
     def _feed(self, held, queries, sinks):
         stored_keys, stored_values, keys, values, written = held
         engine, C = self.engine, keys.shape[2]
-        B, H = engine.B, engine.H
         outputs, i = [], 0
         while i < C:
             self._evict_due()
@@ -129,11 +134,7 @@ class DevicePath:
                 outputs.append(out)
             if engine.needs_rows and not engine.real:
                 rows = self_rows(self._float_keys(n), n, k, engine.scale)
-            norms_of = None
-            if engine.value_norms is not None:
-                v = self._float(_rows(self.values, n0, n))
-                norms_of = v.reshape(B * H, k, -1)
-            engine.observe(k, rows, norms_of)
+            engine.observe(k, rows)
             i += k
         if queries is None:
             return None

@@ -20,6 +20,7 @@ NAMES = ("positions", "accumulated", "value_norms", "ring")
 
 
 def snapshot(engine: DeviceEngine) -> tuple[str, list]:
+    """(spec, arrays) of the engine (its value norms filled first: ``fill_norms``)."""
     arrays = {n: getattr(engine, n) for n in NAMES if getattr(engine, n) is not None}
     arrays["counters"] = mx.array([engine.seen, engine.slots, int(engine.due)], mx.int32)
     arrays["scale"] = mx.array([engine.scale], mx.float32)
@@ -72,6 +73,7 @@ def restore(config, B: int, H: int, head_dim: int, stored_rows: int, spec: str, 
             a = np.array(saved[name].astype(mx.float32))
             _need(bool(((a >= 0) & np.isfinite(a)).all()), f"{name} negative or not finite")
     engine.seen, engine.slots, engine.due, engine.scale = seen, slots, bool(due), scale
+    engine.norms_from = slots  # a snapshot has every norm filled
     for name in NAMES:
         if name in saved:
             setattr(engine, name, saved[name])

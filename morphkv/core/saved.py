@@ -144,6 +144,7 @@ class SavedState:
             return [self.config.to_json()]
         if self._device:  # MLX arrays as they are: no host read (see core.device_saved)
             keys, values = self.keys, self.values
+            self.engine.fill_norms(self._float_values)
             spec, arrays = device_saved.snapshot(self.engine)
         else:
             self.engine.fill_norms(self._host_values())  # pending tokens' norms, from storage
