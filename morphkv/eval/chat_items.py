@@ -43,6 +43,7 @@ class Question:
     value: str  # the current value: the only correct answer
     wrong: tuple[str, ...]  # other values of the kind (the old one included)
     text: str
+    lead: str = ""  # the answer turn's opening words (no value in them)
     value_ids: tuple[int, ...] = ()  # the value's own tokens as stated
     positions: tuple[int, ...] = ()  # their positions in the prompt
     distance: int = 0  # tokens from the value's statement to the end of the prompt
@@ -83,14 +84,20 @@ def build_chat(split: str, index: int, seed: int = 0) -> Chat:
     chat = Chat(index, split, messages, nofact)
     for k, v, upd in ((ka, a_new, True), (kb, b, False), (kc, c, False)):
         wrong = tuple(x for x in k["values"] if x != v)
-        chat.questions.append(Question(k["kind"], v, wrong, k["question"] + SUFFIX, updated=upd))
+        chat.questions.append(Question(k["kind"], v, wrong, k["question"] + SUFFIX,
+                                       k.get("lead", ""), updated=upd))
     return chat
 
 
-def encode(tok, messages: list[dict], question: str | None = None) -> list[int]:
-    msgs = messages + ([{"role": "user", "content": question}] if question else [])
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=question is not None)
-    return list(ids)
+def encode(tok, messages: list[dict], question=None) -> list[int]:
+    """The chat's ids; with ``question`` (a ``Question``) its user turn and the answer turn's
+    lead-in follow."""
+    if question is None:
+        return list(tok.apply_chat_template(messages, add_generation_prompt=False))
+    msgs = messages + [{"role": "user", "content": question.text}]
+    ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True))
+    return ids + (list(tok.encode(question.lead, add_special_tokens=False)) if question.lead
+                  else [])
 
 
 def _find(ids: list[int], sub: list[int], stop: int) -> int:
@@ -120,7 +127,7 @@ def tokenize(tok, chat: Chat, min_distance: int, max_turns: int = 12) -> list[in
     for turns in range(4, max_turns + 1):
         msgs = chat.messages[: 2 * turns]
         ids = encode(tok, msgs)
-        full = encode(tok, msgs, chat.questions[0].text)
+        full = encode(tok, msgs, chat.questions[0])
         ok = True
         for q in chat.questions:
             pos = value_positions(tok, ids, q.value, len(ids))

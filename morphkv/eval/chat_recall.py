@@ -59,7 +59,7 @@ def run_chat(model, tok, chat, arms, args, bar) -> dict:
                          for q in chat.questions]}  # fmt: skip
     for label, arm in arms:
         msgs = chat.nofact if label == NOFACT else chat.messages
-        full = [encode(tok, msgs, q.text) for q in chat.questions]
+        full = [encode(tok, msgs, q) for q in chat.questions]
         n = min(common_prefix(full[0], f) for f in full[1:])
         spec = Arm.parse("kvcache") if label == NOFACT else arm
         caches = spec.caches(model, args.budget, args.n_sink)
