@@ -143,7 +143,7 @@ def tokenize(tok, chat: Chat, min_distance: int, max_turns: int = 12) -> list[in
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

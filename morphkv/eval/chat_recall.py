@@ -114,7 +114,7 @@ def parse(text: str) -> list[tuple[str, Arm | None]]:
 def run(args: argparse.Namespace) -> int:
     try:
         arms = parse(args.arms)
-        for label, arm in arms:
+        for _, arm in arms:
             if arm is not None and not arm.is_baseline:
                 arm.config(args.budget, n_sink=args.n_sink)
     except ValueError as e:

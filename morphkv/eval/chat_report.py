@@ -67,22 +67,28 @@ def table(summary: dict) -> str:
     return markdown_table(headers, rows) + note
 
 
-def plot(summary: dict, path: Path) -> None:
-    """Recall of the full cache's items per arm, with its 95% interval, against bytes held."""
+def recall_plot(points: list[tuple], xlabel: str, ylabel: str, path: Path, vline=None) -> None:
+    """One point per (x, rate, (lo, hi), label, marker) with its 95% interval as error bars."""
     pyplot = plt()
     fig, ax = pyplot.subplots(figsize=(7.5, 4.5))
-    for label, s in summary.items():
-        if label.startswith("_") or not s["of_full"]["n"]:
-            continue
-        lo, hi = s["of_full"]["ci95"]
-        r = s["of_full"]["rate"]
-        ax.errorbar([s["mib"]], [100 * r], yerr=[[100 * (r - lo)], [100 * (hi - r)]],
-                    marker="o", capsize=3, label=label)  # fmt: skip
-    ax.set_xlabel("bytes held over all layers (MiB)")
-    ax.set_ylabel("recall of the full cache's items (%)")
+    for x, r, (lo, hi), label, marker in points:
+        ax.errorbar([x], [100 * r], yerr=[[100 * (r - lo)], [100 * (hi - r)]], marker=marker,
+                    capsize=3, label=label)  # fmt: skip
+    if vline is not None:
+        ax.axvline(vline, color="grey", ls="--", lw=1)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_ylim(-5, 105)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     pyplot.close(fig)
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Recall of the full cache's items per arm, with its 95% interval, against bytes held."""
+    points = [(s["mib"], s["of_full"]["rate"], s["of_full"]["ci95"], label, "o")
+              for label, s in summary.items() if not label.startswith("_") and s["of_full"]["n"]]
+    recall_plot(points, "bytes held over all layers (MiB)", "recall of the full cache's items (%)",
+                path)  # fmt: skip

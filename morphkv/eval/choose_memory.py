@@ -21,7 +21,8 @@ import argparse
 import json
 from pathlib import Path
 
-from .util import plt, write_json
+from .chat_report import recall_plot
+from .util import write_json
 
 KL_FACTOR = 1.5
 EIGHT_BIT = "streaming_llm:memory=f16:bits=8"
@@ -51,24 +52,12 @@ def choose(kl_rows: list[dict], recall: dict) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    pyplot = plt()
-    fig, ax = pyplot.subplots(figsize=(7.5, 4.5))
-    for p in result["points"]:
-        lo, hi = p["ci95"]
-        r = p["recall"]
-        ax.errorbar([p["kl_vs_8bit"]], [100 * r], yerr=[[100 * (r - lo)], [100 * (hi - r)]],
-                    marker="o" if p["admissible"] else "x", capsize=3,
-                    label=p["arm"].replace("recommended:memory=f16", "rec") +
-                    (" (chosen)" if p["arm"] == result["choice"] else ""))  # fmt: skip
-    ax.axvline(KL_FACTOR, color="grey", ls="--", lw=1)
-    ax.set_xlabel("mean KL on tune texts / StreamingLLM at 8 bits in the same bytes")
-    ax.set_ylabel("tune recall, all questions (%)")
-    ax.set_ylim(-5, 105)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    pyplot.close(fig)
+    points = [(p["kl_vs_8bit"], p["recall"], p["ci95"],
+               p["arm"].replace("recommended:memory=f16", "rec")
+               + (" (chosen)" if p["arm"] == result["choice"] else ""),
+               "o" if p["admissible"] else "x") for p in result["points"]]
+    recall_plot(points, "mean KL on tune texts / StreamingLLM at 8 bits in the same bytes",
+                "tune recall, all questions (%)", path, vline=KL_FACTOR)
 
 
 def main(argv=None) -> int:
