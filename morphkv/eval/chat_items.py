@@ -100,24 +100,23 @@ def encode(tok, messages: list[dict], question=None) -> list[int]:
                   else [])
 
 
-def _find(ids: list[int], sub: list[int], stop: int) -> int:
-    """Start of the last occurrence of ``sub`` in ``ids[:stop]``, or -1."""
-    for s in range(stop - len(sub), -1, -1):
-        if ids[s : s + len(sub)] == sub:
-            return s
-    return -1
+def value_spans(tok, ids: list[int], value: str, stop: int | None = None) -> list[range]:
+    """Every occurrence of the value's own token sequence (`` value``, else ``value``) in
+    ``ids[:stop]``: never a token that merely occurs inside the value (" in" for Berlin)."""
+    stop = len(ids) if stop is None else stop
+    for text in (" " + value, value):
+        sub = list(tok.encode(text, add_special_tokens=False))
+        n = len(sub)
+        spans = [range(s, s + n) for s in range(stop - n + 1) if n and ids[s : s + n] == sub]
+        if spans:
+            return spans
+    return []
 
 
 def value_positions(tok, ids: list[int], value: str, stop: int) -> tuple[int, ...]:
-    """Positions of the value's own tokens where it was last stated (before ``stop``): the
-    token sequence of `` value`` (or ``value``) found in the prompt, never any token that
-    merely occurs inside it."""
-    for text in (" " + value, value):
-        sub = list(tok.encode(text, add_special_tokens=False))
-        s = _find(ids, sub, stop)
-        if s >= 0 and sub:
-            return tuple(range(s, s + len(sub)))
-    return ()
+    """Positions of the value's own tokens where it was last stated (before ``stop``)."""
+    spans = value_spans(tok, ids, value, stop)
+    return tuple(spans[-1]) if spans else ()
 
 
 def tokenize(tok, chat: Chat, min_distance: int, max_turns: int = 12) -> list[int]:
