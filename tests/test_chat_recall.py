@@ -96,3 +96,12 @@ def test_smoke_run_on_the_embedded_model(tmp_path):
     assert s["kvcache"]["retention"] == 1.0
     assert s["recommended:memory=f16"]["tokens"] > 32  # 8-bit: more tokens in f16 bytes
     assert (tmp_path / "chatrecall_tune_32.png").is_file()
+
+
+def test_the_memory_preset_uses_the_chosen_persistence_and_can_be_overridden():
+    from morphkv import recommended
+    from morphkv.core.presets import MEMORY_PEAK, PEAK
+
+    assert recommended(memory=3_000_000).morphkv_peak == MEMORY_PEAK == 1.0
+    assert recommended(128).morphkv_peak == PEAK  # the token-budget preset is unchanged
+    assert recommended(memory=3_000_000, morphkv_peak=0.02).morphkv_peak == 0.02

@@ -35,16 +35,16 @@ def choose(kl_rows: list[dict], recall: dict) -> dict:
     eight, dtype = by_arm[EIGHT_BIT], by_arm[DTYPE]
     points = []
     for arm, row in by_arm.items():
-        if arm in (EIGHT_BIT, DTYPE) or arm not in recall:
+        if arm in (EIGHT_BIT, DTYPE):
             continue
         worse = [t for t, v in row["kl"].items() if v > dtype["kl"][t]]
         ratio = row["mean_kl"] / eight["mean_kl"]
-        rec = recall[arm]["all"]
+        rec = recall.get(arm, {}).get("all") or {"rate": None, "k": None, "n": 0, "ci95": None}
         points.append({"arm": arm, "mean_kl": row["mean_kl"], "kl_vs_8bit": ratio,
                        "texts_worse_than_dtype": worse, "recall": rec["rate"], "k": rec["k"],
                        "n": rec["n"], "ci95": rec["ci95"],
                        "admissible": ratio <= KL_FACTOR and not worse})
-    ok = [p for p in points if p["admissible"]]
+    ok = [p for p in points if p["admissible"] and p["recall"] is not None]
     best = max(ok, key=lambda p: (p["recall"], -p["mean_kl"])) if ok else None
     return {"rule": __doc__.split("The rule:")[1].split("Writes")[0].strip(),
             "kl_factor": KL_FACTOR, "eight_bit_mean_kl": eight["mean_kl"],
@@ -55,7 +55,7 @@ def plot(result: dict, path: Path) -> None:
     points = [(p["kl_vs_8bit"], p["recall"], p["ci95"],
                p["arm"].replace("recommended:memory=f16", "rec")
                + (" (chosen)" if p["arm"] == result["choice"] else ""),
-               "o" if p["admissible"] else "x") for p in result["points"]]
+               "o" if p["admissible"] else "x") for p in result["points"] if p["n"]]
     recall_plot(points, "mean KL on tune texts / StreamingLLM at 8 bits in the same bytes",
                 "tune recall, all questions (%)", path, vline=KL_FACTOR)
 
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     write_json(out.with_suffix(".json"), result)
     plot(result, out.with_suffix(".png"))
     for q in result["points"]:
-        print(f"{q['arm']}: recall {q['k']}/{q['n']}, KL {q['kl_vs_8bit']:.2f}x 8-bit, "
+        got = f"{q['k']}/{q['n']}" if q["n"] else "not run"
+        print(f"{q['arm']}: recall {got}, KL {q['kl_vs_8bit']:.2f}x 8-bit, "
               f"worse than dtype on {q['texts_worse_than_dtype'] or 'none'}"
               f"{'' if q['admissible'] else ' (inadmissible)'}")
     print(f"choice: {result['choice']}; wrote {out}.json and {out}.png")
