@@ -72,7 +72,8 @@ def recall_plot(points: list[tuple], xlabel: str, ylabel: str, path: Path, vline
     pyplot = plt()
     fig, ax = pyplot.subplots(figsize=(7.5, 4.5))
     for x, r, (lo, hi), label, marker in points:
-        ax.errorbar([x], [100 * r], yerr=[[100 * (r - lo)], [100 * (hi - r)]], marker=marker,
+        err = [[100 * max(0.0, r - lo)], [100 * max(0.0, hi - r)]]  # rounding: never < 0
+        ax.errorbar([x], [100 * r], yerr=err, marker=marker,
                     capsize=3, label=label)  # fmt: skip
     if vline is not None:
         ax.axvline(vline, color="grey", ls="--", lw=1)
