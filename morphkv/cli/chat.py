@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", type=model_ref, default=None,
         help="A .gguf file (llama, qwen2, qwen3, gemma3), gemma3-270m (Gemma 3 270M base: "
-        "a plain-text User/Assistant transcript), an mlx_lm model folder or Hugging Face repo id; "
+        "a plain-text User/Assistant transcript), qwen2.5-0.5b (Qwen2.5-Coder-0.5B-Instruct), "
+        "an mlx_lm model folder or Hugging Face repo id; "
         "default: the embedded SmolLM2-135M-Instruct.")
     parser.add_argument("--system-prompt", default=None,
                         help="System message (default: the template's own).")

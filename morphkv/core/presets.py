@@ -21,6 +21,11 @@ from .config import KVCacheConfig
 N_SINK = 4
 WINDOW = 16
 PEAK = 0.02  # peak fusion lambda: best tune retention with tune KL below StreamingLLM
+# recommended(memory=...)'s lambda (issue 33): the highest tune recall on model-written chats
+# (Qwen2.5-0.5B) among settings with mean tune KL <= 1.5x StreamingLLM at 8 bits in the same
+# bytes and never worse than StreamingLLM of the same tokens in the model's dtype on a text
+# (morphkv.eval.choose_memory, docs/recall.md); was PEAK
+MEMORY_PEAK = 1.0
 PAPER_BLOCK = 8  # the paper's coarse eviction: every 8 steps (-0.9 accuracy points, 0.82x time)
 MEMORY_BITS = 8  # storage precision of recommended(memory=...)
 BLOCK = 16  # recommended: evict 16 tokens every 16 (no window ring; docs/engine.md, issue 26)
@@ -33,14 +38,14 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     dtype keys arrive in: every layer's cache holds K/V for ``budget + 1`` slots plus its
     selection state (``MorphKVCache.nbytes_bound``), so the bytes depend on the model.
     ``recommended(memory=N)`` holds at most ``N`` bytes per sequence over all layers with a
-    morphkv cache (K/V storage plus selection state), keys and values stored at
-    ``MEMORY_BITS`` bits: ``KVCacheBuilder.for_model`` / ``patch_model`` resolve it from the
-    model's shape into the most tokens per KV head that fit (``budget`` is then ignored), the
-    newest half of them always kept. ``recommended(budget)`` evicts in blocks of ``BLOCK``
-    tokens: once full, every 16th token evicts 16 at once (between evictions the cache holds
-    ``budget - 15`` to ``budget`` tokens). ``recommended(memory=N)`` evicts one token per token:
-    a block keeps its queries until its eviction (16 x query heads x head dim per layer), which
-    at small memory sizes costs more tokens than the block saves time. Keyword arguments
+    morphkv cache (K/V storage plus selection state), keys and values stored at ``MEMORY_BITS``
+    bits, persistence ``MEMORY_PEAK``: ``KVCacheBuilder.for_model`` / ``patch_model`` resolve it
+    from the model's shape into the most tokens per KV head that fit (``budget`` is then
+    ignored), the newest half of them always kept. ``recommended(budget)`` evicts in blocks of
+    ``BLOCK`` tokens: once full, every 16th token evicts 16 at once (between evictions the cache
+    holds ``budget - 15`` to ``budget`` tokens). ``recommended(memory=N)`` evicts one token per
+    token: a block keeps its queries until its eviction (16 x query heads x head dim per layer),
+    which at small memory sizes costs more tokens than the block saves time. Keyword arguments
     override any ``KVCacheConfig`` field.
     """
     window = overrides.get("morphkv_window", WINDOW)
@@ -57,7 +62,7 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     )
     if memory is not None:
         fields.update(morphkv_budget=0, kv_memory=memory, kv_bits=MEMORY_BITS, morphkv_block=1,
-                      morphkv_recent=None, morphkv_recent_share=0.5)
+                      morphkv_recent=None, morphkv_recent_share=0.5, morphkv_peak=MEMORY_PEAK)
         if "morphkv_recent" in overrides:
             fields["morphkv_recent_share"] = None
     fields.update(overrides)

@@ -168,11 +168,12 @@ def build_item(tok, seed: int, split: str, index: int, distance: int) -> Item:
 
 
 def _value_positions(tok, ids: list[int], value: str):
-    """Positions whose token is part of the value (a digit, or 2+ letters inside it)."""
-    for i, t in enumerate(ids):
-        piece = tok.decode([t]).strip().lower()
-        if (piece.isdigit() or len(piece) >= 2) and piece in value.lower():
-            yield i
+    """Positions of the value's own tokens, wherever its token sequence occurs (statement and
+    acknowledgement); before issue 33 any 2-letter token inside the value counted too."""
+    from .chat_items import value_spans
+
+    for span in value_spans(tok, ids, value):
+        yield from span
 
 
 def words(text: str) -> list[str]:

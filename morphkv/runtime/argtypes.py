@@ -63,8 +63,8 @@ def _num(x: float) -> str:
 
 
 def model_ref(text: str) -> str:
-    """An existing file or directory, the name of an embedded model (``gemma3-270m``), or a
-    Hugging Face repo id (``owner/name``)."""
+    """An existing file or directory, the name of an embedded model (``gemma3-270m``,
+    ``qwen2.5-0.5b``), or a Hugging Face repo id (``owner/name``)."""
     from ..model import EMBEDDED_NAMES
 
     path = Path(text).expanduser()
@@ -76,7 +76,8 @@ def model_ref(text: str) -> str:
     if looks_like_path or not HF_REPO.fullmatch(text):
         raise argparse.ArgumentTypeError(
             f"no such file or directory: {text!r} (give a .gguf file, an mlx_lm model folder, "
-            "gemma3-270m or a Hugging Face repo id such as mlx-community/SmolLM2-135M-Instruct)"
+            "gemma3-270m, qwen2.5-0.5b or a Hugging Face repo id such as "
+            "mlx-community/SmolLM2-135M-Instruct)"
         )
     return text
 

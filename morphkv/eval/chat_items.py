@@ -1,0 +1,164 @@
+"""Conversation-memory chats: model-written turns, several facts, one updated, asked later.
+
+A chat is assembled from data files, nothing else: the user's questions and the answers a model
+wrote to them with the full cache (``data/chat_answers_<split>.json``, written by
+``chat_answers``), and facts (``data/chat_facts.json``). Three facts of three kinds are said in
+passing, each as a clause before a real question (turn 1: fact A; turn 2: fact B; turn 3: A is
+updated and fact C is said); then more question/answer turns follow until the latest statement
+lies at least ``min_distance`` tokens before the end (3x the token budget by default), and one
+question per fact is asked in a new user turn (for A the current value). The no-fact version is
+the same chat with every fact clause removed: what the model says then is a guess.
+
+Tune and test share nothing: other questions, other answers (other generators), other fact
+templates and question wordings, value pools that do not overlap.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DATA = Path(__file__).with_name("data")
+SUFFIX = " Just the answer, please."
+
+
+@functools.cache
+def facts(split: str) -> tuple[dict, ...]:
+    return tuple(json.loads((DATA / "chat_facts.json").read_text())[split])
+
+
+@functools.cache
+def answers(split: str) -> tuple[tuple[str, str], ...]:
+    rec = json.loads((DATA / f"chat_answers_{split}.json").read_text())
+    return tuple((a["question"], a["answer"]) for a in rec["answers"] if a["answer"].strip())
+
+
+@dataclass
+class Question:
+    kind: str
+    value: str  # the current value: the only correct answer
+    wrong: tuple[str, ...]  # other values of the kind (the old one included)
+    text: str
+    lead: str = ""  # the answer turn's opening words (no value in them)
+    value_ids: tuple[int, ...] = ()  # the value's own tokens as stated
+    positions: tuple[int, ...] = ()  # their positions in the prompt
+    distance: int = 0  # tokens from the value's statement to the end of the prompt
+    updated: bool = False
+
+
+@dataclass
+class Chat:
+    index: int
+    split: str
+    messages: list[dict]  # without the question turn
+    nofact: list[dict]  # the same chat without any fact clause
+    questions: list[Question] = field(default_factory=list)
+
+
+def _pick(rng: random.Random, split: str):
+    kinds = rng.sample(list(facts(split)), 3)
+    out = []
+    for k in kinds:
+        v1, v2 = rng.sample(k["values"], 2)
+        out.append((k, v1, v2, rng.choice(k["statements"])))
+    return out
+
+
+def build_chat(split: str, index: int, seed: int = 0) -> Chat:
+    """Chat ``index`` of ``split`` (messages only; ``tokenize`` places the facts)."""
+    rng = random.Random(f"chat:{split}:{seed}:{index}")
+    pool = list(answers(split))
+    rng.shuffle(pool)
+    (ka, a_old, a_new, sa), (kb, b, _, sb), (kc, c, _, sc) = _pick(rng, split)
+    clauses = [sa.format(v=a_old), sb.format(v=b),
+               ka["update"].format(old=a_old, v=a_new) + " " + sc.format(v=c)]  # fmt: skip
+    messages, nofact = [], []
+    for i, (q, a) in enumerate(pool):
+        clause = clauses[i] + " " if i < len(clauses) else ""
+        messages += [{"role": "user", "content": clause + q}, {"role": "assistant", "content": a}]
+        nofact += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    chat = Chat(index, split, messages, nofact)
+    for k, v, upd in ((ka, a_new, True), (kb, b, False), (kc, c, False)):
+        wrong = tuple(x for x in k["values"] if x != v)
+        chat.questions.append(Question(k["kind"], v, wrong, k["question"] + SUFFIX,
+                                       k.get("lead", ""), updated=upd))
+    return chat
+
+
+def encode(tok, messages: list[dict], question=None) -> list[int]:
+    """The chat's ids; with ``question`` (a ``Question``) its user turn and the answer turn's
+    lead-in follow."""
+    if question is None:
+        return list(tok.apply_chat_template(messages, add_generation_prompt=False))
+    msgs = messages + [{"role": "user", "content": question.text}]
+    ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True))
+    return ids + (list(tok.encode(question.lead, add_special_tokens=False)) if question.lead
+                  else [])
+
+
+def value_spans(tok, ids: list[int], value: str, stop: int | None = None) -> list[range]:
+    """Every occurrence of the value's own token sequence (`` value``, else ``value``) in
+    ``ids[:stop]``: never a token that merely occurs inside the value (" in" for Berlin)."""
+    stop = len(ids) if stop is None else stop
+    for text in (" " + value, value):
+        sub = list(tok.encode(text, add_special_tokens=False))
+        n = len(sub)
+        spans = [range(s, s + n) for s in range(stop - n + 1) if n and ids[s : s + n] == sub]
+        if spans:
+            return spans
+    return []
+
+
+def value_positions(tok, ids: list[int], value: str, stop: int) -> tuple[int, ...]:
+    """Positions of the value's own tokens where it was last stated (before ``stop``)."""
+    spans = value_spans(tok, ids, value, stop)
+    return tuple(spans[-1]) if spans else ()
+
+
+def tokenize(tok, chat: Chat, min_distance: int, max_turns: int = 12) -> list[int]:
+    """Cut the chat to the fewest turns that put every statement ``min_distance`` tokens back
+    (at least 4 turns); fill in each question's positions and distance; return the shared
+    prefix ids (the chat without the question turn)."""
+    for turns in range(4, max_turns + 1):
+        msgs = chat.messages[: 2 * turns]
+        ids = encode(tok, msgs)
+        full = encode(tok, msgs, chat.questions[0])
+        ok = True
+        for q in chat.questions:
+            pos = value_positions(tok, ids, q.value, len(ids))
+            q.positions, q.value_ids = pos, tuple(ids[p] for p in pos)
+            q.distance = len(full) - pos[0] if pos else 0
+            ok &= bool(pos) and q.distance >= min_distance
+        if ok or 2 * turns >= len(chat.messages):
+            break
+    chat.messages = msgs
+    chat.nofact = chat.nofact[: len(msgs)]
+    return ids
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def judge(answer: str, q: Question) -> bool:
+    """Strict: the current value's words appear in order, and no other value of its kind."""
+    a = words(answer)
+
+    def has(v: str) -> bool:
+        w = words(v)
+        return any(a[i : i + len(w)] == w for i in range(len(a) - len(w) + 1))
+
+    return has(q.value) and not any(has(w) for w in q.wrong)

@@ -1,0 +1,151 @@
+"""``morphkv eval chatrecall``: does a bounded cache remember what was said in a chat?
+
+Chats (``chat_items``): model-written assistant turns, three facts said in passing, one of them
+updated later, each asked in a new turn at the end with a question worded unlike its statement,
+the statements 3-6 token budgets back. Every arm prefills each chat ONCE (exact chunks through
+the attention hook); each question is then asked from a copy of that cache (``copy.deepcopy``),
+answered greedily in a few tokens and judged strictly (``chat_items.judge``: the current value,
+and no other value of its kind). ``nofact`` is the full cache on the same chat with every fact
+clause removed: how often the model guesses. Retention: the fraction of the value's own tokens
+still stored when the question arrives (per layer, mean over KV heads). Every figure comes with
+its item count and Wilson 95% interval; partial results are saved after every chat.
+
+    morphkv eval chatrecall --model qwen2.5-0.5b --split test --chats 14
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+from .arms import Arm
+from .chat_items import build_chat, common_prefix, encode, judge, tokenize
+from .chat_report import plot, summarize, table
+from .recall import retention
+from .util import Progress, environment, load_model, out_dir, write_json
+
+NAME = "chatrecall"
+NOFACT = "nofact"
+DEFAULT_ARMS = ("kvcache,nofact,recommended:memory=f16,h2o,streaming_llm,"
+                "streaming_llm:memory=f16:bits=8")
+
+
+def answer(model, tok, caches, suffix: list[int], max_tokens: int) -> str:
+    from .util import greedy_tokens
+
+    ids = greedy_tokens(model, copy.deepcopy(caches), suffix, max_tokens)
+    eos = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])
+    ids = ids[: next((i for i, t in enumerate(ids) if t in eos), len(ids))]
+    return tok.decode(ids).strip()
+
+
+def prefill(model, caches, ids: list[int], chunk: int) -> None:
+    import mlx.core as mx
+
+    x = mx.array(ids)[None]
+    for s in range(0, len(ids), chunk):
+        mx.eval(model(x[:, s : s + chunk], cache=caches))
+
+
+def run_chat(model, tok, chat, arms, args, bar) -> dict:
+    """Every arm on one chat: one prefill, then each question from a copy of the cache."""
+    tokenize(tok, chat, args.min_distance * args.budget)
+    rec = {"index": chat.index, "turns": len(chat.messages) // 2, "arms": {},
+           "questions": [{"kind": q.kind, "value": q.value, "updated": q.updated,
+                          "distance": q.distance, "value_tokens": len(q.positions)}
+                         for q in chat.questions]}  # fmt: skip
+    for label, arm in arms:
+        msgs = chat.nofact if label == NOFACT else chat.messages
+        full = [encode(tok, msgs, q) for q in chat.questions]
+        n = min(common_prefix(full[0], f) for f in full[1:])
+        spec = Arm.parse("kvcache") if label == NOFACT else arm
+        caches = spec.caches(model, args.budget, args.n_sink)
+        t0 = time.perf_counter()
+        prefill(model, caches, full[0][:n], args.chunk)
+        budgets = [c.config.budget for c in caches if hasattr(c, "config")]
+        out = {"nbytes": int(sum(c.nbytes for c in caches)), "prefix": n,
+               "tokens": max(budgets) if budgets else None, "answers": [], "correct": [],
+               "retention": []}
+        for q, ids in zip(chat.questions, full, strict=True):
+            if label != NOFACT:
+                out["retention"].append(retention(caches, q.positions))
+            text = answer(model, tok, caches, ids[n:], args.max_tokens)
+            out["answers"].append(text)
+            out["correct"].append(judge(text, q))
+        out["seconds"] = time.perf_counter() - t0
+        rec["arms"][label] = out
+        bar.update(1, f"chat {chat.index}: {label} {sum(out['correct'])}/{len(out['correct'])}")
+    return rec
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", default=None, help="model (default: the embedded SmolLM2)")
+    add("--split", choices=("tune", "test"), default="test")
+    add("--arms", default=DEFAULT_ARMS,
+        help="comma-separated arm specs (morphkv.eval.arms; memory=f16: the bytes of a float16 "
+        f"cache of --budget tokens) and 'nofact' (default {DEFAULT_ARMS})")
+    add("--budget", type=int, default=128, help="token count of the arms (default 128)")
+    add("--chats", type=int, default=14, help="chats, three questions each (default 14)")
+    add("--first", type=int, default=0, help="index of the first chat")
+    add("--seed", type=int, default=0)
+    add("--min-distance", type=float, default=3.0,
+        help="statements at least this many budgets back (default 3)")
+    add("--max-tokens", type=int, default=6, help="answer tokens (default 6)")
+    add("--n-sink", type=int, default=4)
+    add("--chunk", type=int, default=256, help="prefill chunk (exact either way)")
+    add("--out", default=None, help="output folder (default results/chatrecall)")
+    add("--stem", default=None, help="output file stem (default chatrecall_<split>_<budget>)")
+    add("--quiet", action="store_true")
+
+
+def parse(text: str) -> list[tuple[str, Arm | None]]:
+    out = []
+    for spec in filter(None, (s.strip() for s in text.split(","))):
+        out.append((spec, None if spec == NOFACT else Arm.parse(spec)))
+    if not out:
+        raise ValueError("--arms is empty")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        arms = parse(args.arms)
+        for _, arm in arms:
+            if arm is not None and not arm.is_baseline:
+                arm.config(args.budget, n_sink=args.n_sink)
+    except ValueError as e:
+        print(f"morphkv eval chatrecall: error: {e}", file=sys.stderr)
+        return 2
+    model, tok = load_model(args.model)
+    folder = out_dir(args, NAME)
+    stem = args.stem or f"{NAME}_{args.split}_{args.budget}"
+    start, load = time.perf_counter(), os.getloadavg()
+    bar = Progress(args.chats * len(arms), NAME, args.quiet, every=5.0)
+    result = {"benchmark": NAME, "args": vars(args), "environment": environment(), "chats": []}
+    for index in range(args.first, args.first + args.chats):
+        chat = build_chat(args.split, index, args.seed)
+        result["chats"].append(run_chat(model, tok, chat, arms, args, bar))
+        result["summary"] = summarize(result["chats"], [label for label, _ in arms])
+        result["seconds"] = time.perf_counter() - start
+        result["load_average"] = {"start": load, "end": os.getloadavg()}
+        write_json(folder / f"{stem}.json", result)  # partial results as we go
+    result["table"] = table(result["summary"])
+    print(result["table"])
+    write_json(folder / f"{stem}.json", result)
+    plot(result["summary"], folder / f"{stem}.png")
+    print(f"wrote {folder / f'{stem}.json'} and {folder / f'{stem}.png'}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="morphkv eval chatrecall", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

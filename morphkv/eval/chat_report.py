@@ -1,0 +1,95 @@
+"""Summaries, tables and plots of ``morphkv eval chatrecall`` (``morphkv.eval.chat_recall``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .recall_report import wilson
+from .util import markdown_table, plt
+
+FULL = "kvcache"
+
+
+def _share(k: int, n: int) -> dict:
+    ci = wilson(k, n)
+    return {"k": k, "n": n, "rate": k / n if n else None, "ci95": ci}
+
+
+def summarize(chats: list[dict], labels: list[str]) -> dict:
+    """Per arm: recall over all questions; recall over the questions the full cache answers
+    (the share of the full cache's items kept); mean retention of the value's tokens; bytes
+    and tokens held; answers split by updated / never-updated facts."""
+    out = {}
+    full_ok = [(c["index"], i) for c in chats for i, ok in
+               enumerate(c["arms"].get(FULL, {}).get("correct", [])) if ok]  # fmt: skip
+    for label in labels:
+        runs = [(c, c["arms"][label]) for c in chats if label in c["arms"]]
+        flags = [(c["index"], i, ok, c["questions"][i]["updated"])
+                 for c, r in runs for i, ok in enumerate(r["correct"])]  # fmt: skip
+        k = sum(ok for *_, ok, _ in flags)
+        kept = sum(ok for ci, i, ok, _ in flags if (ci, i) in set(full_ok))
+        ret = [sum(x) / len(x) for _, r in runs for x in r["retention"] if x]
+        out[label] = {
+            "all": _share(k, len(flags)),
+            "of_full": _share(kept, len(full_ok)),
+            "updated": _share(sum(ok for *_, ok, u in flags if u), sum(u for *_, u in flags)),
+            "retention": sum(ret) / len(ret) if ret else None,
+            "mib": max((r["nbytes"] for _, r in runs), default=0) / 2**20,
+            "tokens": max((r["tokens"] or 0 for _, r in runs), default=0) or None,
+        }
+    dist = [q["distance"] for c in chats for q in c["questions"]]
+    out["_items"] = {"chats": len(chats), "questions": len(dist),
+                     "distance_min": min(dist, default=0), "distance_max": max(dist, default=0)}
+    return out
+
+
+def _pct(s: dict) -> str:
+    if not s["n"]:
+        return "-"
+    lo, hi = s["ci95"]
+    return f"{s['k']}/{s['n']} = {100 * s['rate']:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
+
+
+def table(summary: dict) -> str:
+    headers = ["arm", "tokens", "MiB held", "recall (all questions)",
+               "of the full cache's items", "updated facts", "value tokens kept"]
+    rows = []
+    for label, s in summary.items():
+        if label.startswith("_"):
+            continue
+        ret = "-" if s["retention"] is None else f"{100 * s['retention']:.0f}%"
+        rows.append([f"`{label}`", s["tokens"] or "all", f"{s['mib']:.2f}", _pct(s["all"]),
+                     _pct(s["of_full"]), _pct(s["updated"]), ret])
+    items = summary.get("_items", {})
+    note = (f"\n({items.get('chats')} chats, {items.get('questions')} questions; statements "
+            f"{items.get('distance_min')}-{items.get('distance_max')} tokens before the end; "
+            "95% Wilson intervals)")
+    return markdown_table(headers, rows) + note
+
+
+def recall_plot(points: list[tuple], xlabel: str, ylabel: str, path: Path, vline=None) -> None:
+    """One point per (x, rate, (lo, hi), label, marker) with its 95% interval as error bars."""
+    pyplot = plt()
+    fig, ax = pyplot.subplots(figsize=(7.5, 4.5))
+    for x, r, (lo, hi), label, marker in points:
+        err = [[100 * max(0.0, r - lo)], [100 * max(0.0, hi - r)]]  # rounding: never < 0
+        ax.errorbar([x], [100 * r], yerr=err, marker=marker,
+                    capsize=3, label=label)  # fmt: skip
+    if vline is not None:
+        ax.axvline(vline, color="grey", ls="--", lw=1)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(-5, 105)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot.close(fig)
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Recall of the full cache's items per arm, with its 95% interval, against bytes held."""
+    points = [(s["mib"], s["of_full"]["rate"], s["of_full"]["ci95"], label, "o")
+              for label, s in summary.items() if not label.startswith("_") and s["of_full"]["n"]]
+    recall_plot(points, "bytes held over all layers (MiB)", "recall of the full cache's items (%)",
+                path)  # fmt: skip

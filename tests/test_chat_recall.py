@@ -1,0 +1,107 @@
+"""The conversation-memory evaluation: its data (splits disjoint), the chats (facts placed,
+updated, asked; the no-fact chat lacks every value), the strict judge, the value's own tokens,
+the rule that picks the memory setting, and a smoke run on the embedded model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from morphkv.eval import chat_items as C
+from morphkv.eval.choose_memory import DTYPE, EIGHT_BIT, choose
+
+
+def test_tune_and_test_share_no_value_question_or_template():
+    for field in ("values", "statements", "update", "question"):
+        tune = {json.dumps(k[field]) for k in C.facts("tune")}
+        test = {json.dumps(k[field]) for k in C.facts("test")}
+        assert not tune & test, field
+    values = [{v.lower() for k in C.facts(s) for v in k["values"]} for s in ("tune", "test")]
+    assert not values[0] & values[1]
+    qs = [{q for q, _ in C.answers(s)} for s in ("tune", "test")]
+    assert qs[0] and qs[1] and not qs[0] & qs[1]
+
+
+def test_a_chat_states_three_facts_updates_one_and_the_nofact_chat_says_none():
+    chat = C.build_chat("test", 3)
+    text = " ".join(m["content"] for m in chat.messages)
+    bare = " ".join(m["content"] for m in chat.nofact)
+    assert [q.updated for q in chat.questions] == [True, False, False]
+    assert len({q.kind for q in chat.questions}) == 3
+    for q in chat.questions:
+        assert q.value in text and q.value not in bare
+        assert q.value not in q.text  # the question does not give the answer away
+    old = [w for w in chat.questions[0].wrong if w in text]
+    assert len(old) == 1 and text.index(old[0]) < text.rindex(chat.questions[0].value)
+    assert C.build_chat("test", 3).messages == chat.messages  # deterministic
+    assert C.build_chat("test", 4).messages != chat.messages
+
+
+@pytest.mark.parametrize(("answer", "ok"), [
+    ("Graz", True), ("You are based in Graz.", True), ("graz", True),
+    ("You moved from Hobart to Graz", False),  # names the old value too
+    ("Grazing", False), ("I don't know", False), ("Hobart", False),
+])
+def test_the_judge_requires_the_current_value_and_nothing_else_of_its_kind(answer, ok):
+    q = C.Question("city", "Graz", ("Hobart", "Tbilisi"), "where?")
+    assert C.judge(answer, q) is ok
+
+
+def test_the_rule_prefers_recall_among_settings_close_enough_in_kl():
+    kl = [
+        {"arm": DTYPE, "mean_kl": 0.13, "kl": {"a": 0.2, "b": 0.03}},
+        {"arm": EIGHT_BIT, "mean_kl": 0.07, "kl": {"a": 0.14, "b": 0.004}},
+        {"arm": "x", "mean_kl": 0.07, "kl": {"a": 0.12, "b": 0.01}},
+        {"arm": "y", "mean_kl": 0.09, "kl": {"a": 0.15, "b": 0.02}},
+        {"arm": "z", "mean_kl": 0.10, "kl": {"a": 0.10, "b": 0.10}},  # worse than dtype on b
+        {"arm": "w", "mean_kl": 0.2, "kl": {"a": 0.1, "b": 0.01}},  # > 1.5x 8-bit
+    ]
+
+    def rec(k):
+        return {"all": {"k": k, "n": 10, "rate": k / 10, "ci95": (0, 1)}}
+
+    out = choose(kl, {"x": rec(5), "y": rec(8), "z": rec(10), "w": rec(10)})
+    assert out["choice"] == "y"
+    assert {p["arm"]: p["admissible"] for p in out["points"]} == {
+        "x": True, "y": True, "z": False, "w": False}
+
+
+@pytest.mark.slow
+def test_value_tokens_are_the_values_own_and_chats_reach_the_distance():
+    from smollm2_fixture import load_embedded
+
+    _, tok = load_embedded()
+    chat = C.build_chat("tune", 0)
+    ids = C.tokenize(tok, chat, 3 * 64)
+    for q in chat.questions:
+        assert q.positions and q.distance >= 3 * 64
+        assert tok.decode([ids[p] for p in q.positions]).strip() == q.value
+    assert "Philippa" not in C.words(tok.decode(ids[:5]))
+
+
+@pytest.mark.slow
+def test_smoke_run_on_the_embedded_model(tmp_path):
+    from morphkv.cli import main
+
+    rc = main(["eval", "chatrecall", "--split", "tune", "--chats", "1", "--budget", "32",
+               "--min-distance", "3", "--max-tokens", "3", "--arms",
+               "kvcache,nofact,streaming_llm,recommended:memory=f16", "--out", str(tmp_path),
+               "--quiet"])  # fmt: skip
+    assert rc == 0
+    result = json.loads((tmp_path / "chatrecall_tune_32.json").read_text())
+    s = result["summary"]
+    assert s["_items"]["questions"] == 3
+    assert s["streaming_llm"]["retention"] == 0.0  # 3 budgets back: recency has lost it
+    assert s["kvcache"]["retention"] == 1.0
+    assert s["recommended:memory=f16"]["tokens"] > 32  # 8-bit: more tokens in f16 bytes
+    assert (tmp_path / "chatrecall_tune_32.png").is_file()
+
+
+def test_the_memory_preset_uses_the_chosen_persistence_and_can_be_overridden():
+    from morphkv import recommended
+    from morphkv.core.presets import MEMORY_PEAK, PEAK
+
+    assert recommended(memory=3_000_000).morphkv_peak == MEMORY_PEAK == 1.0
+    assert recommended(128).morphkv_peak == PEAK  # the token-budget preset is unchanged
+    assert recommended(memory=3_000_000, morphkv_peak=0.02).morphkv_peak == 0.02
