@@ -98,6 +98,8 @@ class Server:
                  args.prompt_cache_bytes] + (["--model", args.model] if args.model else [])
         if kind == "morphkv":
             flags += args.cache_flags.split()
+        else:  # mlx_lm's server as it is: its own prefill step (morphkv serve's default: 256)
+            flags += ["--prefill-step-size", "2048"]
         code = ("import sys; from morphkv.bench.load import server_main; "
                 "sys.exit(server_main(sys.argv[1:]))")
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(self.log), kind, *flags],

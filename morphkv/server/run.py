@@ -92,8 +92,21 @@ def _bind(host: str, port: int, handler_class, generator):
 
 
 def run(host: str, port: int, provider, limits: Limits, max_requests: int, grace_s: float,
-        on_listening=None) -> int:
-    """Serve until SIGTERM (returns 0) or SIGINT (returns 130)."""
+        on_listening=None, fair: bool = True) -> int:
+    """Serve until SIGTERM (returns 0) or SIGINT (returns 130). ``fair``: batch with
+    ``morphkv.server.fair.FairBatchGenerator`` instead of mlx_lm's BatchGenerator."""
+    import mlx_lm.server
+
+    from .fair import install
+
+    undo = install(mlx_lm.server, fair)
+    try:
+        return _run(host, port, provider, limits, max_requests, grace_s, on_listening)
+    finally:
+        undo()
+
+
+def _run(host, port, provider, limits, max_requests, grace_s, on_listening) -> int:
     import mlx.core as mx
     from mlx_lm.server import ResponseGenerator
 
