@@ -145,3 +145,18 @@ def test_on_the_server_a_short_chat_is_answered_during_a_long_prefill():
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+def test_the_mixed_level_has_one_8k_prompt_2k_prompts_drops_and_malformed_requests():
+    from morphkv.bench.load_mixed import by_class, kind_of
+
+    kinds = [kind_of(k) for k in range(500)]
+    assert kinds.count("long8k") == 1 and kinds.count("long2k") == 20
+    assert kinds.count("bad") > 50 and kinds.count("drop") > 50 and kinds.count("stream") > 50
+    assert "long8k" not in [kind_of(k, with_8k=False) for k in range(500)]
+    rows = [{"kind": "chat", "ok": True, "start": 0.0, "end": 2.0, "ttft_s": None},
+            {"kind": "long2k", "ok": True, "start": 0.0, "end": 9.0, "ttft_s": 3.0},
+            {"kind": "long2k", "ok": False, "start": 0.0, "end": 1.0}]
+    classes = by_class(rows)
+    assert classes["short"]["p50_s"] == 2.0 and classes["long2k"]["failed"] == 1
+    assert classes["long2k"]["ttft_p50_s"] == 3.0 and classes["long8k"]["requests"] == 0

@@ -11,9 +11,10 @@ and streamed chats, text completions, a conversation that grows far past the bud
 10x the budget, streams dropped after the first chunk and malformed requests; (3) the
 mixed-length level (``load_mixed``: --mixed requests with 2k and 8k prompts at the most
 clients); (4) 8 long conversations (throughput once past 4x the budget); (5) every malformed
-request once, then a health check. Memory (RSS, MLX active and peak) is sampled in the server process every 0.25 s;
-morphkv's prompt-cache bytes from ``GET /morphkv/stats``. Every loop is bounded in count and
-time; servers are stopped by process id. JSON + PNG under --out (default results/serve_load).
+request once, then a health check. Memory (RSS, MLX active and peak) is sampled in the server
+process every 0.25 s; morphkv's prompt-cache bytes from ``GET /morphkv/stats``. Every loop is
+bounded in count and time; servers are stopped by process id. JSON + PNG under --out (default
+results/serve_load).
 """
 
 from __future__ import annotations

@@ -193,8 +193,9 @@ class FairBatchGenerator(BatchGenerator):
         self._counters.decode_time += dt
         self._counters.generation_tokens += len(responses)
         self._counters.generation_steps += 1
-        if self._counters.generation_steps % 512 == 0:
-            mx.clear_cache()
+        idle = not (len(self._generation_batch) or self._groups or self._unprocessed_sequences)
+        if idle or self._counters.generation_steps % 512 == 0:
+            mx.clear_cache()  # idle: the allocator's cached buffers go back (RSS returns)
         return responses
 
     def _next(self):

@@ -80,12 +80,15 @@ def bounded_prompt_cache(max_size: int, max_bytes: int | None):
 
 
 def release_host_memory() -> None:
-    """Hand freed heap pages back to the system (glibc ``malloc_trim``; nothing elsewhere):
-    the host arrays of finished requests are freed but glibc keeps their pages, so RSS stays
-    at its peak. Called when the server has no request in flight."""
+    """Called when the server has no request in flight: collect Python's cyclic garbage (a
+    dropped client's exception keeps its frames, and the arrays they reference, until the
+    cycle collector runs), then hand freed heap pages back to the system (glibc
+    ``malloc_trim``; nothing elsewhere: glibc keeps the pages of freed host arrays)."""
     import ctypes
     import ctypes.util
+    import gc
 
+    gc.collect()
     name = ctypes.util.find_library("c")
     try:
         ctypes.CDLL(name).malloc_trim(0)
