@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 from smollm2_fixture import embedded_gguf_path, load_embedded
 
+from morphkv.eval.util import stop_process
 from morphkv.server.fair import FairBatchGenerator, group_lengths
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,12 +139,7 @@ def test_on_the_server_a_short_chat_is_answered_during_a_long_prefill():
         assert "long" in times and "short" in times
         assert times["short"] < times["long"], times
     finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_process(proc, 20)
 
 
 def test_the_mixed_level_has_one_8k_prompt_2k_prompts_drops_and_malformed_requests():

@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 
 from ..eval.util import stop_process
-from .load_clients import PROBE_BAD, User, long_text, raw_post
+from .load_clients import PROBE_BAD, User, in_threads, long_text, raw_post
 from .load_mixed import MixedUser, by_class, drive_mixed
 
 
@@ -162,11 +162,7 @@ def drive(users: list[User], rounds: int, seconds: float, kinds=None) -> tuple[l
                 records.append(r)
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=work, args=(u,), daemon=True) for u in users]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=seconds + 300)
+    in_threads(work, users, seconds + 300)
     return records, time.perf_counter() - t0
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .load_clients import User, _failed, _record, long_text
+from .load_clients import User, _failed, _record, in_threads, long_text
 
 SHORT = ["chat", "stream", "completion", "turn", "chat", "drop", "stream", "bad"]
 CLASSES = {"short": ("chat", "stream", "completion", "turn"), "long2k": ("long2k",),
@@ -93,11 +93,7 @@ def drive_mixed(users: list[MixedUser], total: int, seconds: float, with_8k: boo
                     print(f"    {label} {len(records)}/{total} requests, "
                           f"{time.perf_counter() - t0:.0f} s, failed good {bad}", flush=True)
 
-    threads = [threading.Thread(target=work, args=(u,), daemon=True) for u in users]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=seconds + 1200)
+    in_threads(work, users, seconds + 1200)
     return records, time.perf_counter() - t0
 
 
