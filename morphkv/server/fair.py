@@ -13,8 +13,10 @@ and generation batches, caches, samplers and responses are mlx_lm's):
   groups whose longest prompt is at most twice their shortest; each group is its own
   ``PromptProcessingBatch``, so a short prompt is never padded to a long one.
 * **Pieces, shortest first.** Each step prefills ONE group by one piece (``--prefill-step-size``
-  tokens per row): the group with the fewest prompt tokens left. A chat that arrives while a
-  long prompt is being prefilled waits for at most one piece of it.
+  tokens per row): the group with the fewest prompt tokens left, or the oldest group once
+  it was passed over twice in a row (a long prompt advances under a steady stream of short
+  ones). A chat that arrives while a long prompt is being prefilled waits for one piece of it
+  (two when the long one's turn comes first).
 * **Prefill and decode share the time.** A step either prefills a piece or decodes one token
   for every running row, not both; after a piece that took ``t`` seconds while rows were
   decoding, the rows get ``t * (1 - share) / share`` seconds of decode steps before the next
@@ -35,6 +37,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
 GROUP_RATIO = 2  # a group's longest prompt is at most this times its shortest
+PASSED = 2  # the oldest group gets the next piece once passed over this many times in a row
 
 
 @dataclass
@@ -43,6 +46,7 @@ class _Group:
 
     batch: PromptProcessingBatch
     rows: list = field(default_factory=list)
+    passed: int = 0  # pieces given to other groups in a row
 
     def left(self) -> int:
         return max(sum(len(s) for s in r[0]) for r in self.rows)
@@ -206,10 +210,15 @@ class FairBatchGenerator(BatchGenerator):
         if not self._groups:
             self._owed = 0.0
             return prompt_responses, self._decode() if decoding else []
-        group = min(self._groups, key=_Group.left)
+        # shortest first, but the oldest group once it was passed over PASSED times in a row:
+        # under a steady stream of short prompts a long one still advances (no starvation)
+        oldest = self._groups[0]
+        group = oldest if oldest.passed >= PASSED else min(self._groups, key=_Group.left)
         one_piece = max(r[2] for r in group.rows) <= self.prefill_step_size + 1
         if decoding and (prompt_responses or (self._owed > 0 and not one_piece)):
             return prompt_responses, self._decode()  # rows that just started decode first
+        for g in self._groups:
+            g.passed = 0 if g is group else g.passed + 1
         tic = time.perf_counter()
         prompt_responses += self._prefill(group)
         if decoding:
