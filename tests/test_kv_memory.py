@@ -179,3 +179,46 @@ def test_server_bound_is_within_the_memory_asked():
     small = build_parser().parse_args(["serve", "--kv-memory", "100K"])
     with pytest.raises(ValueError, match="--kv-memory=102400 bytes .* too small"):
         load_served(small, cache_config(small))
+
+
+@pytest.mark.slow
+def test_gemma_kv_memory_counts_every_layer_and_says_which():
+    """Gemma 3: the 15 sliding-window layers count against --kv-memory (at their 512-token
+    window, or cut to the budget with --bound-sliding) and the start-up line names them."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from morphkv.mlxlm.builder import unpatch_model
+    from morphkv.model import load_gguf_model, resolve_embedded
+    from morphkv.server.app import ServedModel, install_caches
+    from morphkv.server.memory import kv_bound, startup_line
+
+    try:
+        path = str(resolve_embedded("gemma3-270m"))
+    except Exception as e:  # noqa: BLE001 (any failure to fetch: skip)
+        pytest.skip(f"Gemma 3 unavailable: {e}")
+    model, tokenizer = load_gguf_model(path)
+    served = ServedModel(model, tokenizer, {}, path, frozenset())
+    asked = 20 * MiB
+    config = install_caches(model, recommended(memory=asked))
+    _, bound, _ = kv_bound(served)
+    line = startup_line(served, config, bound)
+    assert bound <= asked
+    assert "3 morphkv layers" in line
+    assert "15 sliding-window layers, window 512 (layers 0-4,6-10,12-16) 15.0 MiB" in line
+    caches = model.make_cache()
+    fill(model, caches, tokens=700, step=64)
+    assert sum(c.nbytes for c in caches) <= asked  # every layer, filled past both windows
+    sliding = sum(c.nbytes for c in caches if isinstance(c, RotatingKVCache))
+    assert 14 * MiB < sliding <= 15 * MiB
+    with pytest.raises(ValueError, match=r"too small.* in the layers morphkv does not replace"):
+        unpatch_model(model)
+        install_caches(model, recommended(memory=12 * MiB))
+
+    unpatch_model(model)
+    config = install_caches(model, recommended(64), bound_sliding=True)
+    _, bound, _ = kv_bound(served)
+    assert "cut to the budget (64 newest tokens" in startup_line(served, config, bound)
+    caches = model.make_cache()
+    assert {c.max_size for c in caches if isinstance(c, RotatingKVCache)} == {64}
+    fill(model, caches, tokens=300, step=64)
+    assert sum(c.nbytes for c in caches) <= bound

@@ -8,11 +8,13 @@ GGUF file). The load, the same for both: (1) warm-up (the most clients, long pro
 the peak is reached), then short chats from 8 clients (the
 throughput comparison); (2) N = 4, 8, 16 concurrent clients, each a bounded script mixing plain
 and streamed chats, text completions, a conversation that grows far past the budget, prompts of
-10x the budget, streams dropped after the first chunk and malformed requests; (3) 8 long
-conversations (throughput once past 4x the budget); (4) every malformed request once, then a
-health check. Memory (RSS, MLX active and peak) is sampled in the server process every 0.25 s;
-morphkv's prompt-cache bytes from ``GET /morphkv/stats``. Every loop is bounded in count and
-time; servers are stopped by process id. JSON + PNG under --out (default results/serve_load).
+10x the budget, streams dropped after the first chunk and malformed requests; (3) the
+mixed-length level (``load_mixed``: --mixed requests with 2k and 8k prompts at the most
+clients); (4) 8 long conversations (throughput once past 4x the budget); (5) every malformed
+request once, then a health check. Memory (RSS, MLX active and peak) is sampled in the server
+process every 0.25 s; morphkv's prompt-cache bytes from ``GET /morphkv/stats``. Every loop is
+bounded in count and time; servers are stopped by process id. JSON + PNG under --out (default
+results/serve_load).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import urllib.request
 from pathlib import Path
 
 from ..eval.util import stop_process
-from .load_clients import PROBE_BAD, User, long_text, raw_post
+from .load_clients import PROBE_BAD, User, in_threads, long_text, raw_post
+from .load_mixed import MixedUser, by_class, drive_mixed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--servers", default="morphkv,mlx_lm", help="Which servers (default: morphkv,mlx_lm).")
     a("--cache-flags", default="",
       help="More morphkv serve cache flags for the morphkv server, e.g. '--method streaming_llm'.")
+    a("--mixed", type=int, default=96,
+      help="Requests of the mixed-length level (short chats, 2k and 8k prompts, drops, "
+      "malformed) at the most clients (default: 96; 0: off; the issue's level: 500).")
+    a("--mixed-seconds", type=float, default=3600, help="Time limit of the mixed level.")
     a("--out", default="results/serve_load", help="Output directory.")
     a("--quick", action="store_true", help="A minutes-scale smoke run.")
 
@@ -98,6 +105,8 @@ class Server:
                  args.prompt_cache_bytes] + (["--model", args.model] if args.model else [])
         if kind == "morphkv":
             flags += args.cache_flags.split()
+        else:  # mlx_lm's server as it is: its own prefill step (morphkv serve's default: 256)
+            flags += ["--prefill-step-size", "2048"]
         code = ("import sys; from morphkv.bench.load import server_main; "
                 "sys.exit(server_main(sys.argv[1:]))")
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(self.log), kind, *flags],
@@ -153,11 +162,7 @@ def drive(users: list[User], rounds: int, seconds: float, kinds=None) -> tuple[l
                 records.append(r)
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=work, args=(u,), daemon=True) for u in users]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=seconds + 300)
+    in_threads(work, users, seconds + 300)
     return records, time.perf_counter() - t0
 
 
@@ -208,6 +213,8 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
     server = Server(kind, args, out)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=180,
                            max_retries=0)
+    patient = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=1200,
+                            max_retries=0)  # the mixed level's 8k prompt
     cache_samples, done = [], threading.Event()
 
     def sample_cache():
@@ -223,9 +230,15 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
         def mk(n):
             return [User(client, server.url, i, args.max_tokens, long_prompt) for i in range(n)]
 
-        # warm-up at the highest concurrency, long prompts included: the peak that batch
-        # sizes and prefill chunks reach is set here, so what grows afterwards grows with time
-        drive(mk(max(args.levels)), 2, args.level_seconds, ["long", "chat"])
+        def mixed(n):
+            return [MixedUser(patient, server.url, i, args.max_tokens, long_prompt)
+                    for i in range(n)]
+
+        # warm-up at the highest concurrency with the mixed level's kinds and lengths (2k
+        # prompts, no 8k): the peak that batch sizes and prefill pieces reach is set here, so
+        # what grows afterwards grows with time
+        top = max(args.levels)
+        drive_mixed(mixed(top), 3 * top, args.level_seconds * 2, with_8k=False, label="warm-up")
         marks["warm"] = time.time()
         phases["short_8"] = figures(*drive(mk(8), args.short, args.level_seconds, ["chat"]))
         print(f"  {kind} short x8: {phases['short_8']['tokens_per_s']:.1f} tok/s", flush=True)
@@ -238,6 +251,16 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
             print(f"  {kind} load x{n}: {f['requests']} requests, {f['tokens_per_s']:.1f} tok/s,"
                   f" p95 {f['p95_s']}, failed {f['failed_good']}, 5xx {f['responses_5xx']}, "
                   f"bad 4xx {f['bad_4xx']}/{f['bad']}, {_loadavg()}", flush=True)
+        if args.mixed:
+            records, wall = drive_mixed(mixed(top), args.mixed, args.mixed_seconds,
+                                        with_8k=not args.quick, label=f"{kind} mixed x{top}")
+            phases[f"mixed_{top}"] = {**figures(records, wall, args.budget),
+                                      "classes": by_class(records)}
+            marks[f"mixed_{top}"] = time.time()
+            f = phases[f"mixed_{top}"]
+            print(f"  {kind} mixed x{top}: {f['requests']} requests, failed {f['failed_good']},"
+                  f" 5xx {f['responses_5xx']}, bad 4xx {f['bad_4xx']}/{f['bad']}, "
+                  f"{_loadavg()}", flush=True)
         phases["conversations_8"] = figures(
             *drive(mk(8), args.turns, args.level_seconds, ["turn"]), args.budget)
         marks["end"] = time.time()
@@ -262,6 +285,7 @@ def run(args) -> int:
     args.levels = [int(x) for x in str(args.levels).split(",")]
     if args.quick:
         args.levels, args.rounds, args.short, args.turns = [4], 4, 1, 3
+        args.mixed = min(args.mixed, 12)
         args.budget = min(args.budget, 32)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,18 @@ PROBE_BAD = SAFE_BAD + [  # sent once, after the load, one at a time
 ]
 
 
+def in_threads(work, users: list, timeout: float) -> None:
+    """``work(user)`` for every user, each in its own thread; waits (at most ``timeout`` s
+    each) for all."""
+    import threading
+
+    threads = [threading.Thread(target=work, args=(u,), daemon=True) for u in users]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+
+
 def long_text(tokens: int) -> str:
     """About ``tokens`` tokens of real English prose (Python's reference docs)."""
     from pydoc_data.topics import topics

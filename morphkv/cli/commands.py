@@ -27,6 +27,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("bench serve", "morphkv.bench.serve"),
     ("bench chat", "morphkv.bench.chat"),
     ("bench load", "morphkv.bench.load"),
+    ("bench fair", "morphkv.bench.fair"),
     ("bench batch", "morphkv.bench.batch_step"),
     ("eval fidelity", "morphkv.eval.fidelity"),
     ("eval generation", "morphkv.eval.generation"),

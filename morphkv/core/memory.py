@@ -121,8 +121,9 @@ def _smallest_budget(config: KVCacheConfig) -> int:
             budget += 1
 
 
-def resolve(config: KVCacheConfig, shapes: list[LayerShape]) -> KVCacheConfig:
-    """``config`` with the largest budget whose caches over ``shapes`` hold at most
+def resolve(config: KVCacheConfig, shapes: list[LayerShape], fixed=None) -> KVCacheConfig:
+    """``config`` with the largest budget whose caches over ``shapes``, plus ``fixed(budget)``
+    bytes (the model's other layers: sliding-window layers, fixed-size state), hold at most
     ``kv_memory`` bytes; ``ValueError`` (naming kv_memory) when even the smallest budget the
     sinks and recent tokens need does not fit. A config without a memory size is returned
     as is."""
@@ -131,9 +132,10 @@ def resolve(config: KVCacheConfig, shapes: list[LayerShape]) -> KVCacheConfig:
     if not shapes:
         raise ValueError("kv_memory: the model has no layer with a morphkv cache")
     memory = config.kv_memory
+    other = fixed or (lambda budget: 0)
 
     def fits(budget: int) -> tuple[bool, int]:
-        held = bound_bytes(at_budget(config, budget), shapes)
+        held = bound_bytes(at_budget(config, budget), shapes) + other(budget)
         return held <= memory, held
 
     lo = _smallest_budget(config)
@@ -144,6 +146,8 @@ def resolve(config: KVCacheConfig, shapes: list[LayerShape]) -> KVCacheConfig:
             f"kv_memory={memory} bytes ({fmt_size(memory)}) is too small: the smallest cache "
             f"({lo} tokens per KV head: {smallest.n_sink} sinks + {smallest.recent} newest tokens "
             f"+ 1 scored) holds {held_lo} bytes ({fmt_size(held_lo)}) over {len(shapes)} layers"
+            + (f", {fmt_size(other(lo))} of them in the layers morphkv does not replace "
+               "(sliding-window layers, fixed-size state)" if other(lo) else "")
         )
     hi, held_hi = 2 * lo, None
     while True:  # bracket: lo fits, hi does not

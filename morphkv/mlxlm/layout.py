@@ -65,6 +65,34 @@ def replace_global(caches: list, make: Callable[[], Any]) -> list:
     return [swap(c) for c in caches]
 
 
+def cut_sliding(caches: list, tokens: int) -> list:
+    """``caches`` with each sliding-window ``RotatingKVCache`` longer than ``tokens`` replaced by
+    ``RotatingKVCache(tokens)`` (its newest ``tokens`` tokens; no kept first tokens, which
+    mlx_lm's batch cache does not carry), in place inside ``CacheList`` entries."""
+
+    def swap(cache):
+        if type(cache) is RotatingKVCache and cache.max_size > tokens:
+            return RotatingKVCache(max_size=tokens)
+        if isinstance(cache, CacheList):
+            cache.caches = tuple(swap(c) for c in cache.caches)
+        return cache
+
+    return [swap(c) for c in caches]
+
+
+def install_cut_sliding(model: Any, tokens: int) -> None:
+    """Make ``model.make_cache`` (patched by ``patch_model``) cut the sliding-window layers to
+    ``tokens`` too; ``native_factory`` still finds the model's own factory."""
+    inner = model.make_cache
+
+    def make_cache():
+        return cut_sliding(list(inner()), tokens)
+
+    make_cache.morphkv_native = getattr(inner, "morphkv_native", None)
+    model.morphkv_bound_sliding = True
+    model.make_cache = make_cache
+
+
 @dataclass(frozen=True)
 class LayerBound:
     """What bounds one layer's cache."""

@@ -68,7 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-tokens", type=int, default=512, help="Default tokens to generate per request.")
     a("--decode-concurrency", type=int, default=32, help="Requests decoded in one batch.")
     a("--prompt-concurrency", type=int, default=8, help="Prompts prefilled in one batch.")
-    a("--prefill-step-size", type=int, default=2048, help="Prompt tokens per prefill chunk.")
+    a("--prefill-step-size", type=int, default=256,
+      help="Prompt tokens per prefill piece (default: 256; mlx_lm's: 2048): a long prompt is "
+      "prefilled in pieces, interleaved with other requests' prefill and decoding.")
+    a("--batching", choices=["fair", "mlx_lm"], default="fair",
+      help="fair (default): prompts grouped by length, long prompts prefilled in pieces, "
+      "shortest first, prefill and decoding sharing the time; mlx_lm: mlx_lm's BatchGenerator "
+      "(every prompt in a prefill batch padded to the longest). See docs/serving.md.")
     a("--prompt-cache-size", type=int, default=10, help="Most KV caches kept for reuse.")
     a(
         "--prompt-cache-bytes",
@@ -84,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="Largest request body; larger get 413 (default: 16M).")
     a("--shutdown-grace", type=float, default=2.0,
       help="Seconds in-flight requests get to finish at SIGTERM / Ctrl-C (default: 2).")
+    a("--bound-sliding", action="store_true",
+      help="Cut sliding-window layers (Gemma 3: 15 of 18, window 512) to the budget's newest "
+      "tokens too (default: they keep their window and --kv-memory counts their bytes; "
+      "measured: cutting them costs ~10x the KL, docs/families.md).")
     add_cache_flags(parser, budget=512)
     a("--seed", type=int, default=0, help="Seed of the 'random' rule.")
 
@@ -106,7 +116,6 @@ def cache_config(args):
 def load_served(args, config) -> ServedModel:
     """Load ``--model`` (or the embedded model) and install morphkv caches on it (``config``
     None: keep mlx_lm's default cache, for comparisons)."""
-    from ..mlxlm.builder import patch_model
     from ..model import (
         DEFAULT_MODEL_NAME,
         load_gguf_model,
@@ -138,12 +147,27 @@ def load_served(args, config) -> ServedModel:
             trust_remote_code=args.trust_remote_code,
         )
     if config is not None:
-        from ..runtime.cache_flags import resolve_for_model
-
-        patch_model(model, resolve_for_model(model, config))  # --kv-memory: one-line errors
+        install_caches(model, config, getattr(args, "bound_sliding", False))
     model.make_cache()  # raises now for models morphkv cannot serve (sliding-window layers)
     names = {"default_model", path, DEFAULT_MODEL_NAME if name is None else str(name)}
     return ServedModel(model, tokenizer, model_config, path, frozenset(names))
+
+
+def install_caches(model, config, bound_sliding: bool = False):
+    """Install morphkv caches on ``model`` (``--kv-memory`` resolved over all its layers, a
+    one-line error when too small); ``bound_sliding``: its sliding-window layers are cut to
+    the budget too. Returns the resolved config."""
+    from ..mlxlm.builder import patch_model
+    from ..mlxlm.layout import install_cut_sliding
+    from ..runtime.cache_flags import resolve_for_model
+
+    if bound_sliding:
+        model.morphkv_bound_sliding = True  # --kv-memory counts them cut to the budget
+    config = resolve_for_model(model, config)
+    patch_model(model, config)
+    if bound_sliding and config.method != "full":
+        install_cut_sliding(model, config.budget)
+    return config
 
 
 def _provider_class():
@@ -285,7 +309,8 @@ def serve(args, config) -> int:
         print(f"morphkv serve: listening on http://{args.host}:{args.port}/v1", flush=True)
 
     status = run_server(args.host, args.port, provider, limits, args.max_requests,
-                        args.shutdown_grace, on_listening=listening)
+                        args.shutdown_grace, on_listening=listening,
+                        fair=args.batching == "fair")
     # Everything is stopped and joined by now. Exit without running C++ static destructors:
     # MLX's worker threads can still be joinable then, and the process would abort
     # ("terminate called without an active exception", status -6) instead of exiting 0 / 130.

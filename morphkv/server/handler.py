@@ -52,8 +52,9 @@ class ClientGone(ConnectionError):
 class Lifecycle:
     """Requests in flight and the shutdown state, shared by the handlers and the server loop."""
 
-    def __init__(self, max_requests: int):
+    def __init__(self, max_requests: int, on_idle=None):
         self.max_requests = max_requests
+        self.on_idle = on_idle  # called when the last request in flight leaves
         self._cond = threading.Condition()
         self.in_flight = 0
         self.served = 0
@@ -75,7 +76,10 @@ class Lifecycle:
         with self._cond:
             self.in_flight -= 1
             self.served += 1
+            idle = self.in_flight == 0
             self._cond.notify_all()
+        if idle and self.on_idle is not None:
+            self.on_idle()
 
     def begin_stop(self, grace_s: float) -> None:
         with self._cond:

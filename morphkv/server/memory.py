@@ -7,12 +7,15 @@ from ..runtime.cache_flags import describe
 
 
 def kv_bound(served):
-    """(the caches' resolved config, bytes of one sequence's caches once the budget is
-    reached, bytes of one more stored token): every layer stores (budget + 1) slots per KV
-    head (one awaits reuse) plus its selection state at most, block eviction's pending
-    queries included (``morphkv.core.memory.bound_bytes``: probe caches of the model's real
-    layer shapes run past the budget and through an eviction block; what ``--kv-memory``
-    resolves with). The bounds are None for method='full' and mlx_lm's default cache."""
+    """(the caches' resolved config, bytes of one sequence's caches over ALL layers once the
+    budget is reached, bytes of one more stored token in a prefill chunk): every morphkv layer
+    stores (budget + 1) slots per KV head (one awaits reuse) plus its selection state at most,
+    block eviction's pending queries included (``morphkv.core.memory.bound_bytes``: probe
+    caches of the model's real layer shapes run past the budget and through an eviction
+    block; what ``--kv-memory`` resolves with); the layers morphkv does not replace (Gemma 3's
+    sliding-window layers) hold their window, or the budget with ``--bound-sliding``
+    (``morphkv.mlxlm.memory.other_layers``). The bounds are None for method='full' and mlx_lm's
+    default cache."""
     import mlx.core as mx
 
     from ..core import quant
@@ -20,14 +23,39 @@ def kv_bound(served):
     caches = served.model.make_cache()
     served.model(mx.array([[0]]), cache=caches)
     config = getattr(caches[0], "config", None)
+    if config is None:
+        config = next((c.config for c in caches if hasattr(c, "nbytes_bound")), None)
     if config is None or config.method == "full":
         return config, None, None
     ours = [c for c in caches if hasattr(c, "nbytes_bound")]
     per_token = sum(c.storage_nbytes // quant.dims(c.keys)[2] for c in ours)
-    from ..core.memory import bound_bytes
-    from ..mlxlm.memory import layer_shapes
+    parts = layer_parts(served.model, config)
+    per_token += sum(len(o.layers) * o.per_token for o in parts[1] if o.window)
+    return config, parts[0] + sum(b for _, b in parts[2]), per_token
 
-    return config, bound_bytes(config, layer_shapes(served.model)), per_token
+
+def layer_parts(model, config):
+    """(bytes of the morphkv layers, the other layers' groups, [(text, bytes) per group]):
+    which layers hold how many bytes at most, for the start-up line."""
+    from ..core.memory import bound_bytes
+    from ..mlxlm.layout import _ranges
+    from ..mlxlm.memory import bounds_sliding, layer_shapes, other_layers
+
+    shapes = layer_shapes(model)
+    morph = bound_bytes(config, shapes)
+    others = other_layers(model)
+    cut = config.budget if bounds_sliding(model) else None
+    texts = []
+    for o in others:
+        if o.window:
+            held = f"window {o.window}" if cut is None or cut >= o.window else (
+                f"window {o.window} cut to the budget ({cut} newest tokens, --bound-sliding)")
+            what = f"sliding-window layers, {held}"
+        else:
+            what = "fixed-size state"
+        texts.append((f"{len(o.layers)} {what} (layers {_ranges(list(o.layers))}) "
+                      f"{_fmt(o.nbytes(cut))}", o.nbytes(cut)))
+    return morph, others, texts
 
 
 def _fmt(n: float) -> str:
@@ -49,6 +77,12 @@ def startup_line(served, config, bound: int | None, per_token=None) -> str:
     )
     if bound is not None and getattr(config, "kv_memory", None) is not None:
         memory += f" (--kv-memory {_fmt(config.kv_memory)}: {config.budget} tokens per KV head)"
+    if bound is not None:
+        morph, others, texts = layer_parts(served.model, config)
+        if texts:
+            n = sum(1 for c in served.model.make_cache() if hasattr(c, "nbytes_bound"))
+            memory += (f": {n} morphkv layers {_fmt(morph)} + "
+                       + " + ".join(t for t, _ in texts))
     return f"morphkv serve: {served.path}; KV cache {setting}; KV memory bound {memory}"
 
 

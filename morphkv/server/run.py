@@ -28,23 +28,72 @@ from .guard import Limits
 from .handler import Lifecycle, Server, handler_for
 
 
+def own_memory(cache) -> None:
+    """Give a cache kept for reuse its own host arrays: a batch row's engine can hold views
+    into arrays shared by every row of its batch (the queries ``catch_up`` gathered for all
+    rows at once), which would keep the whole batch's arrays alive while ``nbytes`` counts
+    only the row's share. Views are copied; nothing else changes."""
+    import numpy as np
+
+    def own(v):
+        if isinstance(v, np.ndarray) and v.base is not None and v.nbytes < _base_nbytes(v):
+            return v.copy()
+        if isinstance(v, list):
+            return [own(x) for x in v]
+        return v
+
+    engine = getattr(cache, "engine", None)
+    if engine is None or not hasattr(engine, "__dict__"):
+        return
+    for name, value in vars(engine).items():
+        if isinstance(value, (list, np.ndarray)):
+            setattr(engine, name, own(value))
+
+
+def _base_nbytes(v) -> int:
+    while getattr(v, "base", None) is not None and hasattr(v.base, "nbytes"):
+        v = v.base
+    return v.nbytes
+
+
 def bounded_prompt_cache(max_size: int, max_bytes: int | None):
     """mlx_lm's LRUPromptCache whose byte count never exceeds ``max_bytes``, not even while a
-    cache is added: room is made first, and a cache larger than the whole limit is not kept."""
+    cache is added: room is made first, and a cache larger than the whole limit is not kept.
+    Every kept cache owns its host arrays (``own_memory``)."""
     from mlx_lm.models.cache import LRUPromptCache
 
     class BoundedPromptCache(LRUPromptCache):
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
             n = sum(c.nbytes for c in prompt_cache)
-            if n > self.max_bytes:
-                logging.info("prompt cache: a %d-byte cache is over the limit; not kept", n)
-                return
-            self.trim_to(n_bytes=self.max_bytes - n)
+            if self.max_bytes is not None:
+                if n > self.max_bytes:
+                    logging.info("prompt cache: a %d-byte cache is over the limit; not kept", n)
+                    return
+                self.trim_to(n_bytes=self.max_bytes - n)
+            for c in prompt_cache:
+                own_memory(c)
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
 
     if max_bytes is None:
-        return LRUPromptCache(max_size)
+        return BoundedPromptCache(max_size)
     return BoundedPromptCache(max_size, max_bytes)
+
+
+def release_host_memory() -> None:
+    """Called when the server has no request in flight: collect Python's cyclic garbage (a
+    dropped client's exception keeps its frames, and the arrays they reference, until the
+    cycle collector runs), then hand freed heap pages back to the system (glibc
+    ``malloc_trim``; nothing elsewhere: glibc keeps the pages of freed host arrays)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
 
 
 def _rss_bytes() -> int:
@@ -92,8 +141,21 @@ def _bind(host: str, port: int, handler_class, generator):
 
 
 def run(host: str, port: int, provider, limits: Limits, max_requests: int, grace_s: float,
-        on_listening=None) -> int:
-    """Serve until SIGTERM (returns 0) or SIGINT (returns 130)."""
+        on_listening=None, fair: bool = True) -> int:
+    """Serve until SIGTERM (returns 0) or SIGINT (returns 130). ``fair``: batch with
+    ``morphkv.server.fair.FairBatchGenerator`` instead of mlx_lm's BatchGenerator."""
+    import mlx_lm.server
+
+    from .fair import install
+
+    undo = install(mlx_lm.server, fair)
+    try:
+        return _run(host, port, provider, limits, max_requests, grace_s, on_listening)
+    finally:
+        undo()
+
+
+def _run(host, port, provider, limits, max_requests, grace_s, on_listening) -> int:
     import mlx.core as mx
     from mlx_lm.server import ResponseGenerator
 
@@ -103,7 +165,7 @@ def run(host: str, port: int, provider, limits: Limits, max_requests: int, grace
     if mx.distributed.init().rank() != 0:  # other ranks follow rank 0's generation
         generator.join()
         return 0
-    life = Lifecycle(max_requests)
+    life = Lifecycle(max_requests, on_idle=release_host_memory)
     handler = handler_for(limits, life, stats_of(prompt_cache, args.prompt_cache_bytes))
     try:
         httpd = _bind(host, port, handler, generator)

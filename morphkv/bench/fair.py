@@ -1,0 +1,193 @@
+"""Fairness under mixed lengths: does a long prompt hold short requests hostage?
+
+Each server (morphkv serve, fair batching; mlx_lm's own server, ``mlx_lm.server.run`` with its
+default cache and BatchGenerator; optionally morphkv serve with ``--batching mlx_lm``) is
+started on loopback with the same model and flags and sent, with the official ``openai``
+client, streamed: a short chat alone, the long prompt alone, the long prompt with 4 short chats
+at the same moment ("together"), and the long prompt followed by 4 short chats
+``--after-s`` seconds later ("after"). Every request's prompt starts with its own number, so
+no prompt cache can reuse another's prefill. Recorded per request: time to first token and
+total time. The targets (issue 35): a short chat's TTFT together / after <= 2x its TTFT alone
++ a quarter of the long prompt's time alone; the long prompt together <= 1.3x alone. Prints and
+saves JSON + PNG (default under results/serve_fair/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from .load_clients import QUESTIONS, long_text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--model", default=None, help="Model to serve (default: embedded).")
+    a("--budget", type=int, default=64, help="morphkv budget (tokens, default: 64).")
+    a("--long-tokens", type=int, default=2000, help="The long prompt, ~tokens (default: 2000).")
+    a("--shorts", type=int, default=4, help="Short chats sent with it (default: 4).")
+    a("--max-tokens", type=int, default=16, help="Tokens per reply (default: 16).")
+    a("--after-s", type=float, default=2.0, help="'after': delay of the short chats (default: 2).")
+    a("--servers", default="morphkv,mlx_lm",
+      help="morphkv, mlx_lm (its own server), morphkv-mlx_lm (morphkv serve --batching mlx_lm).")
+    a("--cache-flags", default="", help="More morphkv serve flags, e.g. '--method full'.")
+    a("--prompt-cache-bytes", default="32M", help="Both servers' --prompt-cache-bytes.")
+    a("--out", default="results/serve_fair", help="Output directory.")
+    a("--quick", action="store_true", help="A minute-scale smoke run (shorter long prompt).")
+
+
+_counter = iter(range(10**9))
+
+
+def _streamed(client, content: str, max_tokens: int, kind: str) -> dict:
+    n = next(_counter)
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    try:
+        stream = client.chat.completions.create(
+            model="default_model", max_tokens=max_tokens, temperature=0.0, stream=True,
+            messages=[{"role": "user", "content": f"Request {n}. {content}"}])
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                tokens += 1
+        return {"kind": kind, "ok": True, "ttft_s": ttft, "total_s": time.perf_counter() - t0,
+                "tokens": tokens}
+    except Exception as e:  # recorded, the run goes on
+        return {"kind": kind, "ok": False, "error": f"{type(e).__name__}: {e}"[:200],
+                "total_s": time.perf_counter() - t0}
+
+
+def _at_once(jobs: list[tuple[float, callable]]) -> list[dict]:
+    """Run each job (delay seconds, function) in its own thread; the results in job order."""
+    results: list = [None] * len(jobs)
+
+    def work(i, delay, fn):
+        time.sleep(delay)
+        results[i] = fn()
+
+    threads = [threading.Thread(target=work, args=(i, d, f), daemon=True)
+               for i, (d, f) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=1800)
+    return results
+
+
+def scenarios(client, args, long_prompt: str) -> dict:
+    def short(i=0):
+        return lambda: _streamed(client, QUESTIONS[i % len(QUESTIONS)], args.max_tokens, "short")
+
+    def long():
+        return _streamed(client, long_prompt, args.max_tokens, "long")
+
+    out = {}
+    short()()  # warm-up (first-request costs: tokenizer, kernels)
+    out["short_alone"] = [short(i)() for i in range(3)]
+    out["long_alone"] = [long()]
+    out["together"] = _at_once([(0, long)] + [(0, short(i)) for i in range(args.shorts)])
+    out["after"] = _at_once([(0, long)] + [(args.after_s, short(i)) for i in range(args.shorts)])
+    return out
+
+
+def summarize(runs: dict, args) -> dict:
+    def med(rows, key, kind=None):
+        vals = [r[key] for r in rows if r["ok"] and r.get(key) is not None
+                and (kind is None or r["kind"] == kind)]
+        return statistics.median(vals) if vals else None
+
+    short_ttft = med(runs["short_alone"], "ttft_s")
+    long_total = med(runs["long_alone"], "total_s")
+    limit = 2 * short_ttft + 0.25 * long_total if short_ttft and long_total else None
+    s = {"short_alone_ttft_s": short_ttft, "short_alone_total_s": med(runs["short_alone"],
+                                                                      "total_s"),
+         "long_alone_ttft_s": med(runs["long_alone"], "ttft_s"), "long_alone_total_s": long_total,
+         "short_ttft_limit_s": limit,
+         "failed": sum(not r["ok"] for rows in runs.values() for r in rows)}
+    for name in ("together", "after"):
+        rows = runs[name]
+        worst = max((r["ttft_s"] or 1e9 for r in rows if r["kind"] == "short"), default=None)
+        s[name] = {"short_ttft_median_s": med(rows, "ttft_s", "short"), "short_ttft_max_s": worst,
+                   "short_total_median_s": med(rows, "total_s", "short"),
+                   "long_ttft_s": med(rows, "ttft_s", "long"),
+                   "long_total_s": med(rows, "total_s", "long"),
+                   "short_ttft_target_met": limit is not None and worst is not None
+                   and worst <= limit}
+        if long_total and s[name]["long_total_s"]:
+            s[name]["long_vs_alone"] = s[name]["long_total_s"] / long_total
+    s["together"]["long_target_met"] = s["together"].get("long_vs_alone", 9) <= 1.3
+    return s
+
+
+def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
+    import openai
+
+    from .load import Server
+
+    flags = args.cache_flags
+    if kind == "morphkv-mlx_lm":
+        flags = f"{flags} --batching mlx_lm --prefill-step-size 2048"
+    server_args = argparse.Namespace(budget=args.budget, max_tokens=args.max_tokens,
+                                     prompt_cache_bytes=args.prompt_cache_bytes,
+                                     model=args.model, cache_flags=flags)
+    server = Server("mlx_lm" if kind == "mlx_lm" else "morphkv", server_args, out)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=1200,
+                           max_retries=0)
+    try:
+        runs = scenarios(client, args, long_prompt)
+    finally:
+        status = server.stop()
+    text = server.output.read_text()
+    return {"runs": runs, "summary": summarize(runs, args), "exit_status": status,
+            "startup": [x for x in text.splitlines() if x.startswith("morphkv serve:")],
+            "tracebacks_in_log": text.count("Traceback")}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(results)
+    for ax, key, title in ((axes[0], "short_ttft_max_s", "short chats: slowest first token (s)"),
+                           (axes[1], "long_total_s", "long prompt: total time (s)")):
+        for j, scen in enumerate(("together", "after")):
+            vals = [results[n]["summary"][scen][key] or 0 for n in names]
+            ax.bar([i + 0.4 * j for i in range(len(names))], vals, width=0.4, label=scen)
+        alone = [results[n]["summary"]["short_ttft_limit_s" if j == 0 else "long_alone_total_s"]
+                 for n in names for j in [0 if key.startswith("short") else 1]]
+        ax.scatter(range(len(names)), alone, color="k", marker="_", s=400,
+                   label="target limit" if key.startswith("short") else "alone")
+        ax.set_xticks([i + 0.2 for i in range(len(names))], names)
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(args) -> int:
+    if args.quick:
+        args.long_tokens, args.max_tokens, args.budget = 600, 4, min(args.budget, 32)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    long_prompt = "Summarize this text. " + long_text(args.long_tokens)
+    loads, results = [os.getloadavg()], {}
+    for kind in args.servers.split(","):
+        print(f"{kind} server ...", flush=True)
+        results[kind] = bench_server(kind, args, out, long_prompt)
+        loads.append(os.getloadavg())
+        print(json.dumps({kind: results[kind]["summary"]}, indent=1), flush=True)
+    report = {"settings": vars(args), "load_average": loads, "results": results}
+    name = "serve_fair_quick" if args.quick else "serve_fair"
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
+    plot(results, out / f"{name}.png")
+    print(f"wrote {out / name}.json and .png (load averages {loads})")
+    return 0
