@@ -96,6 +96,13 @@ def test_too_small_is_a_clear_error(tiny):
         morphkv.patch_model(tiny, recommended(memory=1000))
 
 
+def test_an_error_not_about_the_size_is_raised_not_searched():
+    """A config that fails at every budget (8-bit groups of 64 on head_dim 16) says why at
+    once instead of searching budgets forever."""
+    with pytest.raises(ValueError, match="kv_group_size=64 must divide head_dim=16"):
+        KVCacheBuilder.for_model(tiny_llama(head_dim=16), recommended(memory=2**20))
+
+
 def test_unresolved_config_is_refused_by_a_bare_cache():
     config = recommended(memory=10 * MiB)
     assert config.budget == 0 and config.kv_bits == 8
