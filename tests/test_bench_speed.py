@@ -120,11 +120,12 @@ def test_kernels_counts_a_block_of_decode_steps(tmp_path):
     parser = argparse.ArgumentParser()
     kernels.add_arguments(parser)
     args = parser.parse_args(["--quick", "--out", str(tmp_path), "--arms",
-                              "rotating,recommended:block=1,recommended:block=8,"
-                              "recommended:block=8:engine=host"])
+                              "rotating,recommended:block=1:engine=mlx,recommended:block=8,"
+                              "recommended:block=8:engine=host,recommended:block=1"])
     rows = {r["cache"]: r for r in kernels.execute(args)["rows"]}
     assert rows["rotating"]["host_syncs_per_step"] == 0
-    assert rows["recommended:block=1"]["host_syncs_per_step"] == 0
+    assert rows["recommended:block=1:engine=mlx"]["host_syncs_per_step"] == 0
+    assert rows["recommended:block=1"]["host_syncs_per_step"] >= 1  # block 1 runs on the host
     assert rows["recommended:block=8"]["host_syncs_per_step"] == 0
     assert rows["recommended:block=8"]["steps"] == 8
     assert rows["recommended:block=8:engine=host"]["host_syncs_per_step"] >= 1 / 8

@@ -85,8 +85,13 @@ class KVCacheConfig:
         at least as fast as the host (real-query scoring through the attention hook: one
         softmax for the output and the statistics), ``"host"`` for keys as proxy queries (a
         cache used alone: per-token proxy rows and evictions cost more MLX ops than the host
-        engine's compiled kernels) and for ``full``."""
+        engine's compiled kernels), for ``full``, and for the per-token rule (block 1: about 40
+        small MLX ops per token; in the model 2.4x / 3.8x RotatingKVCache's prefill at 1k / 4k
+        against the host's 1.4x / 1.6x, ``morphkv bench overhead``) unless a memory size asks
+        for the bound only the MLX engine keeps inside a prefill."""
         if self.method == "full" or self.scoring != "attention":
+            return "host"
+        if self.morphkv_block == 1 and self.kv_memory is None:
             return "host"
         return "mlx"
 

@@ -43,10 +43,11 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     from the model's shape into the most tokens per KV head that fit (``budget`` is then
     ignored), the newest half of them always kept. ``recommended(budget)`` evicts in blocks of
     ``BLOCK`` tokens: once full, every 16th token evicts 16 at once (between evictions the cache
-    holds ``budget - 15`` to ``budget`` tokens). ``recommended(memory=N)`` evicts one token per
-    token: a block keeps its queries until its eviction (16 x query heads x head dim per layer),
-    which at small memory sizes costs more tokens than the block saves time. Keyword arguments
-    override any ``KVCacheConfig`` field.
+    holds ``budget - 15`` to ``budget`` tokens); so does ``recommended(memory=N)`` since the MLX
+    engine (the default with real queries) holds no queries between evictions (the host engine
+    did: ``recommended(memory=N)`` evicted per token before, at 4.1x RotatingKVCache's prefill
+    on the MLX engine; ``morphkv_block=1`` gives it back). Keyword arguments override any
+    ``KVCacheConfig`` field.
     """
     window = overrides.get("morphkv_window", WINDOW)
     fields = dict(
@@ -61,7 +62,7 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
         morphkv_block=max(1, min(BLOCK, budget - N_SINK - max(window, budget // 2))),
     )
     if memory is not None:
-        fields.update(morphkv_budget=0, kv_memory=memory, kv_bits=MEMORY_BITS, morphkv_block=1,
+        fields.update(morphkv_budget=0, kv_memory=memory, kv_bits=MEMORY_BITS, morphkv_block=BLOCK,
                       morphkv_recent=None, morphkv_recent_share=0.5, morphkv_peak=MEMORY_PEAK)
         if "morphkv_recent" in overrides:
             fields["morphkv_recent_share"] = None
