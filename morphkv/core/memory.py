@@ -63,8 +63,14 @@ def needs_resolving(config: KVCacheConfig) -> bool:
 
 
 def at_budget(config: KVCacheConfig, budget: int) -> KVCacheConfig:
-    """``config`` with ``budget`` tokens per KV head (the recent share applied), validated."""
-    return dataclasses.replace(config, morphkv_budget=budget).validate()
+    """``config`` with ``budget`` tokens per KV head (the recent share applied), validated; at
+    budgets too small for a whole eviction block above the sinks and the recent floor, a
+    smaller block (as ``recommended(budget)`` does)."""
+    sized = dataclasses.replace(config, morphkv_budget=budget)
+    room = budget - sized.n_sink - sized.recent
+    if room < sized.morphkv_block:
+        sized = dataclasses.replace(sized, morphkv_block=max(1, room))
+    return sized.validate()
 
 
 def _probe(config: KVCacheConfig, shape: LayerShape) -> int:
