@@ -126,12 +126,11 @@ def test_startup_line_states_cache_and_bound(server):
     _, lines = server
     line = next(x for x in lines if x.startswith("morphkv serve:"))
     # storage: 30 layers x 3 KV heads x (32 + 1) slots x (64 + 64) x 4 bytes (float32 keys);
-    # selection state per layer and KV head (recommended preset, --window 4, so block
-    # min(16, 32 - 4 - 16) = 12 >= window: no ring): int32 positions, a float16 value norm and a
-    # float16 peak per slot; per layer the queries pending until an eviction, all 12 of a block
-    # for the running peak (9 heads x 64 float32)
+    # selection state per layer and KV head (recommended preset, --window 4, block
+    # min(16, 32 - 4 - 16) = 12, the MLX engine: fixed arrays, no pending queries): per slot an
+    # int32 position, a float16 peak, a float16 value norm and the window's 4 float16 rows
     storage = 30 * 3 * 33 * 128 * 4
-    engine = 30 * 3 * 33 * (4 + 2 + 2) + 30 * 12 * 9 * 64 * 4
+    engine = 30 * 3 * 33 * (4 + 2 + 2 + 4 * 2)
     setting = f"method=morphkv budget={BUDGET} sinks=4 window=4 recent=16 value-weighted"
     assert f"{setting} peak=0.02 block=12" in line
     assert "scoring=attention" in line
