@@ -4,6 +4,10 @@ from .runtime import program as _program
 
 _program.start()  # only for the `morphkv` command: quiet Ctrl-C, OpenBLAS re-exec (Linux)
 
+from .runtime import blas as _blas  # noqa: E402
+
+_blas.load_in_process()  # a script that imports morphkv before MLX gets OpenBLAS's matmuls
+
 from .core.cache import MorphKVCache  # noqa: E402
 from .core.config import KVCacheConfig  # noqa: E402
 from .core.presets import PRESETS, recommended  # noqa: E402
@@ -28,4 +32,4 @@ __version__ = _program.VERSION
 if not _program.invoked_as_program():
     from .runtime.blas import warn_if_slow
 
-    warn_if_slow()  # plain `python`: say once how to get the OpenBLAS speed-up
+    warn_if_slow()  # MLX was imported before morphkv: say once how to get OpenBLAS

@@ -60,37 +60,63 @@ def test_a_clone_folder_beside_the_script_does_not_shadow_the_package(tmp_path):
     assert found.name == "__init__.py" and tmp_path not in found.parents, found
 
 
-def _import_morphkv(env: dict) -> str:
-    code = "import morphkv\nimport morphkv.core.cache\nfrom morphkv import KVCacheConfig\n"
+def _import_morphkv(env: dict, mlx_first: bool = False) -> subprocess.CompletedProcess:
+    code = ("import mlx.core\n" if mlx_first else "") + (
+        "import morphkv\nimport morphkv.core.cache\nfrom morphkv import KVCacheConfig\n"
+        "import mlx.core as mx\nmx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))\n"
+        "print(open('/proc/self/maps').read())\n")
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stderr
+    return proc
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is Linux only")
-def test_plain_python_is_told_once_how_to_get_openblas():
+def _cpu_only() -> None:
     import mlx.core as mx
 
     if mx.default_device().type != mx.DeviceType.cpu:
         pytest.skip("MLX computes on a GPU here")
-    err = _import_morphkv(_plain_env())
-    assert err.count("SlowBLASWarning") == 1, err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is Linux only")
+def test_plain_python_importing_morphkv_first_gets_openblas():
+    """``import morphkv`` before MLX loads OpenBLAS into the process (no re-exec, no warning)."""
+    _cpu_only()
     lib = blas.find_blas(_plain_env())
+    if lib is None:
+        pytest.skip("no OpenBLAS on this machine")
+    proc = _import_morphkv(_plain_env())
+    assert "SlowBLASWarning" not in proc.stderr, proc.stderr
+    assert os.path.realpath(lib) in proc.stdout or lib in proc.stdout  # mapped in the process
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is Linux only")
+def test_plain_python_that_imported_mlx_first_is_told_once_how_to_get_openblas():
+    _cpu_only()
+    env = _plain_env()
+    proc = _import_morphkv(env, mlx_first=True)
+    err = proc.stderr
+    assert err.count("SlowBLASWarning") == 1, err
+    lib = blas.find_blas(env)
     if lib is not None:
-        assert f"LD_PRELOAD={lib} python" in err, err
+        assert f"LD_PRELOAD={lib} python" in err and "import morphkv before mlx" in err, err
+        assert os.path.realpath(lib) not in proc.stdout
     else:
         assert "apt-get install libopenblas0-pthread" in err and "LD_PRELOAD=" in err, err
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is Linux only")
 def test_no_warning_when_preloaded_or_disabled_or_the_command():
-    assert "SlowBLASWarning" not in _import_morphkv(_plain_env(MORPHKV_NO_BLAS_PRELOAD="1"))
+    off = _import_morphkv(_plain_env(MORPHKV_NO_BLAS_PRELOAD="1"), mlx_first=True)
+    assert "SlowBLASWarning" not in off.stderr
     lib = blas.find_blas(_plain_env())
     if lib is not None:
-        assert "SlowBLASWarning" not in _import_morphkv(_plain_env(LD_PRELOAD=lib))
+        assert "SlowBLASWarning" not in off.stdout + off.stderr
+        assert os.path.realpath(lib) not in off.stdout  # disabled: not loaded either
+        pre = _import_morphkv(_plain_env(LD_PRELOAD=lib), mlx_first=True)
+        assert "SlowBLASWarning" not in pre.stderr
     proc = subprocess.run(  # the command arranges the preload itself (or reports it in stats)
         [sys.executable, "-m", "morphkv", "--version"], env=_plain_env(), cwd=REPO,
         capture_output=True, text=True, timeout=300,

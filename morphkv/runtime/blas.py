@@ -5,10 +5,11 @@ The Linux ``mlx[cpu]`` wheel links a slow reference BLAS (a 1024x1024 float32 ma
 through ``LD_PRELOAD`` makes MLX's matmuls ~40x faster. ``LD_PRELOAD`` only works at process
 start, so the CLI re-executes itself once with it set.
 
-A library cannot do that for the script that imports it (re-executing someone else's process,
-a notebook kernel or a server is not a library's call), so ``import morphkv`` in a plain
-``python`` process on a Linux CPU without the preload warns once (``SlowBLASWarning``) with
-the exact ``LD_PRELOAD=... python`` line to use instead.
+A library cannot re-execute the script that imports it (someone else's process, a notebook
+kernel, a server), but it can do what ``LD_PRELOAD`` does as long as MLX is not loaded yet:
+``import morphkv`` loads the library with its symbols global (``load_in_process``), so MLX,
+imported after it, binds its matmuls to OpenBLAS. Where MLX was imported first (its symbols
+are bound by then), ``import morphkv`` warns once (``SlowBLASWarning``) with the two ways out.
 
 Environment:
     ``MORPHKV_BLAS=/path/libblas.so.3``  use this library;
@@ -114,6 +115,30 @@ def ensure_blas_preloaded() -> None:
         return  # keep running with the slow BLAS
 
 
+_loaded_in_process: str | None = None
+
+
+def load_in_process() -> str | None:
+    """Load the optimized BLAS into this process with global symbols, before MLX: MLX, imported
+    after this, binds its BLAS calls to it (what ``LD_PRELOAD`` does, without a re-exec).
+    Returns the library's path, or None (MLX already loaded, not Linux, disabled, none found,
+    already preloaded, or it failed to load: then MLX keeps its own BLAS)."""
+    global _loaded_in_process
+    if _loaded_in_process or "mlx.core" in sys.modules:
+        return _loaded_in_process
+    lib = find_blas()
+    if lib is None or is_preloaded(lib):
+        return None
+    import ctypes
+
+    try:
+        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        return None
+    _loaded_in_process = lib
+    return lib
+
+
 class SlowBLASWarning(UserWarning):
     """MLX runs on its slow reference BLAS in this process (Linux CPU, no preload)."""
 
@@ -128,9 +153,12 @@ def slow_blas_advice(env: dict | None = None) -> str | None:
     env = os.environ if env is None else env
     if not sys.platform.startswith("linux") or _disabled(env) or _preloads_a_blas(env):
         return None
+    if _loaded_in_process:
+        return None
     lib = find_blas(env)
     if lib is not None:
-        how = f"start Python as `LD_PRELOAD={lib} python ...`"
+        how = (f"import morphkv before mlx / mlx_lm (it loads OpenBLAS first), or start Python "
+               f"as `LD_PRELOAD={lib} python ...`")
     else:
         arch = platform.machine() or "x86_64"
         how = (
