@@ -207,7 +207,8 @@ def test_every_rule_has_a_reference_and_declares_what_it_reads():
     assert set(METHODS) - set(SCORERS) == {"random"}  # random: its own determinism tests
     for method, rule in METHODS.items():
         built = rule.from_config(KVCacheConfig(method=method))
-        assert built.window_rows in (None, "all", "newest") and built.running in (None, "sum", "peak")
+        assert built.window_rows in (None, "all", "newest")
+        assert built.running in (None, "sum", "peak")
         assert built.attention or not (built.window_rows or built.running), method
         assert set(rule.knobs()) <= {"fusion", "peak", "decay", "seed"}, method
 

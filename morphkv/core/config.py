@@ -26,8 +26,8 @@ class KVCacheConfig:
             means ``morphkv_window`` (the paper's rule). A larger value keeps a recency floor
             while the window's queries rank the older tokens.
         morphkv_value: rules that read attention (morphkv, tova, h2o, peak) multiply a token's
-            attention score by the norm of its value vector (what it would add to the output), as kvpress's
-            ExpectedAttention does.
+            attention score by the norm of its value vector (what it would add to the output),
+            as kvpress's ExpectedAttention does.
         morphkv_peak: lambda >= 0 fusing each token's peak attention into the window's score:
             ``max(window score, lambda * peak)`` (``morphkv`` and ``tova``; 0, the default, is
             the paper's rule). Method ``peak`` ranks by the peak alone.

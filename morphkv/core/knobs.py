@@ -42,7 +42,7 @@ def field_of(key: str) -> str:
         return FIELDS[name]
     if key in NAMES:
         return key
-    raise ValueError(f"{key!r} names no knob; knobs: {sorted(FIELDS)}")
+    raise ValueError(f"{key!r} names no KVCacheConfig field; knobs: {sorted(FIELDS)}")
 
 
 def flag(key: str) -> str:
