@@ -109,8 +109,8 @@ def config_from_flags(args, seed: int = 0) -> KVCacheConfig:
 
 def describe(config: KVCacheConfig) -> str:
     """One line: the setting as flags would spell it."""
-    if config.method == "full":
-        return "method=full (no bound)"
+    if not config.rule.evicts:
+        return f"method={config.method} (no bound)"
     text = f"method={config.method} budget={config.budget} sinks={config.n_sink}"
     if config.kv_memory is not None:
         text = f"method={config.method} memory={config.kv_memory} bytes budget=" + (
