@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from reference import SCORERS, reference_kept
 
 from morphkv import METHODS, KVCacheBuilder, KVCacheConfig
+from morphkv.core.knobs import FIELDS
 
 RANKED = sorted(m for m in METHODS if SCORERS.get(m))  # every rule with a reference scorer
 
@@ -210,7 +211,7 @@ def test_every_rule_has_a_reference_and_declares_what_it_reads():
         assert built.window_rows in (None, "all", "newest")
         assert built.running in (None, "sum", "peak")
         assert built.attention or not (built.window_rows or built.running), method
-        assert set(rule.knobs()) <= {"fusion", "peak", "decay", "seed"}, method
+        assert set(rule.knobs()) <= set(FIELDS), method  # a rule's knobs are config knobs
 
 
 @pytest.mark.parametrize("method", RANKED)
@@ -228,3 +229,21 @@ def test_every_rule_decides_as_its_reference(method):
             want = reference_kept(keys[0, h], method, 24, config.morphkv_n_sink, 3, recent=6,
                                   block=block)
             assert cache.kept_positions[0, h].tolist() == want, (block, h)
+
+
+@pytest.mark.parametrize("engine", ["host", "mlx"])
+def test_keydiff_keeps_the_keys_that_point_elsewhere(engine):
+    """KeyDiff (key geometry alone): among keys that mostly share one direction, the few that
+    point elsewhere are kept and the most typical ones go, on either engine."""
+    rng = np.random.default_rng(4)
+    u = np.eye(16)[0]
+    keys = (4 * u + 0.3 * rng.standard_normal((1, 1, 60, 16))).astype(np.float32)
+    odd = [9, 23, 31]
+    keys[0, 0, odd] = 3 * np.eye(16)[[1, 2, 3]]  # orthogonal to the common direction
+    config = KVCacheConfig(method="keydiff", morphkv_budget=16, morphkv_n_sink=2,
+                           morphkv_window=4, morphkv_block=2, engine=engine)
+    cache = KVCacheBuilder.build(config)
+    feed(cache, keys, [20, *range(21, 60)])
+    kept = cache.kept_positions[0, 0].tolist()
+    assert set(odd) <= set(kept) and len(kept) <= 16
+    assert kept == reference_kept(keys[0, 0], "keydiff", 16, 2, 4, block=2)
