@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from .rules import METHODS, Rule, make_rule
+
 SCORINGS = ("auto", "attention", "proxy")
 ENGINES = ("auto", "mlx", "host")
 
@@ -96,8 +98,6 @@ class KVCacheConfig:
     @property
     def rule(self):
         """The class of ``method``'s rule (``morphkv.core.rules``): what it reads."""
-        from .rules import METHODS, Rule
-
         return METHODS.get(self.method, Rule)
 
     @property
@@ -130,8 +130,6 @@ class KVCacheConfig:
         """Raise ``ValueError`` naming the field and its bound; return self when valid.
         ``resolved=False`` also accepts ``morphkv_budget=0`` with ``kv_memory`` (a budget
         still to be resolved from a model's shape); a cache needs a resolved one."""
-        from .rules import make_rule
-
         for name in ("morphkv_budget", "morphkv_n_sink", "morphkv_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
