@@ -2,10 +2,14 @@
 
 Written straight from the README's rules, without the engine's ring buffers or slot reuse, so
 the fast path can be held to it. Scores are sums of float64 values (or of float16 rows, which
-sum exactly), so the order of summation never matters.
+sum exactly), so the order of summation never matters. Each rule's score is one function in
+``SCORERS`` (a new rule adds its own); the tests run every rule of ``morphkv.METHODS`` that has
+one.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -19,6 +23,56 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     e = np.exp(logits - peak)
     total = e.sum(axis=-1, keepdims=True)
     return e / np.where(total > 0, total, 1.0)
+
+
+def _recency(s) -> np.ndarray:
+    return np.array(s.stored, np.float64)
+
+
+def _h2o(s) -> np.ndarray:
+    return np.array([s.h2o[p] for p in s.stored])
+
+
+def _peak(s) -> np.ndarray:
+    return np.array([s.peaks[p] for p in s.stored])
+
+
+def _window(s, newest: bool = False) -> np.ndarray:
+    """morphkv (tova: the newest row alone), with the peak fused in when ``peak`` > 0."""
+    t, stored = s.t, s.stored
+    recent_rows = [t] if newest else list(range(t - s.window + 1, t + 1))
+    if s.real:
+        probs = np.array([[s.rows[w].get(p, 0.0) for p in stored] for w in recent_rows])
+    else:
+        probs = _softmax(s.queries[recent_rows] @ s.K.T * s.scale).sum(axis=1)
+    scores = probs.max(axis=0) if s.fusion == "max" else probs.sum(axis=0) / len(probs)
+    if s.peak > 0:
+        scores = np.maximum(scores, s.peak * _peak(s))
+    return scores
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    norm = np.sqrt((x * x).sum(axis=-1, keepdims=True))
+    return x / np.where(norm > 0, norm, 1.0)
+
+
+def _keydiff(s) -> np.ndarray:
+    """1 - cos(key, mean of the stored keys' unit vectors), one key at a time."""
+    units = [_unit(k) for k in s.K]
+    anchor = _unit(sum(units) / len(units))
+    return np.array([max(1.0 - float(u @ anchor), 0.0) for u in units])
+
+
+SCORERS = {  # method -> its score of the stored tokens (None: never evicts)
+    "full": None,
+    "sliding_window": _recency,
+    "streaming_llm": _recency,
+    "h2o": _h2o,
+    "tova": lambda s: _window(s, newest=True),
+    "morphkv": _window,
+    "peak": _peak,
+    "keydiff": _keydiff,
+}
 
 
 def reference_kept(
@@ -85,36 +139,16 @@ def reference_kept(
         if real:
             probs = _softmax(queries[t] @ K.T * scale).sum(axis=0).astype(np.float16)
             rows[t] = dict(zip(stored, probs.astype(np.float64), strict=True))
-        if method == "h2o":
-            h2o[t] = 0.0
-            probs = _softmax(queries[t] @ K.T * scale).sum(axis=0)
-            for p in stored:
-                h2o[p] += rows[t][p] if real else probs[stored.index(p)]
-        if method == "peak" or peak > 0:
-            probs = _softmax(queries[t] @ K.T * scale).sum(axis=0)
-            peaks[t] = 0.0
-            for i, p in enumerate(stored):
-                seen = rows[t][p] if real else probs[i]
-                peaks[p] = max(peaks[p] * decay if decay != 1.0 else peaks[p], seen)
-        if method == "full" or len(stored) <= budget:
+        # the running scores every rule may read: h2o's sum and the (decaying) peak
+        probs = _softmax(queries[t] @ K.T * scale).sum(axis=0)
+        h2o[t] = peaks[t] = 0.0
+        for i, p in enumerate(stored):
+            seen = rows[t][p] if real else probs[i]
+            h2o[p] += seen
+            peaks[p] = max(peaks[p] * decay if decay != 1.0 else peaks[p], seen)
+        if SCORERS[method] is None or len(stored) <= budget:
             continue
-        if method in ("sliding_window", "streaming_llm"):
-            scores = np.array(stored, np.float64)
-        elif method == "h2o":
-            scores = np.array([h2o[p] for p in stored])
-        elif method in ("tova", "morphkv"):
-            recent_rows = [t] if method == "tova" else list(range(t - window + 1, t + 1))
-            if real:
-                probs = np.array([[rows[w].get(p, 0.0) for p in stored] for w in recent_rows])
-            else:
-                probs = _softmax(queries[recent_rows] @ K.T * scale).sum(axis=1)
-            scores = probs.max(axis=0) if fusion == "max" else probs.sum(axis=0) / len(probs)
-            if peak > 0:
-                scores = np.maximum(scores, peak * np.array([peaks[p] for p in stored]))
-        elif method == "peak":
-            scores = np.array([peaks[p] for p in stored])
-        else:
-            raise ValueError(method)
+        scores = SCORERS[method](SimpleNamespace(**locals()))
         guarded = [p < n_sink or p > t - recent for p in stored]
         if pool > 1:  # stored is in position order
             base = [0.0 if g else s for s, g in zip(scores, guarded, strict=True)]

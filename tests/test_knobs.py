@@ -82,3 +82,91 @@ def test_recommended_preset_is_valid_and_overridable():
     assert PRESETS["paper"](128).recent == PRESETS["paper"](128).window == 8
     with pytest.raises(ValueError, match="morphkv_budget must exceed"):
         recommended(16)
+
+
+def test_every_config_field_has_one_knob_name():
+    import dataclasses
+
+    from morphkv.core.knobs import FIELDS, field_of, flag
+
+    assert sorted(FIELDS.values()) == sorted(f.name for f in dataclasses.fields(KVCacheConfig))
+    for name, field in FIELDS.items():  # the name, the field and an old spelling: one field
+        assert field_of(name) == field_of(field) == field
+    assert (flag("n_sink"), flag("bits"), flag("morphkv_block")) == ("--sinks", "--kv-bits",
+                                                                     "--block")
+    with pytest.raises(ValueError, match="names no KVCacheConfig field"):
+        field_of("blocks")
+
+
+def _flags(*argv):
+    import argparse
+
+    from morphkv.runtime.cache_flags import add_cache_flags, config_from_flags
+
+    parser = argparse.ArgumentParser()
+    add_cache_flags(parser, 256)
+    return config_from_flags(parser.parse_args(list(argv)))
+
+
+# the spellings README.md and docs/*.md use, and the config field each one sets
+DOCUMENTED_FLAGS = [
+    (["--block", "4"], "morphkv_block", 4),
+    (["--sinks", "2"], "morphkv_n_sink", 2),
+    (["--window", "8"], "morphkv_window", 8),
+    (["--recent", "32"], "morphkv_recent", 32),
+    (["--peak", "0.25"], "morphkv_peak", 0.25),
+    (["--peak", "1", "--decay", "0.999"], "morphkv_decay", 0.999),
+    (["--pool", "3"], "morphkv_pool", 3),
+    (["--no-value"], "morphkv_value", False),
+    (["--fusion", "max"], "morphkv_fusion", "max"),
+    (["--scoring", "proxy"], "scoring", "proxy"),
+    (["--engine", "host"], "engine", "host"),
+    (["--kv-bits", "4", "--kv-group-size", "32"], "kv_group_size", 32),
+    (["--kv-bits", "8"], "kv_bits", 8),
+    (["--kv-memory", "20M"], "kv_memory", 20 * 2**20),
+    (["--method", "keydiff"], "method", "keydiff"),
+    (["--preset", "paper"], "morphkv_block", 8),
+    (["--budget", "64"], "morphkv_budget", 64),
+]
+
+
+@pytest.mark.parametrize("argv, field, value", DOCUMENTED_FLAGS)
+def test_documented_flags_set_their_field(argv, field, value):
+    assert getattr(_flags(*argv), field) == value
+
+
+DOCUMENTED_ARMS = [  # (spec, the field it sets, the value) at budget 128
+    ("recommended:block=1", "morphkv_block", 1),
+    ("recommended:engine=host", "engine", "host"),
+    ("streaming_llm:memory=f16:bits=8", "kv_bits", 8),
+    ("recommended:memory=f16:bits=None", "kv_bits", None),
+    ("recommended:memory=64M", "kv_memory", 64 * 2**20),
+    ("recommended:memory=f16:peak=1", "morphkv_peak", 1),
+    ("recommended:peak=0.25:decay=0.999", "morphkv_decay", 0.999),
+    ("peak:window=1:recent=32:value=true:pool=3", "morphkv_pool", 3),
+    ("morphkv:recent=0.5:value=true:attn", "morphkv_recent", 64),
+    ("morphkv:max:32:attn", "morphkv_window", 32),
+    ("morphkv:max:32:attn", "morphkv_fusion", "max"),
+    ("h2o:scoring=attention", "scoring", "attention"),
+    ("tova:morphkv_n_sink=2", "morphkv_n_sink", 2),
+    ("morphkv:sinks=2", "morphkv_n_sink", 2),
+    ("morphkv:n_sink=2", "morphkv_n_sink", 2),
+    ("morphkv:kv_bits=8", "kv_bits", 8),
+    ("keydiff:memory=f16", "method", "keydiff"),
+]
+
+
+@pytest.mark.parametrize("spec, field, value", DOCUMENTED_ARMS)
+def test_documented_arm_spellings_set_their_field(spec, field, value):
+    from morphkv.eval.arms import Arm
+
+    assert getattr(Arm.parse(spec).config(128), field) == value
+
+
+def test_flag_errors_name_the_flags():
+    from morphkv.runtime.argtypes import UsageError
+
+    with pytest.raises(UsageError, match=r"--budget must .*--sinks \+ --recent \+ --block"):
+        _flags("--budget", "64", "--recent", "40", "--block", "30")
+    with pytest.raises(UsageError, match="--pool pools attention scores"):
+        _flags("--method", "keydiff", "--pool", "3")

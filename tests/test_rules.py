@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import reference_kept
+from reference import SCORERS, reference_kept
 
-from morphkv import KVCacheBuilder, KVCacheConfig
+from morphkv import METHODS, KVCacheBuilder, KVCacheConfig
+from morphkv.core.knobs import FIELDS
 
-RANKED = ["sliding_window", "streaming_llm", "h2o", "tova", "morphkv"]
+RANKED = sorted(m for m in METHODS if SCORERS.get(m))  # every rule with a reference scorer
 
 
 def feed(cache, keys: np.ndarray, cuts: list[int]) -> None:
@@ -190,7 +191,7 @@ def test_random_is_seeded_and_deterministic():
     assert not np.array_equal(runs[0][0], runs[1][0])
 
 
-@pytest.mark.parametrize("method", RANKED + ["random", "full"])
+@pytest.mark.parametrize("method", sorted(METHODS))
 def test_same_stream_twice_is_deterministic(method):
     rng = np.random.default_rng(3)
     keys = rng.standard_normal((1, 2, 70, 8)).astype(np.float32)
@@ -199,3 +200,50 @@ def test_same_stream_twice_is_deterministic(method):
     feed(a, keys, [33])
     feed(b, keys, [33])
     np.testing.assert_array_equal(a.kept_positions, b.kept_positions)
+
+
+def test_every_rule_has_a_reference_and_declares_what_it_reads():
+    """A new rule (one line in ``METHODS``) is held to ``tests/reference.py`` by the property
+    tests here, in test_block.py and test_device.py, which iterate over ``METHODS``."""
+    assert set(METHODS) - set(SCORERS) == {"random"}  # random: its own determinism tests
+    for method, rule in METHODS.items():
+        built = rule.from_config(KVCacheConfig(method=method))
+        assert built.window_rows in (None, "all", "newest")
+        assert built.running in (None, "sum", "peak")
+        assert built.attention or not (built.window_rows or built.running), method
+        assert set(rule.knobs()) <= set(FIELDS), method  # a rule's knobs are config knobs
+
+
+@pytest.mark.parametrize("method", RANKED)
+def test_every_rule_decides_as_its_reference(method):
+    """Prefill chunk then decode steps, blocks 1 and 4, on the host engine (the MLX engine:
+    tests/test_device.py, which also iterates over ``METHODS``)."""
+    rng = np.random.default_rng(5)
+    keys = (2 * rng.standard_normal((1, 2, 90, 16))).astype(np.float32)
+    for block in (1, 4):
+        config = KVCacheConfig(method=method, morphkv_budget=24, morphkv_window=3,
+                               morphkv_recent=6, morphkv_block=block, engine="host")
+        cache = KVCacheBuilder.build(config)
+        feed(cache, keys, [40, *range(41, 90)])
+        for h in range(2):
+            want = reference_kept(keys[0, h], method, 24, config.morphkv_n_sink, 3, recent=6,
+                                  block=block)
+            assert cache.kept_positions[0, h].tolist() == want, (block, h)
+
+
+@pytest.mark.parametrize("engine", ["host", "mlx"])
+def test_keydiff_keeps_the_keys_that_point_elsewhere(engine):
+    """KeyDiff (key geometry alone): among keys that mostly share one direction, the few that
+    point elsewhere are kept and the most typical ones go, on either engine."""
+    rng = np.random.default_rng(4)
+    u = np.eye(16)[0]
+    keys = (4 * u + 0.3 * rng.standard_normal((1, 1, 60, 16))).astype(np.float32)
+    odd = [9, 23, 31]
+    keys[0, 0, odd] = 3 * np.eye(16)[[1, 2, 3]]  # orthogonal to the common direction
+    config = KVCacheConfig(method="keydiff", morphkv_budget=16, morphkv_n_sink=2,
+                           morphkv_window=4, morphkv_block=2, engine=engine)
+    cache = KVCacheBuilder.build(config)
+    feed(cache, keys, [20, *range(21, 60)])
+    kept = cache.kept_positions[0, 0].tolist()
+    assert set(odd) <= set(kept) and len(kept) <= 16
+    assert kept == reference_kept(keys[0, 0], "keydiff", 16, 2, 4, block=2)

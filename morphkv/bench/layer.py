@@ -108,7 +108,7 @@ def make_cache(spec: str, budget: int, window: int = 8, n_sink: int = 4, groups:
     if spec == "rotating":
         return RotatingKVCache(max_size=budget, keep=n_sink)
     config = Arm.parse(spec, window=window).config(budget, n_sink=n_sink)
-    if groups and config.method in ("morphkv", "tova", "h2o"):
+    if groups and config.rule.attention:  # the rules that read attention rows
         config = dataclasses.replace(config, scoring="attention")
     return KVCacheBuilder.build(config)
 
@@ -232,7 +232,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--window", 8, "protected recent window"),
         ("--repeats", 300, "timed eviction blocks (single-token updates at block 1) per case"),
         ("--chunk", 2048, "tokens of the one-chunk update"),
-        ("--methods", ["morphkv", "h2o", "tova", "streaming_llm", "random"], "arm specs"),
+        ("--methods", ["morphkv", "h2o", "tova", "streaming_llm", "random", "keydiff"],
+         "arm specs"),
         ("--groups", 0, "query heads per KV head: real-query scoring (0: keys as proxies)"),
         ("--dtype", "float16", "keys/values dtype: float16, float32 or bfloat16"),
         ("--grid", False, "morphkv over budgets x windows, the other methods at budget 512"),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-FUSIONS = ("mean", "max")
-ATTENTION_METHODS = ("morphkv", "tova", "h2o", "peak")
+from .rules import METHODS, Rule, make_rule
+
 SCORINGS = ("auto", "attention", "proxy")
 ENGINES = ("auto", "mlx", "host")
 
@@ -27,9 +27,9 @@ class KVCacheConfig:
         morphkv_recent: most recent tokens protected from eviction (>= window); ``None``
             means ``morphkv_window`` (the paper's rule). A larger value keeps a recency floor
             while the window's queries rank the older tokens.
-        morphkv_value: attention rules (morphkv, tova, h2o) multiply a token's attention score
-            by the norm of its value vector (what it would add to the output), as kvpress's
-            ExpectedAttention does.
+        morphkv_value: rules that read attention (morphkv, tova, h2o, peak) multiply a token's
+            attention score by the norm of its value vector (what it would add to the output),
+            as kvpress's ExpectedAttention does.
         morphkv_peak: lambda >= 0 fusing each token's peak attention into the window's score:
             ``max(window score, lambda * peak)`` (``morphkv`` and ``tova``; 0, the default, is
             the paper's rule). Method ``peak`` ranks by the peak alone.
@@ -89,11 +89,16 @@ class KVCacheConfig:
         small MLX ops per token; in the model 2.4x / 3.8x RotatingKVCache's prefill at 1k / 4k
         against the host's 1.4x / 1.6x, ``morphkv bench overhead``) unless a memory size asks
         for the bound only the MLX engine keeps inside a prefill."""
-        if self.method == "full" or self.scoring != "attention":
+        if not self.rule.evicts or self.scoring != "attention":
             return "host"
         if self.morphkv_block == 1 and self.kv_memory is None:
             return "host"
         return "mlx"
+
+    @property
+    def rule(self):
+        """The class of ``method``'s rule (``morphkv.core.rules``): what it reads."""
+        return METHODS.get(self.method, Rule)
 
     @property
     def budget(self) -> int:
@@ -118,18 +123,14 @@ class KVCacheConfig:
 
     @property
     def n_sink(self) -> int:
-        """Protected first tokens; ``sliding_window`` keeps none."""
-        return 0 if self.method == "sliding_window" else self.morphkv_n_sink
+        """Protected first tokens; none for a rule without sinks (``sliding_window``)."""
+        return self.morphkv_n_sink if self.rule.sinks else 0
 
     def validate(self, resolved: bool = True) -> KVCacheConfig:
         """Raise ``ValueError`` naming the field and its bound; return self when valid.
         ``resolved=False`` also accepts ``morphkv_budget=0`` with ``kv_memory`` (a budget
         still to be resolved from a model's shape); a cache needs a resolved one."""
-        from .rules import METHODS
-
-        if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r} is unknown; valid methods: {sorted(METHODS)}")
-        for name in ("morphkv_budget", "morphkv_n_sink", "morphkv_window", "seed"):
+        for name in ("morphkv_budget", "morphkv_n_sink", "morphkv_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an int, got {value!r}")
@@ -141,10 +142,7 @@ class KVCacheConfig:
             raise ValueError(f"morphkv_n_sink must be >= 0, got {self.morphkv_n_sink}")
         if not isinstance(self.morphkv_value, bool):
             raise ValueError(f"morphkv_value must be True or False, got {self.morphkv_value!r}")
-        if self.morphkv_value and self.method not in ATTENTION_METHODS:
-            raise ValueError(
-                f"morphkv_value weights attention scores: method={self.method!r} has none"
-            )
+        rule = make_rule(self)  # the method, and the knobs of its rule (fusion, peak, pool, ...)
         if self.morphkv_recent is not None:
             if not isinstance(self.morphkv_recent, int) or isinstance(self.morphkv_recent, bool):
                 raise ValueError(
@@ -175,16 +173,13 @@ class KVCacheConfig:
                 least = (f"be at least n_sink + {what} + block = {self.n_sink} + {self.recent} "
                          f"+ {block} = {self.n_sink + self.recent + block}")
             raise ValueError(f"morphkv_budget must {least}, got {self.morphkv_budget}")
-        self._validate_persistence()
-        if self.morphkv_fusion not in FUSIONS:
-            raise ValueError(f"morphkv_fusion={self.morphkv_fusion!r} is unknown; valid: {FUSIONS}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring={self.scoring!r} is unknown; valid: {SCORINGS}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine={self.engine!r} is unknown; valid: {ENGINES}")
-        if self.engine == "mlx" and self.method == "full":
-            raise ValueError("engine='mlx' runs evictions on the device: method='full' evicts "
-                             "nothing (use engine='auto' or 'host')")
+        if self.engine == "mlx" and not rule.evicts:
+            raise ValueError(f"engine='mlx' runs evictions on the device: method={self.method!r} "
+                             "evicts nothing (use engine='auto' or 'host')")
         self._validate_storage()
         return self
 
@@ -200,29 +195,6 @@ class KVCacheConfig:
                 raise ValueError(f"morphkv_recent_share must be in [0, 1), got {share!r}")
             if self.morphkv_recent is not None:
                 raise ValueError("set morphkv_recent or morphkv_recent_share, not both")
-
-    def _validate_persistence(self) -> None:
-        """morphkv_peak, morphkv_decay, morphkv_pool."""
-
-        def real(value) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-        peak, decay, pool = self.morphkv_peak, self.morphkv_decay, self.morphkv_pool
-        if not real(peak) or not peak >= 0 or peak == float("inf"):
-            raise ValueError(f"morphkv_peak must be a finite number >= 0, got {peak!r}")
-        if peak and self.method not in ("morphkv", "tova"):
-            raise ValueError(f"morphkv_peak fuses into a window score: method={self.method!r} "
-                             "has none (method='peak' ranks by the peak alone)")
-        if not real(decay) or not 0 < decay <= 1:
-            raise ValueError(f"morphkv_decay must be in (0, 1], got {decay!r}")
-        if decay != 1 and not (peak or self.method == "peak"):
-            raise ValueError("morphkv_decay decays a peak: set morphkv_peak > 0 or method='peak'")
-        if not isinstance(pool, int) or isinstance(pool, bool) or pool < 1 or pool % 2 == 0:
-            raise ValueError(f"morphkv_pool must be an odd int >= 1, got {pool!r}")
-        if pool > 1 and self.method not in ATTENTION_METHODS:
-            raise ValueError(
-                f"morphkv_pool pools attention scores: method={self.method!r} has none"
-            )
 
     def _validate_storage(self) -> None:
         from .quant import BITS, GROUP_SIZES

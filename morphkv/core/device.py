@@ -133,6 +133,11 @@ class DeviceEngine:
             return self.ring[:, (self.seen - 1) % self.ring_rows, : self.slots]
         return self.window_probs()[:, -1]  # the newest key is the last of the window
 
+    def slot_keys(self):
+        """(rows, slots, D) the float stored keys in slot order (key-geometry rules read them)."""
+        keys = self.stored_keys() if self._keys is None else self._keys
+        return keys[:, : self.slots]
+
     @property
     def needs_rows(self) -> bool:
         """Does observing a piece read its attention rows?"""

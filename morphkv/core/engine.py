@@ -117,6 +117,10 @@ class Engine:
         keys = self._stored()
         return proxy_rows(keys, self.stored_positions, 1, self.scale, self.finite, TOP)[:, 0]
 
+    def slot_keys(self):
+        """(rows, slots, D) the stored keys in slot order (key-geometry rules read them)."""
+        return self._stored()
+
     def _stored(self):
         keys = self.stored_keys() if self._keys is None else self._keys
         return keys[:, : self.slots]

@@ -1,15 +1,16 @@
 """Arms: one cache setting per spec string, parsed into a ``KVCacheConfig`` or an mlx_lm cache.
 
-A spec is ``method[:option]...``. An option is ``field=value`` for any ``KVCacheConfig`` field,
-by its name or its short name (``window`` -> ``morphkv_window``, ``recent`` ->
-``morphkv_recent``, ``sinks`` -> ``morphkv_n_sink``, ``bits`` -> ``kv_bits``), so a new core
-knob needs no change here; or one of the older shorthands: a number (the window), ``mean`` /
-``max`` (the fusion), ``attn`` / ``proxy`` (the scoring). Examples: ``streaming_llm``,
-``morphkv:mean:32:attn`` (= ``morphkv:fusion=mean:window=32:scoring=attention``),
-``morphkv:window=8:recent=64``. ``method`` is one of ``morphkv.METHODS``, a key of
-``BASELINES`` (mlx_lm's own caches) or a preset of ``morphkv.PRESETS`` (``recommended``,
-``paper``: settings that scale with the budget; options override them). ``recent=0.5`` means
-half the budget. Budgets come from the command, not the spec.
+A spec is ``method[:option]...``. An option is ``knob=value`` for any ``KVCacheConfig`` knob,
+by its one name (``morphkv.core.knobs``: ``window``, ``recent``, ``sinks``, ``block``,
+``kv_bits``, ...; the flag of the same name is ``--window``, ...), an older spelling (``n_sink``,
+``bits``, ``memory``) or its field name (``morphkv_window``), so a new core knob needs no change
+here; or one of the older shorthands: a number (the window), ``mean`` / ``max`` (the fusion),
+``attn`` / ``proxy`` (the scoring). Examples: ``streaming_llm``, ``morphkv:mean:32:attn`` (=
+``morphkv:fusion=mean:window=32:scoring=attention``), ``morphkv:window=8:recent=64``.
+``method`` is one of ``morphkv.METHODS``, a key of ``BASELINES`` (mlx_lm's own caches) or a
+preset of ``morphkv.PRESETS`` (``recommended``, ``paper``: settings that scale with the budget;
+options override them). ``recent=0.5`` means half the budget. Budgets come from the command,
+not the spec.
 """
 
 from __future__ import annotations
@@ -19,19 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.config import KVCacheConfig
+from ..core.knobs import field_of
 from ..core.presets import PRESETS
 from ..core.rules import METHODS
 from ..mlxlm.builder import KVCacheBuilder
 
-SHORTHANDS = {
-    "mean": ("morphkv_fusion", "mean"),
-    "max": ("morphkv_fusion", "max"),
-    "attn": ("scoring", "attention"),
-    "attention": ("scoring", "attention"),
-    "proxy": ("scoring", "proxy"),
-}
-ALIASES = {"sinks": "morphkv_n_sink", "n_sink": "morphkv_n_sink", "bits": "kv_bits",
-           "memory": "kv_memory"}
+SHORTHANDS = {"mean": ("morphkv_fusion", "mean"), "max": ("morphkv_fusion", "max"),
+              "attn": ("scoring", "attention"), "attention": ("scoring", "attention"),
+              "proxy": ("scoring", "proxy")}  # older bare parts: a value standing for its knob
 F16 = "f16"  # memory=f16: the bytes of a float16 cache of the command's budget on the model
 NAMED = ("morphkv_fusion", "morphkv_window", "scoring")  # spelled by the legacy arm names
 
@@ -55,11 +51,10 @@ BASELINES = {"kvcache": _kvcache, "rotating": _rotating}
 
 def field_name(key: str) -> str:
     """The ``KVCacheConfig`` field an option names; a clear error for an unknown one."""
-    fields = [f.name for f in dataclasses.fields(KVCacheConfig)]
-    for name in (key, ALIASES.get(key, ""), "morphkv_" + key):
-        if name in fields:
-            return name
-    raise ValueError(f"arm option {key!r} names no KVCacheConfig field; fields: {fields}")
+    try:
+        return field_of(key)
+    except ValueError as e:
+        raise ValueError(f"arm option {e}") from None
 
 
 def parse_value(text: str) -> Any:
