@@ -3,33 +3,25 @@ storage afterwards, the pending arrays' plumbing, the running score a rule keeps
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 
 TIE_RTOL = 1e-9  # scores this close (relative) to the minimum count as tied; oldest goes
 NO_POSITION = np.iinfo(np.int32).max
 
 
-def host(x) -> np.ndarray | None:
-    """A host float array (float16/float32 as is, others via float32)."""
-    if x is None or isinstance(x, np.ndarray):
-        return x
-    if x.dtype not in (mx.float16, mx.float32):
-        x = x.astype(mx.float32)
-    return np.asarray(x)
-
-
-def _nbytes(x) -> int:
+def nbytes_of(x) -> int:
+    """Bytes of an array or a quantized triplet (0 for None)."""
     if x is None:
         return 0
     return sum(int(p.nbytes) for p in (x if isinstance(x, tuple) else (x,)))
 
 
-def _concat(arrays):
+def concat(arrays):
+    """The arrays joined along axis 2 (one array: itself)."""
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=2)
 
 
-def _cutter(x):
+def cutter(x):
     """Slices [i, j) of axis 2 of an array (None stays None)."""
     if x is None:
         return lambda i, j: None

@@ -28,14 +28,23 @@ import math
 import numpy as np
 
 from . import blocks, kernels
-from .blocks import _concat, _cutter, _nbytes, host, norms_of, running_kind
+from .blocks import concat, cutter, nbytes_of, norms_of, running_kind
 from .config import KVCacheConfig
 from .host_blas import one_blas_thread
 from .rows import causal_rows, proxy_rows
 from .rules import make_rule
+from .storage import to_numpy
 
 TOP = float(np.finfo(np.float64).max)
 NO_NORMS = np.zeros((0, 0), np.float16)
+
+
+def at_grid(config: KVCacheConfig, t):
+    """Is position t (or each of an array of them) one where pending tokens are settled:
+    budget, budget +- block, ... (every eviction point, and the same grid before the budget
+    fills). Settling at fixed absolute positions makes every batch of rows the same for any
+    chunking."""
+    return (t - config.budget) % config.block == 0
 
 
 class Engine:
@@ -175,7 +184,7 @@ class Engine:
         self.seen += count
         self.pending_count += count
         if self.real:  # only the queries whose rows something reads (a suffix: see _needed)
-            self.query_bytes = self.query_bytes or _nbytes(queries) // count
+            self.query_bytes = self.query_bytes or nbytes_of(queries) // count
             if count == 1:
                 if self._needs(first):
                     self.pending.append(queries)
@@ -199,18 +208,12 @@ class Engine:
         self._arrive(1, queries)
         if self.over:
             return True
-        if not self.at_grid(self.seen - 1):
+        if not at_grid(self.config, self.seen - 1):
             return False
         if self.running or self.queries_held:
             return True  # rows to compute: the stored keys are needed
         self._flush(None)  # nothing to compute: no keys read
         return False
-
-    def at_grid(self, t: int) -> bool:
-        """Is position t one where pending tokens are settled: budget, budget +- block, ...
-        (every eviction point, and the same grid before the budget fills). Settling at fixed
-        absolute positions makes every batch of rows the same for any chunking."""
-        return (t - self.config.budget) % self.block == 0
 
     def settle(self, keys, values=None):
         """Rows of the pending tokens from the stored keys (rows, >= slots, D) in slot order
@@ -246,7 +249,7 @@ class Engine:
         evicted (rows, slots_before + C): the chunk step at which each fetched row was
         evicted, C if it was not)."""
         R, C, D = keys.shape
-        cut = _cutter(queries)
+        cut = cutter(queries)
         norms = None if self.value_norms is None else norms_of(values)
         before = self.slots
         width = before + C if not self.rule.evicts else min(before + C, self.config.budget + 1)
@@ -270,7 +273,7 @@ class Engine:
                 self.value_norms[:, s : s + k] = norms[:, i : i + k]
                 self.norms_from = self.slots
             i += k
-            if not self.at_grid(self.seen - 1):
+            if not at_grid(self.config, self.seen - 1):
                 continue  # the chunk ends before the grid: its last tokens stay pending
             self._flush(slot_keys)
             if self.over:
@@ -317,7 +320,7 @@ class Engine:
 
     def pending_queries(self, pending=None):
         """Host (B, n_heads, P, D) queries of the pending tokens (real queries only)."""
-        return _concat([host(q) for q in (self.pending if pending is None else pending)])
+        return concat([to_numpy(q) for q in (self.pending if pending is None else pending)])
 
     def _flush(self, keys) -> None:
         """Turn the pending tokens into rows and running scores."""

@@ -174,21 +174,15 @@ class SavedState:
                 if config.engine != "mlx" or N > config.budget + 1:
                     raise ValueError("saved cache: MLX engine state for a host config or "
                                      f"{N} stored rows for budget {config.budget}")
-                engine = device_saved.restore(config, B, H, D, N, spec, arrays)
-                engine.stored_keys = self._stored_float_keys
-                self.config, self.keys, self.values, self.engine = config, keys, values, engine
-                self._chunk = self._held = None
-                self.offset = engine.seen
+                self.adopt(device_saved.restore(config, B, H, D, N, spec, arrays), keys, values,
+                           config)
                 return
             if config.engine == "mlx":
                 raise ValueError("saved cache: host engine state for engine='mlx'")
             engine = restore(config, B * H, D, N, unpack(spec, arrays))
-            engine.stored_keys = self._host_keys
             if engine.slots != N:
                 raise ValueError(f"saved cache: {N} stored rows for {engine.slots} slots")
-        self.config, self.keys, self.values, self.engine = config, keys, values, engine
-        self._chunk = self._held = None
-        self.offset = 0 if engine is None else engine.seen
+        self.adopt(engine, keys, values, config)
 
     @staticmethod
     def _check_saved_storage(config: KVCacheConfig, keys, values) -> None:
