@@ -101,14 +101,13 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
         keep = [int(i) for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist")
                                  else batch_indices)]
         self.flush_chunk()
-        index = np.asarray(keep, np.int64)
         self.engines = [self.engines[i] for i in keep]
         for name in ("seen", "stored", "waiting", "lead"):
-            setattr(self, name, getattr(self, name)[index])
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
         if self._remaining is not None:
-            self._remaining = self._remaining[index]
+            self._remaining = [self._remaining[i] for i in keep]
         self._trim_steps()
-        rows = mx.array(index.astype(np.int32))
+        rows = mx.array(np.asarray(keep, np.int32))
         self.steps = [q[rows] for q in self.steps] if keep else []
         self._last = self._seal = None
         if self.keys is not None:
@@ -142,13 +141,12 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
             self.steps = [mx.concatenate([side(self.steps, B0, j), side(other.steps, other.B, j)])
                           for j in range(n)]
         if other._remaining is not None or self._remaining is not None:
-            mine = self._remaining if self._remaining is not None else np.zeros(B0, np.int64)
-            theirs = (other._remaining if other._remaining is not None
-                      else np.zeros(other.B, np.int64))
-            self._remaining = np.concatenate([mine, theirs])
+            mine = self._remaining if self._remaining is not None else [0] * B0
+            theirs = other._remaining if other._remaining is not None else [0] * other.B
+            self._remaining = mine + theirs
         self.engines = self.engines + other.engines
         for name in ("seen", "stored", "waiting", "lead"):
-            setattr(self, name, np.concatenate([getattr(self, name), getattr(other, name)]))
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         self._last = self._seal = None
         keys, values = other.keys, other.values
         if self.keys is None and keys is not None:
@@ -167,14 +165,14 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
         ``lengths``/``right_padding``: the next updates are right-padded prompts with
         ``lengths`` real tokens per row, until ``finalize``."""
         if left_padding is not None:
-            pad = np.asarray([int(p) for p in left_padding], np.int64)
-            if len(pad) != self.B or pad.min(initial=0) < 0:
+            pad = [int(p) for p in left_padding]
+            if len(pad) != self.B or min(pad, default=0) < 0:
                 raise ValueError(f"left_padding {left_padding} does not fit {self.B} rows")
-            self.lead = self.lead + pad
+            self.lead = [a + p for a, p in zip(self.lead, pad, strict=True)]
         if right_padding is not None and max(right_padding, default=0) > 0:
             if lengths is None or len(lengths) != self.B:
                 raise ValueError("prepare(right_padding=...) needs lengths, one per row")
-            self._remaining = np.asarray([int(n) for n in lengths], np.int64)
+            self._remaining = [int(n) for n in lengths]
 
     def finalize(self) -> None:
         """End of a right-padded prompt (the padding was never stored)."""
@@ -184,7 +182,7 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
     @property
     def offset(self) -> mx.array:
         """Per-row RoPE offset of the next chunk's first column."""
-        return offsets(self.seen - self.lead)
+        return offsets(np.subtract(self.seen, self.lead))
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store each row's real tokens after its live slots; return every row's slots up to
@@ -209,7 +207,8 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
     def nbytes(self) -> int:
         """Storage + every row's selection state + the decode steps' queries held."""
         held = 0 if self.keys is None else quant.nbytes(self.keys) + quant.nbytes(self.values)
-        return held + self.rows_nbytes()
+        engines = sum(e.nbytes for e in self.engines if e is not None)
+        return held + engines + sum(q.nbytes for q in self.steps)
 
     @property
     def tokens_kept(self) -> list[int]:
@@ -226,12 +225,6 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
 
     def empty(self) -> bool:
         return all(e is None for e in self.engines)
-
-    def is_trimmable(self) -> bool:
-        return False
-
-    def trim(self, n: int) -> int:
-        return 0
 
     @staticmethod
     def copy_engine(engine: Engine) -> Engine:

@@ -69,7 +69,7 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
         self.keys, self.values, self.engine = keys, values, engine
         self.offset = 0 if engine is None else engine.seen
         if engine is not None:
-            self.seen[:], self.stored[:] = engine.seen, engine.slots
+            self.seen, self.stored = [engine.seen], [engine.slots]
             engine.stored_keys = self._stored_float_keys if self._device else self._host_keys
 
     def key_reader(self):
@@ -209,13 +209,6 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
 
     def empty(self) -> bool:
         return self.keys is None
-
-    def is_trimmable(self) -> bool:
-        """False: eviction is irreversible, so tokens cannot be taken back."""
-        return False
-
-    def trim(self, n: int) -> int:
-        return 0
 
     @classmethod
     def merge(cls, caches: list):

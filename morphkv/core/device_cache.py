@@ -20,11 +20,6 @@ from .attention import attend, self_rows
 from .device import DeviceEngine, move
 
 
-def _rows(x, start: int, end: int):
-    """Rows [start, end) of plain or quantized (B, H, N, ...) storage."""
-    return quant.apply(lambda p: p[:, :, start:end], x)
-
-
 class DevicePath:
     """Mixed into ``MorphKVCache``; uses its storage (``morphkv.core.storage``) and config."""
 
@@ -80,7 +75,7 @@ class DevicePath:
 
     def _float_values(self, start: int, end: int):
         """Stored values rows [start, end) as floats (R, end - start, Dv)."""
-        v = storage.floats(_rows(self.values, start, end), self.config)
+        v = storage.floats(storage.fetch(self.values, end, start), self.config)
         return v.reshape(self.engine.rows, end - start, -1)
 
     def _stored_float_keys(self):
@@ -128,7 +123,7 @@ class DevicePath:
             k = engine.piece(C - i)
             n0, n = engine.slots, engine.slots + k
             if not written:
-                self._write(*(_rows(s, i, i + k) for s in (stored_keys, stored_values)), n0)
+                self._write(*(storage.fetch(s, i + k, i) for s in (stored_keys, stored_values)), n0)
             rows = None
             if queries is not None:
                 out, rows = attend(queries[:, :, i : i + k], self.keys, self.values, n,

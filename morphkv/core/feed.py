@@ -44,10 +44,6 @@ class _Seal(tuple):
         return None
 
 
-def _ints(n: int) -> np.ndarray:
-    return np.zeros(n, np.int64)
-
-
 class Feed:
     """Engines, counters and storage of the host path (see the module docstring)."""
 
@@ -57,8 +53,9 @@ class Feed:
         self.evicts = make_rule(config).evicts
         self.per = per
         self.engines: list = [None] * engines
-        self.seen, self.stored, self.waiting, self.lead = (_ints(engines) for _ in range(4))
-        self._remaining: np.ndarray | None = None
+        # Python lists, not arrays: a decode step touches each once (NumPy costs ~1 us a call)
+        self.seen, self.stored, self.waiting, self.lead = ([0] * engines for _ in range(4))
+        self._remaining: list[int] | None = None
         self.steps: list[mx.array] = []  # each decode step's queries (B, n_heads, 1, D)
         self._queries_due = False  # a decode step waits for its queries
         self._chunk: Chunk | None = None  # the last multi-token update, until fed
@@ -103,17 +100,20 @@ class Feed:
     # ---- counters ---------------------------------------------------------------------------
     def plain_decode(self) -> bool:
         """A one-token update takes one token for every row (no padding to skip)."""
-        return not self.lead.any() and (self._remaining is None or bool(self._remaining.all()))
+        return not any(self.lead) and (self._remaining is None or all(self._remaining))
 
-    def due(self) -> np.ndarray:
+    def due(self) -> list[int]:
         """Engines whose newest token is on their grid: they must see it before the next token
         (an eviction, or a flush of pending rows)."""
-        return (self.waiting > 0) & at_grid(self.config, self.seen - 1)
+        seen, config = self.seen, self.config
+        return [i for i, w in enumerate(self.waiting) if w and at_grid(config, seen[i] - 1)]
 
-    def settled(self) -> np.ndarray:
+    def settled(self) -> list[int]:
         """Slots each engine holds once its waiting tokens are handed over (no sync)."""
-        over = self.due() & (self.stored > self.config.budget) if self.evicts else False
-        return np.where(over, self.stored - self.config.block, self.stored)
+        stored, budget = list(self.stored), self.config.budget
+        for i in self.due() if self.evicts else ():
+            stored[i] -= self.config.block if stored[i] > budget else 0
+        return stored
 
     def chunk_waits(self, chunk: Chunk, C: int) -> bool:
         """May this chunk attend causally and reach the engines later (at the next update or
@@ -127,7 +127,7 @@ class Feed:
 
     def spans(self, C: int) -> tuple[np.ndarray, np.ndarray]:
         """(first column, count) of each engine's real tokens in a chunk of C columns."""
-        starts = np.minimum(self.lead, C)
+        starts = np.minimum(np.array(self.lead, np.int64), C)
         counts = C - starts
         if self._remaining is not None:
             counts = np.clip(np.minimum(counts, self._remaining), 0, None)
@@ -146,13 +146,16 @@ class Feed:
 
     def _trim_steps(self) -> None:
         """Forget the queries no row waits for."""
-        keep = int(self.waiting.max(initial=0))
+        keep = max(self.waiting, default=0)
         if len(self.steps) > keep:
             self.steps = self.steps[len(self.steps) - keep :] if keep else []
 
-    def rows_nbytes(self) -> int:
-        engines = sum(e.nbytes for e in self.engines if e is not None)
-        return engines + sum(q.nbytes for q in self.steps)
+    def is_trimmable(self) -> bool:
+        """False: eviction is irreversible, so tokens cannot be taken back."""
+        return False
+
+    def trim(self, n: int) -> int:
+        return 0
 
     # ---- the hot path -----------------------------------------------------------------------
     def check(self, keys: mx.array, values: mx.array) -> None:
@@ -165,6 +168,8 @@ class Feed:
             return
         rows = None if self.per is None else self.per * len(self.engines)
         storage.check(keys, values, self.keys, self.values, self.config, rows)
+        if self.per is None and k[2]:  # the single cache: its batch, from now on
+            self.per = k[0]
         if self.keys is not None:
             self._seal = _Seal(self.config, seal)
 
@@ -181,30 +186,31 @@ class Feed:
         C = keys.shape[2]
         self.need_hooks(C)
         self.flush_chunk()
-        if self.per is None:
-            self.per = keys.shape[0]
         sk, sv = storage.store_form(keys, self.config), storage.store_form(values, self.config)
         if C == 0:
             if self.keys is None:
                 return sk, sv
             self.catch_up(range(len(self.engines)))
-            n = int(self.stored.max())
+            n = max(self.stored)
             return storage.fetch(self.keys, n), storage.fetch(self.values, n)
         if C == 1 and self.plain_decode():
             self.settle_due()
-            n = int(self.stored.max()) + 1
+            n = max(self.stored) + 1
             self.reserve(n, sk, sv)
-            self.start_rows(range(len(self.engines)), keys.shape[1], keys.shape[3])
+            if None in self.engines:
+                self.start_rows(range(len(self.engines)), keys.shape[1], keys.shape[3])
             self.keys = storage.write(self.keys, self.stored, sk)
             self.values = storage.write(self.values, self.stored, sv)
             self._last = (sk, sv) if self.config.block == 1 else None
-            self.stored, self.seen, self.waiting = self.stored + 1, self.seen + 1, self.waiting + 1
+            self.stored = [s + 1 for s in self.stored]
+            self.seen = [t + 1 for t in self.seen]
+            self.waiting = [w + 1 for w in self.waiting]
             self._queries_due = self.needs_queries
             return storage.fetch(self.keys, n), storage.fetch(self.values, n)
         self.catch_up(range(len(self.engines)))
         self._last = None
         starts, counts = self.spans(C)
-        before = self.stored
+        before = np.array(self.stored, np.int64)
         width = max(int((before + counts).max(initial=0)), 1)
         self.reserve(width, sk, sv)
         self.start_rows(np.nonzero(counts)[0], keys.shape[1], keys.shape[3])
@@ -216,10 +222,10 @@ class Feed:
                 span = (int(starts[i]), int(counts[i]))
                 storage.write_span(self.keys, int(i), int(before[i]), sk, span)
                 storage.write_span(self.values, int(i), int(before[i]), sv, span)
-        self.lead = self.lead - starts
+        self.lead = np.subtract(self.lead, starts).tolist()
         if self._remaining is not None:
-            self._remaining = self._remaining - counts
-        self.seen, self.stored = self.seen + counts, before + counts
+            self._remaining = np.subtract(self._remaining, counts).tolist()
+        self.seen, self.stored = np.add(self.seen, counts).tolist(), (before + counts).tolist()
         self._chunk = Chunk(starts, counts, before, width)
         return storage.fetch(self.keys, width), storage.fetch(self.values, width)
 
@@ -255,8 +261,8 @@ class Feed:
                 "keep mlx_lm's RotatingKVCache for those layers")
         self.flush_chunk()
         if N == 1 and self.plain_decode():
-            return decode_mask(self.settled() + 1)
-        settled = self.settled()  # what the update's catch-up leaves
+            return decode_mask([s + 1 for s in self.settled()])
+        settled = np.array(self.settled(), np.int64)  # what the update's catch-up leaves
         starts, counts = self.spans(N)
         width = max(int((settled + counts).max(initial=0)), 1)
         if N == 1:
@@ -267,15 +273,15 @@ class Feed:
     def settle_due(self) -> None:
         """Hand over the waiting tokens of the engines whose newest token is on their grid."""
         due = self.due()
-        if due.any():
-            self.catch_up(np.nonzero(due)[0])
+        if due:
+            self.catch_up(due)
 
     def catch_up(self, rows) -> None:
         """Hand every waiting token of the engines ``rows`` over; apply the evictions."""
         rows = [int(i) for i in rows if self.waiting[i] > 0]
         if not rows:
             return
-        longest = int(self.waiting[rows].max())
+        longest = max(self.waiting[i] for i in rows)
         if self.needs_queries and len(self.steps) < longest:
             raise RuntimeError("attention scoring: the cache was read before its queries came")
         steps = self.steps[len(self.steps) - longest :] if self.needs_queries else None
@@ -285,9 +291,9 @@ class Feed:
             mx.eval(queries, *quant.parts(self.keys), *quant.parts(self.values))
             queries = storage.to_numpy(queries)
         keys = values = None
-        moves, single = [], all(self.waiting[i] == 1 for i in rows)
+        moves, single = [], longest == 1
         for i in rows:
-            engine, w, sp = self.engines[i], int(self.waiting[i]), self.span(i)
+            engine, w, sp = self.engines[i], self.waiting[i], self.span(i)
             due = False
             for k in range(longest - w, longest):
                 q = None if steps is None else steps[k] if one else queries[sp, :, k : k + 1]
@@ -349,7 +355,7 @@ class Feed:
             self.stored[i] = self.engines[i].slots
         B, H, capacity = quant.dims(self.keys)
         if self.evicts and (sources or capacity > config.budget + 1):  # back to budget + 1
-            capacity = max(config.budget + 1, int(self.stored.max(initial=0)))
+            capacity = max(config.budget + 1, max(self.stored, default=0))
         if sources or capacity != quant.dims(self.keys)[2]:
             index = np.minimum(np.arange(capacity), chunk.width - 1)
             index = np.broadcast_to(index, (B, H, capacity)).copy()

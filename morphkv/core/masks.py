@@ -16,8 +16,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .liveness import liveness
-
 _LAST: dict = {}  # kind -> (key, array): the last mask / offset built
 
 
@@ -30,13 +28,13 @@ def _memo(kind: str, key: bytes, build):
     return value
 
 
-def decode_mask(counts: np.ndarray):
+def decode_mask(counts):
     """(B, 1, 1, L) mask for one new token per row, row i seeing its first ``counts[i]``
     columns (L = the largest); None when every row sees all L."""
-    L = int(counts.max(initial=1))
-    if (counts == L).all():
+    L = max(counts, default=1)
+    if all(c == L for c in counts):
         return None
-    counts = counts.astype(np.int64)
+    counts = np.asarray(counts, np.int64)
 
     def build():
         return mx.array(np.arange(L)[None, :] < counts[:, None]).reshape(-1, 1, 1, L)
@@ -48,6 +46,20 @@ def offsets(values: np.ndarray) -> mx.array:
     """Per-row RoPE offsets as an MLX array (the same one for every layer of a step)."""
     values = values.astype(np.int64)
     return _memo("offset", values.tobytes(), lambda: mx.array(values.astype(np.int32)))
+
+
+def liveness(before: int, evicted: np.ndarray) -> np.ndarray:
+    """Which stored rows each query of a multi-token chunk may see, for exact chunked prefill:
+    what token-by-token feeding would store at its step (a token evicted at step i is still
+    seen by query i: eviction follows the arriving token's attention),
+    (rows, C, before + C) bool: may query i see fetched row j? Fetched rows are [the
+    ``before`` rows stored before the chunk + the C chunk rows]; ``evicted`` (rows, before + C)
+    is the step at which each row was evicted (C: not in this chunk)."""
+    R, N = evicted.shape
+    C = N - before
+    arrival = np.concatenate([np.full(before, -1), np.arange(C)])  # step each row arrived
+    steps = np.arange(C)[None, :, None]
+    return (arrival[None, None, :] <= steps) & (evicted[:, None, :] >= steps)
 
 
 @dataclass

@@ -59,13 +59,11 @@ def apply(fn: Callable, *xs: Storage) -> Storage:
 
 def assign(x: Storage, start: int, end: int, new: Storage) -> None:
     """``x[:, :, start:end] = new`` in place (each part of a triplet)."""
-    for part, value in zip(parts(x), parts(new), strict=True):
+    if not isinstance(x, tuple):
+        x[:, :, start:end] = new
+        return
+    for part, value in zip(x, new, strict=True):
         part[:, :, start:end] = value
-
-
-def zeros(like: Storage, rows: int) -> Storage:
-    """Zero storage of ``rows`` slots shaped like ``like`` (B, H, ., last)."""
-    return apply(lambda p: mx.zeros((*p.shape[:2], rows, p.shape[3]), p.dtype), like)
 
 
 def parts(x: Storage) -> tuple:
@@ -74,7 +72,7 @@ def parts(x: Storage) -> tuple:
 
 def dims(x: Storage) -> tuple[int, int, int]:
     """(batch, KV heads, slots) of the storage."""
-    return tuple(parts(x)[0].shape[:3])
+    return (x[0] if isinstance(x, tuple) else x).shape[:3]
 
 
 def dtype(x: Storage):

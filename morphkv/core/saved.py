@@ -83,7 +83,7 @@ def restore(config: KVCacheConfig, rows: int, head_dim: int, stored_rows: int, s
     _need(scalars.shape == (5,) and scalars.dtype == np.int64, "scalars")
     seen, slots, finite, capacity, pending = (int(x) for x in scalars)
     _need(0 <= pending <= min(config.block, seen), f"{pending} pending tokens")
-    held = int(engine._needed(seen - pending, pending).sum()) if engine.real else 0
+    held = int(engine.needed(seen - pending + np.arange(pending)).sum()) if engine.real else 0
     if held:
         expected.add("pending_queries")
     _need(set(saved) == expected, f"arrays {sorted(saved)} != {sorted(expected)}")

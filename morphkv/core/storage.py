@@ -108,10 +108,10 @@ def write(x: quant.Storage, slots: np.ndarray, new: quant.Storage) -> quant.Stor
     """Row i's new tokens (``new``'s row i) written from slot ``slots[i]`` on: a slice write in
     place when every row starts at the same slot, else one scatter (one token). Returns x."""
     first = int(slots[0])
-    if (slots == first).all():
+    if all(s == first for s in slots):
         quant.assign(x, first, first + quant.dims(new)[2], new)
         return x
-    index = mx.array(slots.astype(np.int32)).reshape(-1, 1, 1, 1)
+    index = mx.array(np.asarray(slots, np.int32)).reshape(-1, 1, 1, 1)
 
     def put(p, n):
         return mx.put_along_axis(p, mx.broadcast_to(index, n.shape), n, axis=2)
@@ -139,11 +139,11 @@ def gather(x: quant.Storage, index: np.ndarray) -> quant.Storage:
     return quant.apply(lambda p: mx.take_along_axis(p, ix, axis=2), x)
 
 
-def fetch(x: quant.Storage, n: int) -> quant.Storage:
-    """The first ``n`` slots of every row (what attention reads)."""
-    if n == quant.dims(x)[2]:
-        return x
-    return quant.apply(lambda p: p[:, :, :n], x)
+def fetch(x: quant.Storage, n: int, start: int = 0) -> quant.Storage:
+    """Slots [start, n) of every row (the first ``n``: what attention reads)."""
+    if isinstance(x, tuple):
+        return x if start == 0 and n == x[0].shape[2] else tuple(p[:, :, start:n] for p in x)
+    return x if start == 0 and n == x.shape[2] else x[:, :, start:n]
 
 
 def put_row(x: quant.Storage, i: int, row: quant.Storage, n: int) -> None:
