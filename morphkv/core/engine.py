@@ -303,7 +303,8 @@ class Engine:
         """Has the token at position t (or each of an array of positions) a row anything reads:
         every row for running scores, for window rules the rows an eviction's window reads."""
         if self.running or not (self.window_rule and self.real):
-            return bool(self.running) if np.ndim(t) == 0 else np.full(len(t), bool(self.running))
+            kept = self.running is not None
+            return np.full(len(t), kept) if isinstance(t, np.ndarray) else kept
         return next_eviction(self.config, t) <= t + self.reads - 1
 
     def pending_queries(self, pending=None):

@@ -33,17 +33,6 @@ from .rules import make_rule
 DEFER_TOKENS = 64  # a chunk this short that evicts nothing is fed at the next update
 
 
-class _Seal(tuple):
-    """The shapes and dtypes of the last accepted update (``Feed.check``); a copy of a cache
-    starts without one (MLX dtypes do not deep-copy)."""
-
-    def __new__(cls, *fields):
-        return super().__new__(cls, fields)
-
-    def __deepcopy__(self, memo):
-        return None
-
-
 class Feed:
     """Engines, counters and storage of the host path (see the module docstring)."""
 
@@ -159,19 +148,12 @@ class Feed:
 
     # ---- the hot path -----------------------------------------------------------------------
     def check(self, keys: mx.array, values: mx.array) -> None:
-        """Reject malformed input before anything is changed (``storage.check``). Input shaped
-        like the last accepted one passes at once: the checks depend on nothing else."""
-        k, v = keys.shape, values.shape
-        seal = (keys.ndim, values.ndim, k[:2], k[3:], v[:2], v[3:], keys.dtype, values.dtype)
-        last = self._seal
-        if last is not None and last[0] is self.config and last[1] == seal and k[2] == v[2]:
-            return
+        """Reject malformed input before anything is changed (``storage.accepted``)."""
         rows = None if self.per is None else self.per * len(self.engines)
-        storage.check(keys, values, self.keys, self.values, self.config, rows)
-        if self.per is None and k[2]:  # the single cache: its batch, from now on
-            self.per = k[0]
-        if self.keys is not None:
-            self._seal = _Seal(self.config, seal)
+        self._seal = storage.accepted(keys, values, self.config, self._seal, self.keys,
+                                      self.values, rows)
+        if self.per is None and keys.shape[2]:  # the single cache: its batch, from now on
+            self.per = keys.shape[0]
 
     def need_hooks(self, C: int) -> None:
         if C and self.needs_queries and not hooks_attached():
@@ -278,26 +260,28 @@ class Feed:
 
     def catch_up(self, rows) -> None:
         """Hand every waiting token of the engines ``rows`` over; apply the evictions."""
-        rows = [int(i) for i in rows if self.waiting[i] > 0]
+        waiting = self.waiting
+        rows = [int(i) for i in rows if waiting[i]]
         if not rows:
             return
-        longest = max(self.waiting[i] for i in rows)
-        if self.needs_queries and len(self.steps) < longest:
-            raise RuntimeError("attention scoring: the cache was read before its queries came")
-        steps = self.steps[len(self.steps) - longest :] if self.needs_queries else None
-        one = len(self.engines) == 1  # the steps' queries are its own: kept as they are
-        if steps is not None and not one:  # one host read, then a slice per row
-            queries = steps[0] if longest == 1 else mx.concatenate(steps, axis=2)
-            mx.eval(queries, *quant.parts(self.keys), *quant.parts(self.values))
-            queries = storage.to_numpy(queries)
+        longest = max(waiting[i] for i in rows)
+        steps = queries = None
+        if self.needs_queries:
+            if len(self.steps) < longest:
+                raise RuntimeError("attention scoring: the cache was read before its queries came")
+            steps = self.steps[-longest:]
+            if len(self.engines) > 1:  # one host read, then a slice per row (one engine: the
+                # steps' queries as they are, kept by the engine, read at its settle)
+                queries = steps[0] if longest == 1 else mx.concatenate(steps, axis=2)
+                mx.eval(queries, *quant.parts(self.keys), *quant.parts(self.values))
+                queries = storage.to_numpy(queries)
         keys = values = None
         moves, single = [], longest == 1
         for i in rows:
-            engine, w, sp = self.engines[i], self.waiting[i], self.span(i)
-            due = False
-            for k in range(longest - w, longest):
-                q = None if steps is None else steps[k] if one else queries[sp, :, k : k + 1]
-                due = engine.decode(q)
+            engine, due = self.engines[i], False
+            for k in range(longest - waiting[i], longest):
+                due = engine.decode(None if steps is None else steps[k] if queries is None
+                                    else queries[self.span(i), :, k : k + 1])
             if due:
                 if keys is None:
                     keys = storage.host(self.keys, self.config)
@@ -306,7 +290,7 @@ class Feed:
                 m = engine.settle(self.rows_of(keys, i), self.rows_of(values, i))
                 if m is not None:
                     moves.append((i, m))
-            self.waiting[i] = 0
+            waiting[i] = 0
             self.stored[i] = engine.slots
         self._trim_steps()
         if moves:

@@ -64,6 +64,25 @@ def check(keys, values, stored_keys, stored_values, config, rows: int | None) ->
                              f"{quant.dtype(old)}")
 
 
+class Accepted(tuple):
+    """The config, shapes and dtypes of the last accepted update (``accepted``); a copy of a
+    cache starts without one (MLX dtypes do not deep-copy)."""
+
+    def __deepcopy__(self, memo):
+        return None
+
+
+def accepted(keys, values, config, last, stored_keys, stored_values, rows):
+    """``check`` with a fast path: input shaped like the ``last`` accepted one passes at once
+    (the checks depend on nothing else). Returns what to pass as ``last`` next time."""
+    k, v = keys.shape, values.shape
+    seal = (keys.ndim, values.ndim, k[:2], k[3:], v[:2], v[3:], keys.dtype, values.dtype)
+    if last is not None and last[0] is config and last[1] == seal and k[2] == v[2]:
+        return last
+    check(keys, values, stored_keys, stored_values, config, rows)
+    return None if stored_keys is None else Accepted((config, seal))
+
+
 def store_form(x: mx.array, config) -> quant.Storage:
     """New keys or values as the storage holds them."""
     if config.kv_bits is None:
@@ -108,7 +127,7 @@ def write(x: quant.Storage, slots: np.ndarray, new: quant.Storage) -> quant.Stor
     """Row i's new tokens (``new``'s row i) written from slot ``slots[i]`` on: a slice write in
     place when every row starts at the same slot, else one scatter (one token). Returns x."""
     first = int(slots[0])
-    if all(s == first for s in slots):
+    if len(slots) == 1 or all(s == first for s in slots):
         quant.assign(x, first, first + quant.dims(new)[2], new)
         return x
     index = mx.array(np.asarray(slots, np.int32)).reshape(-1, 1, 1, 1)
