@@ -96,8 +96,7 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
             if self._held is not None:  # hands the queries in (benchmarks, memory probes)
                 self.attend(queries, scale, mask)
             return mask
-        visible = self.host_attention(queries, scale)
-        return mask if queries.shape[2] == 1 else visible  # one sequence: mlx_lm's own mask
+        return self.host_attention(queries, scale, mask)
 
     def _flush(self) -> None:
         """Everything waiting reaches the engine (a read: the host reads what it needs; on

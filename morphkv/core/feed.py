@@ -211,9 +211,10 @@ class Feed:
         self._chunk = Chunk(starts, counts, before, width)
         return storage.fetch(self.keys, width), storage.fetch(self.values, width)
 
-    def host_attention(self, queries: mx.array, scale: float):
+    def host_attention(self, queries: mx.array, scale: float, mask=None):
         """Attention hook: keeps this layer's queries (one reference per decode step) and
-        returns the mask: (B, 1, 1, L) for a decode step, each row's liveness for a chunk."""
+        returns the mask: for a decode step (B, 1, 1, L), or ``mask`` with one engine (its
+        rows hold equally many slots), each row's liveness for a chunk."""
         self.set_scale(float(scale))
         chunk = self._chunk
         if chunk is None:
@@ -221,7 +222,7 @@ class Feed:
                 # a new array: mlx_lm's quantized attention scales its queries in place
                 self.steps.append(mx.stop_gradient(queries) if self.config.kv_bits else queries)
                 self._queries_due = False
-            return decode_mask(self.stored)
+            return decode_mask(self.stored) if len(self.engines) > 1 else mask
         if not chunk.fed and self.needs_queries:
             chunk.queries = mx.stop_gradient(queries) if self.config.kv_bits else queries
         B, n_heads, C, _ = queries.shape
@@ -292,7 +293,10 @@ class Feed:
                     moves.append((i, m))
             waiting[i] = 0
             self.stored[i] = engine.slots
-        self._trim_steps()
+        if any(waiting):
+            self._trim_steps()
+        else:
+            self.steps = []
         if moves:
             B, H = quant.dims(self.keys)[:2]
             src, dst = (np.zeros((B, H, self.config.block), np.int64) for _ in range(2))
