@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from morphkv import KVCacheBuilder, KVCacheConfig
 from morphkv.core import kernels
-from morphkv.core.blocks import compaction, pick
 from morphkv.core.rules import METHODS
 from morphkv.mlxlm.hooks import queries_by_hand
+from tests.numpy_definitions import causal_rows_numpy, compaction, pick
 
 EVICTING = sorted(set(METHODS) - {"full"})
 ATTENTION = ("h2o", "tova", "morphkv", "peak")
@@ -205,7 +205,7 @@ def test_half_mean_kernel_is_the_numpy_mean(n, window, seed):
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 30), st.integers(1, 6), st.integers(1, 3), st.integers(0, 2**31 - 1))
 def test_rows_kernel_is_the_numpy_definition(n, P, G, seed):
-    from morphkv.core.rows import causal_rows, causal_rows_numpy
+    from morphkv.core.rows import causal_rows
 
     rng = np.random.default_rng(seed)
     keys = rng.standard_normal((2, n, 8)) * 3

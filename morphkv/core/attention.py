@@ -14,17 +14,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .storage import fetch
+
 
 def _causal(n: int, k: int) -> mx.array:
     """(k, n) bool: query i sees rows j <= n - k + i."""
     return mx.arange(n)[None, :] <= mx.arange(n - k, n)[:, None]
-
-
-def _rows(x, n: int):
-    """The first n stored rows of plain (B, H, N, D) storage or of a quantized triplet."""
-    if isinstance(x, tuple):
-        return tuple(p[:, :, :n] for p in x)
-    return x[:, :, :n]
 
 
 def _f32(x):
@@ -40,7 +35,7 @@ def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None):
     H = (keys[0] if isinstance(keys, tuple) else keys).shape[1]
     G = n_heads // H
     q = (_f32(queries) * scale).reshape(B, H, G * k, D)
-    K, V = _rows(keys, n), _rows(values, n)
+    K, V = fetch(keys, n), fetch(values, n)
     if quant is None:
         logits = q @ _f32(K).swapaxes(-1, -2)
     else:

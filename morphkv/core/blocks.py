@@ -1,68 +1,29 @@
-"""Block eviction's small parts: picking a block of victims, the row moves that compact the
-storage afterwards, the pending arrays' plumbing, the running score a rule keeps."""
+"""Block eviction's small parts: the pending arrays' plumbing, value norms, the running score
+a rule keeps (picking a block of victims and the row moves that compact the storage afterwards
+are ``morphkv.core.kernels.pick`` / ``moves``)."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 
-TIE_RTOL = 1e-9  # scores this close (relative) to the minimum count as tied; oldest goes
-NO_POSITION = np.iinfo(np.int32).max
 
-
-def host(x) -> np.ndarray | None:
-    """A host float array (float16/float32 as is, others via float32)."""
-    if x is None or isinstance(x, np.ndarray):
-        return x
-    if x.dtype not in (mx.float16, mx.float32):
-        x = x.astype(mx.float32)
-    return np.asarray(x)
-
-
-def _nbytes(x) -> int:
+def nbytes_of(x) -> int:
+    """Bytes of an array or a quantized triplet (0 for None)."""
     if x is None:
         return 0
     return sum(int(p.nbytes) for p in (x if isinstance(x, tuple) else (x,)))
 
 
-def _concat(arrays):
+def concat(arrays):
+    """The arrays joined along axis 2 (one array: itself)."""
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=2)
 
 
-def _cutter(x):
+def cutter(x):
     """Slices [i, j) of axis 2 of an array (None stays None)."""
     if x is None:
         return lambda i, j: None
     return lambda i, j: x[:, :, i:j]
-
-
-def pick(scores, positions, block: int):
-    """``block`` successive picks per row of the lowest score, ties (within ``TIE_RTOL``) to
-    the oldest position; each picked slot leaves the candidates."""
-    scores, positions = scores.copy(), np.array(positions, np.int64)
-    r = np.arange(scores.shape[0])
-    out = np.empty((scores.shape[0], block), np.int64)
-    for k in range(block):
-        low = scores.min(axis=1, keepdims=True)
-        tied = scores <= low * (1.0 + TIE_RTOL)
-        out[:, k] = np.where(tied, positions, NO_POSITION).argmin(axis=1)
-        scores[r, out[:, k]] = np.inf
-        positions[r, out[:, k]] = NO_POSITION
-    return out
-
-
-def compaction(victims, n: int, block: int):
-    """Row moves (src, dst), each (rows, block), that fill the victims' rows below the line
-    ``n - block`` with the live rows above it; the other pairs move a victim's row above the
-    line onto itself. Afterwards the live slots are the rows [0, n - block)."""
-    R = victims.shape[0]
-    if block == 1:  # the top row moves into the hole (onto itself when it is the victim)
-        return np.full((R, 1), n - 1, np.int64), victims.astype(np.int64)
-    dst = np.sort(victims, axis=1)  # holes below the line first, then victims above it
-    above = np.broadcast_to(np.arange(n - block, n), (R, block))
-    dead = (victims[:, :, None] == above[:, None, :]).any(axis=1)  # (rows, block)
-    order = np.argsort(dead, axis=1, kind="stable")  # live rows above first, then victims
-    return np.take_along_axis(above, order, axis=1), dst
 
 
 def norms_of(values) -> np.ndarray:

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from .blocks import running_kind
+from .engine import next_eviction
 from .rules import make_rule
 
 RTOL = 2.0**-9  # two float16 ulps: rows rounded from float32 instead of float64 (+ value norms)
@@ -62,7 +63,7 @@ def _lowest(block: int, weighted: bool):
 
 def moves(victims, n: int, block: int):
     """Row moves (src, dst), each (R, block), filling the victims' rows below the line
-    ``n - block`` with the live rows above it (``morphkv.core.blocks.compaction``)."""
+    ``n - block`` with the live rows above it (as ``kernels.moves``)."""
     if block == 1:
         return mx.full(victims.shape, n - 1, mx.uint32), victims
     above = mx.arange(n - block, n).astype(victims.dtype)
@@ -154,10 +155,7 @@ class DeviceEngine:
 
     def piece(self, remaining: int) -> int:
         """Tokens of the next piece: up to and including the next eviction point."""
-        budget, block = self.config.budget, self.block
-        t = self.seen
-        nxt = budget if t <= budget else budget + -(-(t - budget) // block) * block
-        return min(remaining, nxt - t + 1)
+        return min(remaining, next_eviction(self.config, self.seen) - self.seen + 1)
 
     # ---- feeding -------------------------------------------------------------------------
     def fill_norms(self, values) -> None:

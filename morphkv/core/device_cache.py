@@ -15,18 +15,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import quant
+from . import quant, storage
 from .attention import attend, self_rows
 from .device import DeviceEngine, move
 
 
-def _rows(x, start: int, end: int):
-    """Rows [start, end) of plain or quantized (B, H, N, ...) storage."""
-    return quant.apply(lambda p: p[:, :, start:end], x)
-
-
 class DevicePath:
-    """Mixed into ``MorphKVCache``; uses its storage (``SlotStorage``) and config."""
+    """Mixed into ``MorphKVCache``; uses its storage (``morphkv.core.storage``) and config."""
 
     _held = None  # (keys, values as stored, keys and values as given, written rows)
 
@@ -36,7 +31,8 @@ class DevicePath:
 
     def _device_update(self, keys: mx.array, values: mx.array):
         B, H, C, D = keys.shape
-        stored_keys, stored_values = self._store_form(keys), self._store_form(values)
+        stored_keys = storage.store_form(keys, self.config)
+        stored_values = storage.store_form(values, self.config)
         if C == 0:
             return self._fetch() if self.keys is not None else (stored_keys, stored_values)
         self._settle_device()
@@ -62,8 +58,9 @@ class DevicePath:
 
     def _write(self, keys, values, start: int) -> None:
         end = start + quant.dims(keys)[2]
-        if self.keys is None or end > quant.dims(self.keys)[2]:
-            self._grow_to(self.engine.capacity, keys, values)  # the most a piece needs
+        if self.keys is None:  # the most a piece needs
+            self.keys = storage.zeros(keys, quant.dims(keys)[0], self.engine.capacity)
+            self.values = storage.zeros(values, quant.dims(values)[0], self.engine.capacity)
         quant.assign(self.keys, start, end, keys)
         quant.assign(self.values, start, end, values)
 
@@ -73,12 +70,12 @@ class DevicePath:
 
     def _float_keys(self, n: int):
         """The first n stored keys as floats (R, n, D)."""
-        keys = self._float(quant.apply(lambda p: p[:, :, :n], self.keys))
+        keys = storage.floats(storage.fetch(self.keys, n), self.config)
         return keys.reshape(self.engine.rows, n, -1)
 
     def _float_values(self, start: int, end: int):
         """Stored values rows [start, end) as floats (R, end - start, Dv)."""
-        v = self._float(_rows(self.values, start, end))
+        v = storage.floats(storage.fetch(self.values, end, start), self.config)
         return v.reshape(self.engine.rows, end - start, -1)
 
     def _stored_float_keys(self):
@@ -126,7 +123,7 @@ class DevicePath:
             k = engine.piece(C - i)
             n0, n = engine.slots, engine.slots + k
             if not written:
-                self._write(*(_rows(s, i, i + k) for s in (stored_keys, stored_values)), n0)
+                self._write(*(storage.fetch(s, i + k, i) for s in (stored_keys, stored_values)), n0)
             rows = None
             if queries is not None:
                 out, rows = attend(queries[:, :, i : i + k], self.keys, self.values, n,

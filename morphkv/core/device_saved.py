@@ -88,7 +88,7 @@ def to_host(engine: DeviceEngine, config) -> Engine:
         raise ValueError("to_host: an eviction is still due (read the cache first)")
     host = Engine(config, engine.rows, engine.head_dim, engine.real)
     cap = engine.capacity
-    host._reserve(cap)
+    host.reserve(cap)
     host.positions = np.array(engine.positions)
     if engine.accumulated is not None:
         host.accumulated = np.array(engine.accumulated).astype(host.accumulated.dtype)

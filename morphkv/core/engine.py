@@ -4,7 +4,7 @@ It works over every (batch row, KV head) pair at once. The live slots are always
 ``slots`` rows of the cache's storage; a token is appended at row ``slots``. Once ``budget``
 tokens are stored, the next token (absolute positions ``budget``, ``budget + block``, ...,
 counting from 0) evicts the ``block`` lowest-scoring unprotected tokens at once (``select``)
-and at most ``block`` live rows move down into the freed rows (``compaction``; the cache moves
+and at most ``block`` live rows move down into the freed rows (``kernels.moves``; the cache moves
 its storage alike), so the next ``block - 1`` tokens are appended again. At most ``budget``
 tokens are stored after any update (``budget + 1`` while the evicting token's query attends).
 ``block = 1`` is the per-token rule.
@@ -27,8 +27,8 @@ import math
 
 import numpy as np
 
-from . import blocks, kernels
-from .blocks import _concat, _cutter, _nbytes, host, norms_of, running_kind
+from . import blocks, kernels, storage
+from .blocks import concat, cutter, nbytes_of, norms_of, running_kind
 from .config import KVCacheConfig
 from .host_blas import one_blas_thread
 from .rows import causal_rows, proxy_rows
@@ -36,6 +36,21 @@ from .rules import make_rule
 
 TOP = float(np.finfo(np.float64).max)
 NO_NORMS = np.zeros((0, 0), np.float16)
+
+
+def at_grid(config: KVCacheConfig, t):
+    """Is position t (or each of an array of them) one where pending tokens are settled:
+    budget, budget +- block, ... (every eviction point, and the same grid before the budget
+    fills). Settling at fixed absolute positions makes every batch of rows the same for any
+    chunking."""
+    return (t - config.budget) % config.block == 0
+
+
+def next_eviction(config: KVCacheConfig, t):
+    """The first eviction point (budget, budget + block, ...) at or after position t (or each
+    of an array of them)."""
+    budget, block = config.budget, config.block
+    return budget + (t > budget) * -(-(t - budget) // block) * block
 
 
 class Engine:
@@ -126,9 +141,6 @@ class Engine:
         return keys[:, : self.slots]
 
     # ---- state ---------------------------------------------------------------------------
-    def _arrays(self):
-        yield self, self.ARRAYS
-
     @property
     def nbytes(self) -> int:
         """Bytes of the selection state, pending queries included."""
@@ -150,12 +162,11 @@ class Engine:
         held = self.block if self.running else min(self.block, self.reads)
         return self.rows * n * per_slot + held * per_query * self.real
 
-    def _reserve(self, slots: int) -> None:
-        """Widen the slot arrays to hold ``slots`` (never past budget + 1 when evicting)."""
+    def reserve(self, slots: int) -> None:
+        """Widen the slot arrays to hold ``slots`` (as the storage grows: ``storage.capacity``)."""
         if slots <= self.capacity:
             return
-        limit = self.config.budget + 1 if self.rule.evicts else slots
-        capacity = max(slots, min(max(2 * self.capacity, 64), limit))
+        capacity = storage.capacity(slots, self.config, self.rule.evicts)
         pad = capacity - self.capacity
         self.positions = np.pad(self.positions, [(0, 0), (0, pad)])
         for name in ("accumulated", "value_norms"):
@@ -169,7 +180,7 @@ class Engine:
     def _arrive(self, count: int, queries) -> None:
         """``count`` tokens appended at rows [slots, slots + count); their queries (B, n_heads,
         count, D) as the cache holds them (kept, not read)."""
-        self._reserve(self.slots + count)
+        self.reserve(self.slots + count)
         s, first = self.slots, self.seen
         if count == 1:
             self.positions[:, s] = first
@@ -178,14 +189,14 @@ class Engine:
         self.slots += count
         self.seen += count
         self.pending_count += count
-        if self.real:  # only the queries whose rows something reads (a suffix: see _needed)
-            self.query_bytes = self.query_bytes or _nbytes(queries) // count
+        if self.real:  # only the queries whose rows something reads (a suffix: see needed)
+            self.query_bytes = self.query_bytes or nbytes_of(queries) // count
             if count == 1:
-                if self._needs(first):
+                if self.needed(first):
                     self.pending.append(queries)
                     self.queries_held += 1
                 return
-            need = self._needed(first, count)
+            need = self.needed(first + np.arange(count))
             if need.any():
                 j = int(np.argmax(need))
                 self.pending.append(queries if j == 0 else queries[:, :, j:])
@@ -203,18 +214,12 @@ class Engine:
         self._arrive(1, queries)
         if self.over:
             return True
-        if not self.at_grid(self.seen - 1):
+        if not at_grid(self.config, self.seen - 1):
             return False
         if self.running or self.queries_held:
             return True  # rows to compute: the stored keys are needed
         self._flush(None)  # nothing to compute: no keys read
         return False
-
-    def at_grid(self, t: int) -> bool:
-        """Is position t one where pending tokens are settled: budget, budget +- block, ...
-        (every eviction point, and the same grid before the budget fills). Settling at fixed
-        absolute positions makes every batch of rows the same for any chunking."""
-        return (t - self.config.budget) % self.block == 0
 
     def settle(self, keys, values=None):
         """Rows of the pending tokens from the stored keys (rows, >= slots, D) in slot order
@@ -250,7 +255,7 @@ class Engine:
         evicted (rows, slots_before + C): the chunk step at which each fetched row was
         evicted, C if it was not)."""
         R, C, D = keys.shape
-        cut = _cutter(queries)
+        cut = cutter(queries)
         norms = None if self.value_norms is None else norms_of(values)
         before = self.slots
         width = before + C if not self.rule.evicts else min(before + C, self.config.budget + 1)
@@ -274,7 +279,7 @@ class Engine:
                 self.value_norms[:, s : s + k] = norms[:, i : i + k]
                 self.norms_from = self.slots
             i += k
-            if not self.at_grid(self.seen - 1):
+            if not at_grid(self.config, self.seen - 1):
                 continue  # the chunk ends before the grid: its last tokens stay pending
             self._flush(slot_keys)
             if self.over:
@@ -298,30 +303,17 @@ class Engine:
         return max(first - self.seen, 0)
 
     # ---- rows, scores, eviction ----------------------------------------------------------
-    def _needs(self, t: int) -> bool:
-        """``_needed`` of one position."""
-        if self.running:
-            return True
-        if not (self.window_rule and self.real):
-            return False
-        budget, block = self.config.budget, self.block
-        nxt = budget if t <= budget else budget + -(-(t - budget) // block) * block
-        return nxt <= t + self.reads - 1
-
-    def _needed(self, first: int, count: int) -> np.ndarray:
-        """Which of the positions first .. first + count - 1 have a row anything reads."""
-        t = first + np.arange(count)
-        if self.running:
-            return np.ones(count, bool)
-        if not (self.window_rule and self.real):
-            return np.zeros(count, bool)
-        budget, block = self.config.budget, self.block
-        nxt = np.where(t <= budget, budget, budget + -(-(t - budget) // block) * block)
-        return nxt <= t + self.reads - 1
+    def needed(self, t):
+        """Has the token at position t (or each of an array of positions) a row anything reads:
+        every row for running scores, for window rules the rows an eviction's window reads."""
+        if self.running or not (self.window_rule and self.real):
+            kept = self.running is not None
+            return np.full(len(t), kept) if isinstance(t, np.ndarray) else kept
+        return next_eviction(self.config, t) <= t + self.reads - 1
 
     def pending_queries(self, pending=None):
         """Host (B, n_heads, P, D) queries of the pending tokens (real queries only)."""
-        return _concat([host(q) for q in (self.pending if pending is None else pending)])
+        return concat([storage.to_numpy(q) for q in (self.pending if pending is None else pending)])
 
     def _flush(self, keys) -> None:
         """Turn the pending tokens into rows and running scores."""
@@ -332,7 +324,7 @@ class Engine:
         s0 = n - P
         pending, self.pending, self.pending_count = self.pending, [], 0
         self.queries_held = 0
-        need = np.arange(P) if self.running else np.nonzero(self._needed(first, P))[0]
+        need = np.arange(P) if self.running else np.nonzero(self.needed(first + np.arange(P)))[0]
         if need.size == 0:
             return
         keys = keys[:, :n]
@@ -363,7 +355,7 @@ class Engine:
         finally:
             self._keys = self._window = None
         src, dst = np.empty_like(victims), np.empty_like(victims)
-        kernels.moves(victims, self.slots, src, dst)  # = blocks.compaction
+        kernels.moves(victims, self.slots, src, dst)
         r = np.arange(self.rows)[:, None]
         self.positions[r, dst] = self.positions[r, src]
         for name in ("accumulated", "value_norms"):

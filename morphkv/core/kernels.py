@@ -221,7 +221,7 @@ def dots(q, keys, scale, out):
 def moves(victims, n, src, dst):
     """Row moves (src, dst) (R, block) that fill the victims' rows below the line
     ``n - block`` with the live rows above it, in order; the remaining pairs move a victim's
-    row above the line onto itself (``morphkv.core.blocks.compaction`` defines them)."""
+    row above the line onto itself (``tests/numpy_definitions.compaction`` defines them)."""
     R, block = victims.shape
     line = n - block
     dead = np.zeros(block, np.bool_)

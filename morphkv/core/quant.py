@@ -59,22 +59,20 @@ def apply(fn: Callable, *xs: Storage) -> Storage:
 
 def assign(x: Storage, start: int, end: int, new: Storage) -> None:
     """``x[:, :, start:end] = new`` in place (each part of a triplet)."""
-    for part, value in zip(_parts(x), _parts(new), strict=True):
+    if not isinstance(x, tuple):
+        x[:, :, start:end] = new
+        return
+    for part, value in zip(x, new, strict=True):
         part[:, :, start:end] = value
 
 
-def zeros(like: Storage, rows: int) -> Storage:
-    """Zero storage of ``rows`` slots shaped like ``like`` (B, H, ., last)."""
-    return apply(lambda p: mx.zeros((*p.shape[:2], rows, p.shape[3]), p.dtype), like)
-
-
-def _parts(x: Storage) -> tuple:
+def parts(x: Storage) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
 def dims(x: Storage) -> tuple[int, int, int]:
     """(batch, KV heads, slots) of the storage."""
-    return tuple(_parts(x)[0].shape[:3])
+    return (x[0] if isinstance(x, tuple) else x).shape[:3]
 
 
 def dtype(x: Storage):
@@ -87,7 +85,7 @@ def head_dim(x: Storage, group_size: int | None) -> int:
 
 
 def nbytes(x: Storage) -> int:
-    return sum(p.nbytes for p in _parts(x))
+    return sum(p.nbytes for p in parts(x))
 
 
 def row_bytes(dim: int, dtype_size: int, bits: int | None, group_size: int) -> int:
@@ -169,8 +167,9 @@ class QuantizedAttributes(QuantizedBits):
             if any(d % group_size for d in dims):
                 raise ValueError(f"kv_group_size={group_size} must divide the head dims {dims}")
         new = copy.copy(self)
-        new.config, new._chunk = config, None
-        new.engine = copy.deepcopy(self.engine, {id(self): new})  # its key reader: the new cache
+        engine = copy.deepcopy(self.engine, {id(self): new})
+        keys = values = None
         if self.keys is not None:
-            new.keys, new.values = (quantize(x, group_size, bits) for x in self._fetch())
+            keys, values = (quantize(x, group_size, bits) for x in self._fetch())
+        new.adopt(engine, keys, values, config)
         return new

@@ -78,16 +78,6 @@ def causal_rows(queries, keys, slots, scale: float, finite: bool, top: float, ha
     return bits.view(np.float16) if half else out
 
 
-def causal_rows_numpy(queries, keys, slots, scale: float, finite: bool, top: float):
-    """``causal_rows`` (float64) in NumPy: the definition the kernel is held to."""
-    n = keys.shape[1]
-    logits = logits_of(queries, keys, scale)
-    seen = np.arange(n)[None, :] <= np.asarray(slots)[:, None]  # (P, n)
-    if not seen.all():
-        logits = np.where(seen[None, :, None, :], logits, -np.inf)  # exp(-inf) is 0
-    return softmax_sum(logits, finite, top)
-
-
 def proxy_rows(keys, positions, window: int, scale: float, finite: bool, top: float):
     """(rows, window, n) float64: the stored keys of the newest ``window`` tokens as queries
     over every stored key (the proxy rule's window, as stored now)."""

@@ -83,7 +83,7 @@ def restore(config: KVCacheConfig, rows: int, head_dim: int, stored_rows: int, s
     _need(scalars.shape == (5,) and scalars.dtype == np.int64, "scalars")
     seen, slots, finite, capacity, pending = (int(x) for x in scalars)
     _need(0 <= pending <= min(config.block, seen), f"{pending} pending tokens")
-    held = int(engine._needed(seen - pending, pending).sum()) if engine.real else 0
+    held = int(engine.needed(seen - pending + np.arange(pending)).sum()) if engine.real else 0
     if held:
         expected.add("pending_queries")
     _need(set(saved) == expected, f"arrays {sorted(saved)} != {sorted(expected)}")
@@ -174,21 +174,15 @@ class SavedState:
                 if config.engine != "mlx" or N > config.budget + 1:
                     raise ValueError("saved cache: MLX engine state for a host config or "
                                      f"{N} stored rows for budget {config.budget}")
-                engine = device_saved.restore(config, B, H, D, N, spec, arrays)
-                engine.stored_keys = self._stored_float_keys
-                self.config, self.keys, self.values, self.engine = config, keys, values, engine
-                self._chunk = self._held = None
-                self.offset = engine.seen
+                self.adopt(device_saved.restore(config, B, H, D, N, spec, arrays), keys, values,
+                           config)
                 return
             if config.engine == "mlx":
                 raise ValueError("saved cache: host engine state for engine='mlx'")
             engine = restore(config, B * H, D, N, unpack(spec, arrays))
-            engine.stored_keys = self._host_keys
             if engine.slots != N:
                 raise ValueError(f"saved cache: {N} stored rows for {engine.slots} slots")
-        self.config, self.keys, self.values, self.engine = config, keys, values, engine
-        self._chunk = self._held = None
-        self.offset = 0 if engine is None else engine.seen
+        self.adopt(engine, keys, values, config)
 
     @staticmethod
     def _check_saved_storage(config: KVCacheConfig, keys, values) -> None:

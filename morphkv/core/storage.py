@@ -1,10 +1,12 @@
-"""Slot storage of ``MorphKVCache``: where each token's keys and values live.
+"""The K/V storage of morphkv caches: one (B, n_kv_heads, capacity, head_dim) array per K and V.
 
-Storage is (B, n_kv_heads, slots, head_dim) per K and V, in the arriving dtype or as mlx_lm's
-quantized triplets (``morphkv.core.quant``). The live tokens are the first ``slots`` rows (the
-engine's slot layout); a new token is appended after them in place. An eviction moves at most
-``block`` rows down into the evicted rows (``_move``); after a multi-token chunk the rows are
-gathered once into the engine's slot layout.
+Plain arrays in the arriving dtype, or mlx_lm's quantized triplets (``morphkv.core.quant``).
+Each batch row's live tokens are its first ``stored`` slots (left-aligned, in its engine's slot
+order); what lies past them is free (stale or zero) and hidden. Every operation here is a
+constant number of MLX operations whatever the number of rows: a decode step writes every row's
+new token with one slice write (one scatter when rows differ in length), an eviction moves the
+evicting rows' slots with one take and one put, a prefill chunk's compaction is one gather.
+The single-sequence cache and the batch cache share all of it, and the one input check.
 """
 
 from __future__ import annotations
@@ -14,134 +16,180 @@ import numpy as np
 
 from . import quant
 
+STEP = 256  # storage grows in steps of this many slots (an evicting cache: to budget + 1)
 
-def to_numpy(x: mx.array) -> np.ndarray:
-    """Host view for the selection engine (float16/float32 exactly; bfloat16 via float32)."""
+
+def to_numpy(x) -> np.ndarray | None:
+    """A host float array (float16/float32 exactly; others via float32); None and NumPy as is."""
+    if x is None or isinstance(x, np.ndarray):
+        return x
     if x.dtype not in (mx.float16, mx.float32):
         x = x.astype(mx.float32)
     return np.asarray(x)
 
 
-def check_pair(keys: mx.array, values: mx.array) -> None:
-    """Reject keys and values that are not a floating (batch, n_kv_heads, tokens, head_dim) pair
-    agreeing on batch, heads and tokens (one line naming the problem)."""
+def check(keys, values, stored_keys, stored_values, config, rows: int | None) -> None:
+    """Reject malformed input (one line naming the problem): keys and values must be a floating
+    (batch, n_kv_heads, tokens, head_dim) pair agreeing with each other, with ``config`` and
+    with the storage (``rows``: the batch it holds, None before the first update)."""
+    k, v = keys.shape, values.shape
     if keys.ndim != 4 or values.ndim != 4:
-        raise ValueError(
-            "keys and values must be (batch, n_kv_heads, tokens, head_dim); "
-            f"got keys {tuple(keys.shape)} and values {tuple(values.shape)}"
-        )
-    if keys.shape[:3] != values.shape[:3]:
-        raise ValueError(
-            f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree on "
-            "batch, heads or tokens"
-        )
+        raise ValueError("keys and values must be (batch, n_kv_heads, tokens, head_dim); "
+                         f"got keys {tuple(k)} and values {tuple(v)}")
+    if k[:3] != v[:3]:
+        raise ValueError(f"keys {tuple(k)} and values {tuple(v)} disagree on batch, heads or "
+                         "tokens")
     if not mx.issubdtype(keys.dtype, mx.floating):
         raise ValueError(f"keys must be floating point, got {keys.dtype}")
+    if 0 in (k[0], k[1], k[3], v[3]):
+        raise ValueError("batch, n_kv_heads and head_dim must be >= 1; got keys "
+                         f"{tuple(k)} and values {tuple(v)}")
+    if rows is not None and k[0] != rows:
+        raise ValueError(f"keys of shape {tuple(k)} do not match a batch of {rows} rows")
+    if config.head_dim is not None and k[3] != config.head_dim:
+        raise ValueError(f"keys have head_dim {k[3]} but config.head_dim={config.head_dim}")
+    group = config.kv_group_size
+    if config.kv_bits is not None and (k[3] % group or v[3] % group):
+        raise ValueError(f"kv_group_size={group} must divide the head dims of keys {k[3]} and "
+                         f"values {v[3]}")
+    if stored_keys is None:
+        return
+    for name, new, old in (("keys", keys, stored_keys), ("values", values, stored_values)):
+        H, D = quant.dims(old)[1], quant.head_dim(old, group)
+        if (new.shape[1], new.shape[3]) != (H, D):
+            raise ValueError(f"{name} of shape {tuple(new.shape)} do not match the cache: "
+                             f"expected n_kv_heads {H}, head_dim {D}")
+        if new.dtype != quant.dtype(old):
+            raise ValueError(f"{name} dtype {new.dtype} differs from the stored "
+                             f"{quant.dtype(old)}")
 
 
-class SlotStorage:
-    """The storage half of ``MorphKVCache`` (it reads ``keys``, ``values``, ``config`` and
-    ``engine`` of the cache)."""
+class Accepted(tuple):
+    """The config, shapes and dtypes of the last accepted update (``accepted``); a copy of a
+    cache starts without one (MLX dtypes do not deep-copy)."""
 
-    def _place(self, keys: mx.array, values: mx.array) -> int:
-        """Append the new tokens after the ``slots`` live rows (in place when the storage has
-        room, as mlx_lm's caches write). Returns the number of rows that now hold tokens."""
-        start = self.engine.slots
-        if isinstance(keys, mx.array) and isinstance(self.keys, mx.array):  # plain storage
-            end = start + keys.shape[2]
-            if end > self.keys.shape[2]:
-                self._reserve(end, keys, values)
-            self.keys[:, :, start:end] = keys
-            self.values[:, :, start:end] = values
-            return end
-        end = start + quant.dims(keys)[2]
-        if self.keys is None or end > quant.dims(self.keys)[2]:
-            self._reserve(end, keys, values)
-        quant.assign(self.keys, start, end, keys)
-        quant.assign(self.values, start, end, values)
-        return end
+    def __deepcopy__(self, memo):
+        return None
 
-    def _move(self, moves, token: tuple | None = None) -> None:
-        """Apply an eviction's row moves (src, dst), each (rows, block): row dst = row src.
-        ``token``: the keys and values (as stored) of the newest token when every source row
-        holds it (block 1: the top row moves into the hole), written without reading them."""
-        src, dst = moves
-        B, H, _ = quant.dims(self.keys)
-        dst = mx.array(dst.reshape(B, H, -1, 1).astype(np.int32))
-        if token is not None:
-            for name, rows in zip(("keys", "values"), token, strict=True):
-                put = quant.apply(lambda x, t: mx.put_along_axis(x, dst, t, axis=2),
-                                  getattr(self, name), rows)
-                setattr(self, name, put)
-            return
-        src = mx.array(src.reshape(B, H, -1, 1).astype(np.int32))
 
-        def move(x):
-            return mx.put_along_axis(x, dst, mx.take_along_axis(x, src, axis=2), axis=2)
+def accepted(keys, values, config, last, stored_keys, stored_values, rows):
+    """``check`` with a fast path: input shaped like the ``last`` accepted one passes at once
+    (the checks depend on nothing else). Returns what to pass as ``last`` next time."""
+    k, v = keys.shape, values.shape
+    seal = (keys.ndim, values.ndim, k[:2], k[3:], v[:2], v[3:], keys.dtype, values.dtype)
+    if last is not None and last[0] is config and last[1] == seal and k[2] == v[2]:
+        return last
+    check(keys, values, stored_keys, stored_values, config, rows)
+    return None if stored_keys is None else Accepted((config, seal))
 
-        self.keys = quant.apply(move, self.keys)
-        self.values = quant.apply(move, self.values)
 
-    def _reserve(self, rows: int, keys: mx.array, values: mx.array) -> None:
-        """Grow storage to hold ``rows`` rows (in steps of 256, never past budget + 1
-        unless a chunk itself needs more)."""
-        step = 256
-        capacity = -(-rows // step) * step
-        if self.config.method != "full":
-            capacity = max(rows, min(capacity, self.config.budget + 1))
-        self._grow_to(capacity, keys, values)
+def store_form(x: mx.array, config) -> quant.Storage:
+    """New keys or values as the storage holds them."""
+    if config.kv_bits is None:
+        return x
+    return quant.quantize(x, config.kv_group_size, config.kv_bits)
 
-    def _grow_to(self, capacity: int, keys, values) -> None:
-        """Storage of ``capacity`` rows: the live ones kept, zeros shaped like ``keys`` /
-        ``values`` after them."""
-        used = 0 if self.keys is None else self.engine.slots
 
-        def grow(old, fresh):
-            return mx.concatenate([old[:, :, :used], fresh], 2)
+def host(x: quant.Storage, config) -> np.ndarray:
+    """Stored keys or values as a host float array (B, H, slots, D), dequantized if quantized."""
+    if config.kv_bits is None:
+        return to_numpy(x)
+    return quant.host_dequantize(x, config.kv_group_size, config.kv_bits)
 
-        grown = []
-        for old, new in ((self.keys, keys), (self.values, values)):
-            fresh = quant.zeros(new, capacity - used)
-            grown.append(fresh if old is None else quant.apply(grow, old, fresh))
-        self.keys, self.values = grown
 
-    def _fetch(self, rows: int | None = None) -> tuple[mx.array, mx.array]:
-        rows = self.engine.slots if rows is None else rows
-        if isinstance(self.keys, mx.array):  # plain storage
-            if rows == self.keys.shape[2]:
-                return self.keys, self.values
-            return self.keys[:, :, :rows], self.values[:, :, :rows]
-        if rows == quant.dims(self.keys)[2]:
-            return self.keys, self.values
-        return tuple(quant.apply(lambda p: p[:, :, :rows], x) for x in (self.keys, self.values))
+def floats(x: quant.Storage, config) -> mx.array:
+    """Stored keys or values as a float MLX array (dequantized when quantized)."""
+    return quant.dequantize(x, config.kv_group_size, config.kv_bits)
 
-    def _store_form(self, x: mx.array) -> quant.Storage:
-        """New keys or values as the storage holds them."""
-        if self.config.kv_bits is None:
-            return x
-        return quant.quantize(x, self.config.kv_group_size, self.config.kv_bits)
 
-    def _host(self, x: quant.Storage) -> np.ndarray:
-        """Stored keys or values as a host float array (dequantized when quantized)."""
-        if self.config.kv_bits is None:
-            return to_numpy(x)
-        return quant.host_dequantize(x, self.config.kv_group_size, self.config.kv_bits)
+def capacity(slots: int, config, evicts: bool) -> int:
+    """The one growth rule: slots of storage that hold ``slots`` (steps of ``STEP``; never
+    past ``budget + 1`` for an evicting rule unless a chunk itself needs more)."""
+    grown = -(-slots // STEP) * STEP
+    return max(slots, min(grown, config.budget + 1)) if evicts else grown
 
-    def _float(self, x: quant.Storage) -> mx.array:
-        """Stored keys or values as a float array (dequantized when quantized)."""
-        return quant.dequantize(x, self.config.kv_group_size, self.config.kv_bits)
 
-    def _compact(self, fetched, source: np.ndarray) -> None:
-        """Gather the engine's slot layout out of the fetched [old rows + chunk rows]:
-        ``source`` (rows, slots) is the fetched row each slot now holds. An evicting cache
-        keeps ``budget + 1`` rows (the rows past ``slots`` are free)."""
-        B, H, _ = quant.dims(self.keys)
-        if self.engine.rule.evicts and source.shape[1] < self.config.budget + 1:  # room kept
-            pad = self.config.budget + 1 - source.shape[1]
-            source = np.pad(source, [(0, 0), (0, pad)])
-        index = mx.array(source.reshape(B, H, -1, 1).astype(np.int32))
+def zeros(like: quant.Storage, rows: int, slots: int) -> quant.Storage:
+    """Zero storage of ``rows`` rows and ``slots`` slots shaped like ``like`` (., H, ., last)."""
+    return quant.apply(lambda p: mx.zeros((rows, p.shape[1], slots, p.shape[3]), p.dtype), like)
 
-        def take(x):
-            return mx.take_along_axis(x, index, axis=2)
 
-        self.keys, self.values = (quant.apply(take, x) for x in fetched)
+def grow(x: quant.Storage, slots: int) -> quant.Storage:
+    """``x`` with ``slots`` slots (zeros appended)."""
+    B, H, N = quant.dims(x)
+    if slots <= N:
+        return x
+    return quant.apply(lambda p: mx.concatenate(
+        [p, mx.zeros((B, H, slots - N, p.shape[3]), p.dtype)], axis=2), x)
+
+
+def write(x: quant.Storage, slots: np.ndarray, new: quant.Storage) -> quant.Storage:
+    """Row i's new tokens (``new``'s row i) written from slot ``slots[i]`` on: a slice write in
+    place when every row starts at the same slot, else one scatter (one token). Returns x."""
+    first = int(slots[0])
+    if len(slots) == 1 or all(s == first for s in slots):
+        quant.assign(x, first, first + quant.dims(new)[2], new)
+        return x
+    index = mx.array(np.asarray(slots, np.int32)).reshape(-1, 1, 1, 1)
+
+    def put(p, n):
+        return mx.put_along_axis(p, mx.broadcast_to(index, n.shape), n, axis=2)
+
+    return quant.apply(put, x, new)
+
+
+def move(x: quant.Storage, src, dst: np.ndarray, token=None) -> quant.Storage:
+    """Slot ``dst[b, h, k]`` takes slot ``src[b, h, k]`` (every row at once; a row with nothing
+    to move carries src == dst). ``token``: the newest token of every row as stored, when it is
+    what every source slot holds (block 1: the top row moves into the hole), put directly."""
+    B, H, _ = quant.dims(x)
+    d = mx.array(dst.astype(np.int32).reshape(B, H, -1, 1))
+    if token is not None:
+        return quant.apply(lambda p, t: mx.put_along_axis(p, d, t, axis=2), x, token)
+    s = mx.array(src.astype(np.int32).reshape(B, H, -1, 1))
+    return quant.apply(lambda p: mx.put_along_axis(p, d, mx.take_along_axis(p, s, axis=2), axis=2),
+                       x)
+
+
+def gather(x: quant.Storage, index: np.ndarray) -> quant.Storage:
+    """New storage whose slot j of row b, head h is the old slot ``index[b, h, j]``."""
+    B, H, _ = quant.dims(x)
+    ix = mx.array(index.astype(np.int32).reshape(B, H, -1, 1))
+    return quant.apply(lambda p: mx.take_along_axis(p, ix, axis=2), x)
+
+
+def fetch(x: quant.Storage, n: int, start: int = 0) -> quant.Storage:
+    """Slots [start, n) of every row (the first ``n``: what attention reads)."""
+    if isinstance(x, tuple):
+        return x if start == 0 and n == x[0].shape[2] else tuple(p[:, :, start:n] for p in x)
+    return x if start == 0 and n == x.shape[2] else x[:, :, start:n]
+
+
+def put_row(x: quant.Storage, i: int, row: quant.Storage, n: int) -> None:
+    """Row i's first ``n`` slots from a one-row storage ``row`` (1, H, >= n, .)."""
+    for part, value in zip(quant.parts(x), quant.parts(row), strict=True):
+        part[i : i + 1, :, :n] = value[:, :, :n]
+
+
+def write_span(x: quant.Storage, i: int, at: int, new: quant.Storage, span) -> None:
+    """Row i's slots [at, at + count) = columns [start, start + count) of ``new``'s row i."""
+    start, count = span
+    for part, value in zip(quant.parts(x), quant.parts(new), strict=True):
+        part[i : i + 1, :, at : at + count] = value[i : i + 1, :, start : start + count]
+
+
+def take_rows(x: quant.Storage, rows: list[int]) -> quant.Storage:
+    index = mx.array(np.asarray(rows, np.int32))
+    return quant.apply(lambda p: p[index], x)
+
+
+def concat_rows(a: quant.Storage, b: quant.Storage) -> quant.Storage:
+    """Rows of ``a`` then ``b`` (the shorter capacity padded with zeros)."""
+    slots = max(quant.dims(a)[2], quant.dims(b)[2])
+    a, b = grow(a, slots), grow(b, slots)
+    return quant.apply(lambda p, q: mx.concatenate([p, q], axis=0), a, b)
+
+
+def row_copy(x: quant.Storage, i: int, n: int) -> quant.Storage:
+    """Row i's first ``n`` slots as its own (1, H, n, .) storage (a copy)."""
+    return quant.apply(lambda p: mx.contiguous(p[i : i + 1, :, :n]), x)

@@ -1,0 +1,53 @@
+"""The NumPy definitions the compiled kernels (``morphkv.core.kernels``) and the MLX engine's
+moves (``morphkv.core.device.moves``) are held to, in plain loops: the block pick, the row moves
+that compact the storage, the causal attention rows."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from morphkv.core.rows import logits_of, softmax_sum
+
+TIE_RTOL = 1e-9  # scores this close (relative) to the minimum count as tied; oldest goes
+NO_POSITION = np.iinfo(np.int32).max
+
+
+def pick(scores, positions, block: int):
+    """``block`` successive picks per row of the lowest score, ties (within ``TIE_RTOL``) to
+    the oldest position; each picked slot leaves the candidates."""
+    scores, positions = scores.copy(), np.array(positions, np.int64)
+    r = np.arange(scores.shape[0])
+    out = np.empty((scores.shape[0], block), np.int64)
+    for k in range(block):
+        low = scores.min(axis=1, keepdims=True)
+        tied = scores <= low * (1.0 + TIE_RTOL)
+        out[:, k] = np.where(tied, positions, NO_POSITION).argmin(axis=1)
+        scores[r, out[:, k]] = np.inf
+        positions[r, out[:, k]] = NO_POSITION
+    return out
+
+
+def compaction(victims, n: int, block: int):
+    """Row moves (src, dst), each (rows, block), that fill the victims' rows below the line
+    ``n - block`` with the live rows above it; the other pairs move a victim's row above the
+    line onto itself. Afterwards the live slots are the rows [0, n - block)."""
+    R = victims.shape[0]
+    if block == 1:  # the top row moves into the hole (onto itself when it is the victim)
+        return np.full((R, 1), n - 1, np.int64), victims.astype(np.int64)
+    dst = np.sort(victims, axis=1)  # holes below the line first, then victims above it
+    above = np.broadcast_to(np.arange(n - block, n), (R, block))
+    dead = (victims[:, :, None] == above[:, None, :]).any(axis=1)  # (rows, block)
+    order = np.argsort(dead, axis=1, kind="stable")  # live rows above first, then victims
+    return np.take_along_axis(above, order, axis=1), dst
+
+
+
+def causal_rows_numpy(queries, keys, slots, scale: float, finite: bool, top: float):
+    """``causal_rows`` (float64) in NumPy: the definition the kernel is held to."""
+    n = keys.shape[1]
+    logits = logits_of(queries, keys, scale)
+    seen = np.arange(n)[None, :] <= np.asarray(slots)[:, None]  # (P, n)
+    if not seen.all():
+        logits = np.where(seen[None, :, None, :], logits, -np.inf)  # exp(-inf) is 0
+    return softmax_sum(logits, finite, top)
+
