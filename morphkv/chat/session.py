@@ -133,8 +133,8 @@ def load(path: Path, model, model_name: str, fingerprint: str,
         pending = meta["pending"]
     except (KeyError, ValueError, TypeError) as e:
         raise SessionError(f"{where}: bad session metadata ({_one_line(e)})") from None
-    if config is not None and saved.method != "random":
-        config = dataclasses.replace(config, seed=saved.seed)  # the seed only drives "random"
+    if config is not None and "seed" not in saved.rule.knobs():
+        config = dataclasses.replace(config, seed=saved.seed)  # only a rule with a seed uses it
     if config is not None and saved != config:
         raise SessionError(f"{where}: saved with cache setting {describe(saved)}; this chat "
                            f"uses {describe(config)} (start with the same flags)")

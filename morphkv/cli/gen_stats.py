@@ -64,8 +64,9 @@ def cache_stats(caches) -> CacheStats:
 
 def eviction_note(stats: CacheStats, config) -> str | None:
     """One line saying why nothing was evicted, or None when the cache did evict."""
-    if config.method == "full":
-        return "method=full never evicts (the reference the other methods are measured against)"
+    if not config.rule.evicts:
+        return (f"method={config.method} never evicts (the reference the other methods are "
+                "measured against)")
     if stats.evicted:
         return None
     return (

@@ -105,8 +105,8 @@ class LayerBound:
 def _bound(cache: Any) -> str:
     config = getattr(cache, "config", None)
     if config is not None and hasattr(config, "budget"):
-        if config.method == "full":
-            return "none (method full)"
+        if not config.rule.evicts:
+            return f"none (method {config.method})"
         return f"{config.method} budget {config.budget}"
     if isinstance(cache, RotatingKVCache):
         return f"window {cache.max_size}"

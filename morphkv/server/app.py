@@ -165,7 +165,7 @@ def install_caches(model, config, bound_sliding: bool = False):
         model.morphkv_bound_sliding = True  # --kv-memory counts them cut to the budget
     config = resolve_for_model(model, config)
     patch_model(model, config)
-    if bound_sliding and config.method != "full":
+    if bound_sliding and config.rule.evicts:
         install_cut_sliding(model, config.budget)
     return config
 

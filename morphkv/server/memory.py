@@ -25,7 +25,7 @@ def kv_bound(served):
     config = getattr(caches[0], "config", None)
     if config is None:
         config = next((c.config for c in caches if hasattr(c, "nbytes_bound")), None)
-    if config is None or config.method == "full":
+    if config is None or not config.rule.evicts:
         return config, None, None
     ours = [c for c in caches if hasattr(c, "nbytes_bound")]
     per_token = sum(c.storage_nbytes // quant.dims(c.keys)[2] for c in ours)
