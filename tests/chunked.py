@@ -5,9 +5,35 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+from hypothesis import strategies as st
 from reference import reference_kept
 
-from morphkv import KVCacheBuilder
+from morphkv import KVCacheBuilder, KVCacheConfig
+from morphkv.core.rules import METHODS
+
+
+def draw_config(draw, methods, blocks, slack: int, engine: str) -> KVCacheConfig:
+    """A random config of one of ``methods`` for the property tests: every knob the rule takes
+    (asked of the rule, so a new rule is drawn with its own), budgets a few tokens above what
+    the sinks, the recent region and one block need."""
+    method = draw(st.sampled_from(methods))
+    rule = METHODS[method]
+    window = draw(st.integers(1, 5))
+    recent = draw(st.integers(window, window + 5))
+    n_sink = draw(st.integers(0, 3))
+    block = draw(st.sampled_from(blocks))
+    budget = draw(st.integers(n_sink + recent + block, n_sink + recent + block + slack))
+    peak = draw(st.sampled_from([0.0, 0.02, 0.5])) if "peak" in rule.knobs() else 0.0
+    decays = "decay" in rule.knobs() and (peak > 0 or "peak" not in rule.knobs())
+    return KVCacheConfig(
+        method=method, morphkv_budget=budget, morphkv_n_sink=n_sink, morphkv_window=window,
+        morphkv_recent=recent, morphkv_block=block,
+        morphkv_fusion=draw(st.sampled_from(["mean", "max"])),
+        morphkv_value=rule.attention and draw(st.booleans()), morphkv_peak=peak,
+        morphkv_decay=draw(st.sampled_from([1.0, 0.9])) if decays else 1.0,
+        morphkv_pool=draw(st.sampled_from([1, 3])) if rule.attention else 1,
+        scoring=draw(st.sampled_from(["attention", "proxy"])), engine=engine,
+    )
 
 
 def feed_in_chunks(config, keys, queries, cuts):

@@ -16,10 +16,10 @@ from morphkv import KVCacheBuilder, KVCacheConfig
 from morphkv.core import kernels
 from morphkv.core.rules import METHODS
 from morphkv.mlxlm.hooks import queries_by_hand
+from tests.chunked import draw_config
 from tests.numpy_definitions import causal_rows_numpy, compaction, pick
 
 EVICTING = sorted(set(METHODS) - {"full"})
-ATTENTION = ("h2o", "tova", "morphkv", "peak")
 
 
 # (KV heads, head dim): a small llama-like layout and Gemma 3's one KV head of 256 dims
@@ -28,29 +28,8 @@ KV_LAYOUTS = [(2, 8), (1, 256)]
 
 @st.composite
 def cases(draw):
-    method = draw(st.sampled_from(EVICTING))
-    window = draw(st.integers(1, 5))
-    recent = draw(st.integers(window, window + 5))
-    n_sink = draw(st.integers(0, 3))
-    block = draw(st.sampled_from([1, 2, 3, 8]))
-    budget = draw(st.integers(n_sink + recent + block, n_sink + recent + block + 10))
-    attention = method in ATTENTION
-    peak = draw(st.sampled_from([0.0, 0.02, 0.5])) if method in ("tova", "morphkv") else 0.0
-    persists = peak > 0 or method == "peak"
-    config = KVCacheConfig(engine="host",
-        method=method,
-        morphkv_budget=budget,
-        morphkv_n_sink=n_sink,
-        morphkv_window=window,
-        morphkv_recent=recent,
-        morphkv_block=block,
-        morphkv_fusion=draw(st.sampled_from(["mean", "max"])),
-        morphkv_value=attention and draw(st.booleans()),
-        morphkv_peak=peak,
-        morphkv_decay=draw(st.sampled_from([1.0, 0.9])) if persists else 1.0,
-        morphkv_pool=draw(st.sampled_from([1, 3])) if attention else 1,
-        scoring=draw(st.sampled_from(["attention", "proxy"])),
-    )
+    config = draw_config(draw, EVICTING, [1, 2, 3, 8], slack=10, engine="host")
+    budget, block = config.budget, config.morphkv_block
     T = draw(st.integers(1, 3 * budget + 2 * block))
     rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
     G = draw(st.integers(1, 4))

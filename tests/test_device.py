@@ -14,33 +14,17 @@ from morphkv import KVCacheBuilder, KVCacheConfig
 from morphkv.core.device import RTOL
 from morphkv.core.rules import METHODS
 from morphkv.mlxlm.hooks import attention_step, queries_by_hand
+from tests.chunked import draw_config
 from tests.reference import reference_kept
 
 EVICTING = sorted(set(METHODS) - {"full", "random"})
-ATTENTION = ("h2o", "tova", "morphkv", "peak")
 SCALE = 0.35
 
 
 @st.composite
 def cases(draw):
-    method = draw(st.sampled_from(EVICTING))
-    window = draw(st.integers(1, 5))
-    recent = draw(st.integers(window, window + 5))
-    n_sink = draw(st.integers(0, 3))
-    block = draw(st.sampled_from([1, 2, 3, 8, 16]))
-    budget = draw(st.integers(n_sink + recent + block, n_sink + recent + block + 12))
-    attention = method in ATTENTION
-    peak = draw(st.sampled_from([0.0, 0.02, 0.5])) if method in ("tova", "morphkv") else 0.0
-    persists = peak > 0 or method == "peak"
-    config = KVCacheConfig(
-        method=method, morphkv_budget=budget, morphkv_n_sink=n_sink, morphkv_window=window,
-        morphkv_recent=recent, morphkv_block=block,
-        morphkv_fusion=draw(st.sampled_from(["mean", "max"])),
-        morphkv_value=attention and draw(st.booleans()), morphkv_peak=peak,
-        morphkv_decay=draw(st.sampled_from([1.0, 0.9])) if persists else 1.0,
-        morphkv_pool=draw(st.sampled_from([1, 3])) if attention else 1,
-        scoring=draw(st.sampled_from(["attention", "proxy"])), engine="mlx",
-    )
+    config = draw_config(draw, EVICTING, [1, 2, 3, 8, 16], slack=12, engine="mlx")
+    budget, block = config.budget, config.morphkv_block
     T = draw(st.integers(1, 3 * budget + 2 * block))
     rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
     G, H, D = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.sampled_from([8, 64]))
@@ -102,7 +86,7 @@ def test_every_scorer_and_block_decides_as_the_reference():
             for scoring in ("attention", "proxy"):
                 config = KVCacheConfig(method=method, morphkv_budget=48, morphkv_window=4,
                                        morphkv_recent=16, morphkv_block=block, scoring=scoring,
-                                       morphkv_value=method in ATTENTION, engine="mlx")
+                                       morphkv_value=METHODS[method].attention, engine="mlx")
                 keys = 2 * rng.standard_normal((1, 2, 100, 16)).astype(np.float32)
                 queries = rng.standard_normal((1, 6, 100, 16)).astype(np.float32)
                 values = rng.standard_normal((1, 2, 100, 16)).astype(np.float32)
