@@ -22,6 +22,7 @@ def summarize(chats: list[dict], labels: list[str]) -> dict:
     out = {}
     full_ok = [(c["index"], i) for c in chats for i, ok in
                enumerate(c["arms"].get(FULL, {}).get("correct", [])) if ok]  # fmt: skip
+    updated = {(c["index"], i): q["updated"] for c in chats for i, q in enumerate(c["questions"])}
     for label in labels:
         runs = [(c, c["arms"][label]) for c in chats if label in c["arms"]]
         flags = [(c["index"], i, ok, c["questions"][i]["updated"])
@@ -29,13 +30,20 @@ def summarize(chats: list[dict], labels: list[str]) -> dict:
         k = sum(ok for *_, ok, _ in flags)
         kept = sum(ok for ci, i, ok, _ in flags if (ci, i) in set(full_ok))
         ret = [sum(x) / len(x) for _, r in runs for x in r["retention"] if x]
+        full_kept = [(ci, i) for ci, i in full_ok if not updated[(ci, i)]]
         out[label] = {
             "all": _share(k, len(flags)),
             "of_full": _share(kept, len(full_ok)),
+            "of_full_kept": _share(sum(ok for ci, i, ok, _ in flags if (ci, i) in full_kept),
+                                   len(full_kept)),
+            "of_full_updated": _share(kept - sum(ok for ci, i, ok, _ in flags
+                                                 if (ci, i) in full_kept),
+                                      len(full_ok) - len(full_kept)),
             "updated": _share(sum(ok for *_, ok, u in flags if u), sum(u for *_, u in flags)),
             "retention": sum(ret) / len(ret) if ret else None,
             "mib": max((r["nbytes"] for _, r in runs), default=0) / 2**20,
             "tokens": max((r["tokens"] or 0 for _, r in runs), default=0) or None,
+            "size": max((r.get("size", 0) for _, r in runs), default=0),
         }
     dist = [q["distance"] for c in chats for q in c["questions"]]
     out["_items"] = {"chats": len(chats), "questions": len(dist),
@@ -51,15 +59,18 @@ def _pct(s: dict) -> str:
 
 
 def table(summary: dict) -> str:
+    """One row per arm, grouped by size (the full cache and no-fact rows first)."""
     headers = ["arm", "tokens", "MiB held", "recall (all questions)",
-               "of the full cache's items", "updated facts", "value tokens kept"]
+               "of the full cache's items", "of those: kept facts", "of those: updated facts",
+               "value tokens kept"]
     rows = []
-    for label, s in summary.items():
-        if label.startswith("_"):
-            continue
+    arms = [(label, s) for label, s in summary.items() if not label.startswith("_")]
+    for label, s in sorted(arms, key=lambda a: (a[0].split("@")[0] not in (FULL, "nofact"),
+                                                  a[1].get("size", 0))):
         ret = "-" if s["retention"] is None else f"{100 * s['retention']:.0f}%"
         rows.append([f"`{label}`", s["tokens"] or "all", f"{s['mib']:.2f}", _pct(s["all"]),
-                     _pct(s["of_full"]), _pct(s["updated"]), ret])
+                     _pct(s["of_full"]), _pct(s.get("of_full_kept", _share(0, 0))),
+                     _pct(s.get("of_full_updated", _share(0, 0))), ret])
     items = summary.get("_items", {})
     note = (f"\n({items.get('chats')} chats, {items.get('questions')} questions; statements "
             f"{items.get('distance_min')}-{items.get('distance_max')} tokens before the end; "
@@ -79,6 +90,59 @@ def recall_plot(points: list[tuple], xlabel: str, ylabel: str, path: Path, vline
         ax.axvline(vline, color="grey", ls="--", lw=1)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    ax.set_ylim(-5, 105)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot.close(fig)
+
+
+def by_distance(chats: list[dict], label: str, default_size: int, edges=(2, 3, 4, 6)) -> list:
+    """[(bin, k, n)]: the arm's answers to the full cache's items, binned by the statement's
+    distance in units of the arm's size (tokens): below 2, 2-3, 3-4, 4-6, 6 and more."""
+    bins: dict[int, list[int]] = {}
+    for c in chats:
+        full, run = c["arms"].get(FULL), c["arms"].get(label)
+        if not full or not run:
+            continue
+        size = run.get("size") or default_size
+        for q, f, ok in zip(c["questions"], full["correct"], run["correct"], strict=True):
+            if f:
+                b = sum(q["distance"] / size >= e for e in edges)
+                bins.setdefault(b, [0, 0])
+                bins[b][0] += ok
+                bins[b][1] += 1
+    return [(b, k, n) for b, (k, n) in sorted(bins.items())]
+
+
+def distance_plot(chats: list[dict], path: Path, default_size: int, edges=(2, 3, 4, 6)) -> None:
+    """Recall of the full cache's items against statement distance / the arm's size, per arm
+    (sizes pooled per method), with 95% intervals."""
+    names = ["<2", "2-3", "3-4", "4-6", ">=6"]
+    labels = [lab for lab in (chats[0]["arms"] if chats else {}) if lab.split("@")[0]
+              not in (FULL, "nofact")]
+    pyplot = plt()
+    fig, ax = pyplot.subplots(figsize=(7.5, 4.5))
+    methods = list(dict.fromkeys(lab.split("@")[0] for lab in labels))
+    for j, method in enumerate(methods):
+        tally: dict[int, list[int]] = {}
+        for lab in labels:
+            if lab.split("@")[0] == method:
+                for b, k, n in by_distance(chats, lab, default_size, edges):
+                    tally.setdefault(b, [0, 0])
+                    tally[b][0] += k
+                    tally[b][1] += n
+        xs = sorted(tally)
+        rates = [tally[b][0] / tally[b][1] for b in xs]
+        cis = [wilson(*tally[b]) for b in xs]
+        err = [[100 * max(0.0, r - lo) for r, (lo, _) in zip(rates, cis, strict=True)],
+               [100 * max(0.0, hi - r) for r, (_, hi) in zip(rates, cis, strict=True)]]
+        ax.errorbar([x + 0.06 * j for x in xs], [100 * r for r in rates], yerr=err, marker="o",
+                    capsize=3, label=method)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_xlabel("statement distance / the arm's size (tokens)")
+    ax.set_ylabel("recall of the full cache's items (%)")
     ax.set_ylim(-5, 105)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
