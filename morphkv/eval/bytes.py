@@ -25,19 +25,13 @@ import time
 import mlx.core as mx
 
 from .arms import check_specs, parse_arms
+from .flags import add_flags, csv_ints
 from .metrics import held_bytes
+from .models import load_model
+from .output import environment, markdown_table, out_dir, write_json
+from .plots import plt
 from .runner import reference_logprobs
 from .texts import split_texts
-from .util import (
-    add_flags,
-    csv_ints,
-    environment,
-    load_model,
-    markdown_table,
-    out_dir,
-    plt,
-    write_json,
-)
 
 NAME = "bytes"
 DEFAULT_ARMS = ("h2o,streaming_llm:memory=f16:bits=8,recommended:memory=f16,"

@@ -3,8 +3,9 @@
 answer cut at its last full sentence; saved as data (``data/chat_answers_<split>.json``) with
 the command that produced it, the model and the settings. A second run of the same command
 keeps the answers already written and adds the questions that have none (the list grew, or a
-run was stopped): greedy answers do not depend on when they were written. The chats of ``chat_recall`` are
-assembled from these turns, so every assistant turn a model reads is text a model wrote.
+run was stopped): greedy answers do not depend on when they were written. The chats of
+``chat_recall`` are assembled from these turns, so every assistant turn a model reads is text a
+model wrote.
 
     python -m morphkv.eval.chat_answers --model qwen2.5-0.5b --split test
     python -m morphkv.eval.chat_answers --split tune          # the embedded SmolLM2
@@ -36,7 +37,7 @@ def trim(text: str) -> str:
 def answer(model, tok, question: str, max_tokens: int) -> str:
     from mlx_lm.models.cache import KVCache
 
-    from .util import greedy_tokens
+    from .models import greedy_tokens
 
     prompt = tok.apply_chat_template([{"role": "user", "content": question}],
                                      add_generation_prompt=True)  # fmt: skip
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--out", default=None, help="default data/chat_answers_<split>.json")
     args = p.parse_args(argv)
-    from .util import load_model
+    from .models import load_model
 
     model, tok = load_model(args.model)
     out = Path(args.out or DATA / f"chat_answers_{args.split}.json")

@@ -30,8 +30,10 @@ import time
 from .arms import Arm
 from .chat_items import build_chat, common_prefix, encode, judge, tokenize
 from .chat_report import distance_plot, plot, summarize, table
+from .models import load_model
+from .output import environment, out_dir, write_json
+from .progress import Progress
 from .recall import retention
-from .util import Progress, environment, load_model, out_dir, write_json
 
 NAME = "chatrecall"
 NOFACT = "nofact"
@@ -40,7 +42,7 @@ DEFAULT_ARMS = ("kvcache,nofact,recommended:memory=f16,h2o,streaming_llm,"
 
 
 def answer(model, tok, caches, suffix: list[int], max_tokens: int) -> str:
-    from .util import greedy_tokens
+    from .models import greedy_tokens
 
     ids = greedy_tokens(model, copy.deepcopy(caches), suffix, max_tokens)
     eos = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])

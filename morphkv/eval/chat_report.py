@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .output import markdown_table
+from .plots import plt
 from .recall_report import wilson
-from .util import markdown_table, plt
 
 FULL = "kvcache"
 

@@ -15,7 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
-from .util import add_flags, markdown_table, pivot
+from .flags import add_flags
+from .output import markdown_table, pivot
 
 MAX_COPY_BYTES = 2_000_000
 SOURCES = {  # name -> JSON file names, newest spelling first
