@@ -3,11 +3,14 @@ measurement shares.
 
 Parts (dependencies point down the list): ``progress``, ``flags`` (command-line helpers),
 ``output`` (result folder, machine facts, JSON, tables), ``models`` (model loading,
-``tiny_llama``, ``greedy_tokens``), ``process`` (peak memory, stopping a child), ``arms`` (a spec string -> ``KVCacheConfig`` or an mlx_lm cache), ``metrics``,
-``texts`` (+ the data in ``conversations``), ``plots`` (+ ``plt``, ``require_matplotlib``), ``runner`` (teacher-forced feeding),
-``equal_bytes``; commands: ``fidelity``, ``sweep``, ``recall`` (+ ``recall_items``,
-``recall_report``), ``generation``, ``quantized``; ``report`` renders docs/results.md from the
-JSON of every command (quality here, speed in ``morphkv.bench``).
+``tiny_llama``, ``greedy_tokens``), ``process`` (peak memory, stopping a child), ``arms`` (a
+spec string -> ``KVCacheConfig`` or an mlx_lm cache), ``metrics``, ``texts`` (+ its data in
+``data/texts.json``), ``plots`` (+ ``plt``, ``require_matplotlib``), ``runner``
+(teacher-forced feeding), ``equal_bytes``; commands: ``fidelity``, ``sweep``, ``recall`` (+
+``recall_items``, ``recall_natural``, ``recall_report``; data in ``data/recall_*.json``),
+``chatrecall`` (+ ``chat_items``, ``chat_report``, ``chat_answers``; data in
+``data/chat_*.json``), ``generation``, ``quantized``; ``report`` renders docs/results.md from
+the JSON of every command (quality here, speed in ``morphkv.bench``).
 
 Adding things (one small change each):
 - a command: a module with ``add_arguments(parser)`` and ``execute(args) -> figures`` (or

@@ -17,7 +17,6 @@ import mlx.core as mx
 
 from . import plots
 from .arms import check_specs, parse_arms
-from .conversations import GENERATION_PROMPTS
 from .fidelity import ARM_DEFAULTS, N_SINK
 from .flags import add_flags, csv_ints
 from .metrics import distinct, kv_bytes, repetition_rate
@@ -26,7 +25,7 @@ from .output import environment, markdown_table, out_dir, write_json
 from .plots import require_matplotlib
 from .process import peak_memory, reset_peak_memory
 from .progress import Progress
-from .texts import chat_prompt
+from .texts import GENERATION_PROMPTS, chat_prompt
 
 NAME = "generation"
 FULL = {"full": "kvcache"}  # here ``full`` is mlx_lm's KVCache

@@ -1,42 +1,26 @@
 """Evaluation texts as token ids, no download needed: a registry of text kinds.
 
 ``prose``: Python's own reference documentation (``pydoc_data.topics``); ``conversation``: the
-multi-topic conversations of ``conversations.py`` in the model's chat template;
+multi-topic conversations of ``data/texts.json`` in the model's chat template;
 ``continuation``: the model's own greedy continuation of a prompt. A new kind is one function
 ``(tokenizer, model, settings) -> {name: ids}`` added to ``TEXTS``.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
-from .conversations import CONTINUATION_PROMPT, CONVERSATIONS, GENERATION_PROMPTS
+DATA = Path(__file__).with_name("data") / "texts.json"
+_DATA = json.loads(DATA.read_text())
+CONVERSATIONS: list[list[dict]] = _DATA["conversations"]
+GENERATION_PROMPTS: list[str] = _DATA["generation_prompts"]
+CONTINUATION_PROMPT: str = _DATA["continuation_prompt"]
+PROSE_TOPICS: tuple[str, ...] = tuple(_DATA["prose_topics"])
+MORE_TOPICS: tuple[str, ...] = tuple(_DATA["more_topics"])
 
 __all__ = ["CONVERSATIONS", "GENERATION_PROMPTS", "CONTINUATION_PROMPT", "TEXTS", "build_texts"]
-
-PROSE_TOPICS = ("assignment", "exceptions", "for", "import", "lambda", "with", "class", "numbers")
-MORE_TOPICS = (
-    "try",
-    "while",
-    "if",
-    "function",
-    "exprlists",
-    "booleans",
-    "comparisons",
-    "calls",
-    "attribute-access",
-    "typesseq",
-    "typesmapping",
-    "dict",
-    "sequence-types",
-    "specialnames",
-    "customization",
-    "execmodel",
-    "naming",
-    "truth",
-    "bltin-code-objects",
-    "context-managers",
-)
 
 
 def prose_text(topics: tuple[str, ...] = PROSE_TOPICS) -> str:
