@@ -81,14 +81,18 @@ def table(summary: dict) -> str:
 
 def recall_plot(points: list[tuple], xlabel: str, ylabel: str, path: Path, vline=None) -> None:
     """One point per (x, rate, (lo, hi), label, marker) with its 95% interval as error bars."""
-    pyplot = plt()
-    fig, ax = pyplot.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt().subplots(figsize=(7.5, 4.5))
     for x, r, (lo, hi), label, marker in points:
         err = [[100 * max(0.0, r - lo)], [100 * max(0.0, hi - r)]]  # rounding: never < 0
         ax.errorbar([x], [100 * r], yerr=err, marker=marker,
                     capsize=3, label=label)  # fmt: skip
     if vline is not None:
         ax.axvline(vline, color="grey", ls="--", lw=1)
+    finish(fig, ax, xlabel, ylabel, path)
+
+
+def finish(fig, ax, xlabel: str, ylabel: str, path: Path) -> None:
+    """Labels, a 0-100% axis, grid and legend; saved as a PNG and closed."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_ylim(-5, 105)
@@ -96,7 +100,7 @@ def recall_plot(points: list[tuple], xlabel: str, ylabel: str, path: Path, vline
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    pyplot.close(fig)
+    plt().close(fig)
 
 
 def by_distance(chats: list[dict], label: str, default_size: int, edges=(2, 3, 4, 6)) -> list:
@@ -123,8 +127,7 @@ def distance_plot(chats: list[dict], path: Path, default_size: int, edges=(2, 3,
     names = ["<2", "2-3", "3-4", "4-6", ">=6"]
     labels = [lab for lab in (chats[0]["arms"] if chats else {}) if lab.split("@")[0]
               not in (FULL, "nofact")]
-    pyplot = plt()
-    fig, ax = pyplot.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt().subplots(figsize=(7.5, 4.5))
     methods = list(dict.fromkeys(lab.split("@")[0] for lab in labels))
     for j, method in enumerate(methods):
         tally: dict[int, list[int]] = {}
@@ -142,14 +145,8 @@ def distance_plot(chats: list[dict], path: Path, default_size: int, edges=(2, 3,
         ax.errorbar([x + 0.06 * j for x in xs], [100 * r for r in rates], yerr=err, marker="o",
                     capsize=3, label=method)
     ax.set_xticks(range(len(names)), names)
-    ax.set_xlabel("statement distance / the arm's size (tokens)")
-    ax.set_ylabel("recall of the full cache's items (%)")
-    ax.set_ylim(-5, 105)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    pyplot.close(fig)
+    finish(fig, ax, "statement distance / the arm's size (tokens)",
+           "recall of the full cache's items (%)", path)
 
 
 def plot(summary: dict, path: Path) -> None:
