@@ -65,7 +65,7 @@ class Item:
         return len(self.ids) - self.fact_end
 
 
-def _encode(tok, messages: list[dict], tail: str | None) -> list[int]:
+def encode_chat(tok, messages: list[dict], tail: str | None) -> list[int]:
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=tail is not None)
     return list(tok.encode(text + (tail or ""), add_special_tokens=False))
 
@@ -80,14 +80,14 @@ def build_item(tok, seed: int, split: str, index: int, distance: int) -> Item:
     value = rng.choice(fact.values)
     statement, ack, ask = fact.turns(value)
     head = [{"role": "user", "content": statement}, {"role": "assistant", "content": ack}]
-    head_ids = _encode(tok, head, None)
-    fact_end, spots = len(head_ids), tuple(_value_positions(tok, head_ids, value))
+    head_ids = encode_chat(tok, head, None)
+    fact_end, spots = len(head_ids), tuple(value_token_positions(tok, head_ids, value))
     question = [{"role": "user", "content": ask}]
     fillers: list[dict] = []
     kinds: list[str] = []
     deck: list[tuple[str, str, str]] = []
     while True:
-        ids = _encode(tok, head + fillers + question, fact.lead_in)
+        ids = encode_chat(tok, head + fillers + question, fact.lead_in)
         if len(ids) - fact_end >= distance:
             return Item(index, fact.kind, value, tuple(ids), fact_end, len(kinds), spots,
                         tuple(kinds))
@@ -99,7 +99,7 @@ def build_item(tok, seed: int, split: str, index: int, distance: int) -> Item:
         fillers += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
 
 
-def _value_positions(tok, ids: list[int], value: str):
+def value_token_positions(tok, ids: list[int], value: str):
     """Positions of the value's own tokens, wherever its token sequence occurs (statement and
     acknowledgement); before issue 33 any 2-letter token inside the value counted too."""
     from .chat_items import value_spans

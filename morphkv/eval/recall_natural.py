@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from .recall_items import Item, _encode, _value_positions
+from .recall_items import Item, encode_chat, value_token_positions
 
 SPLITS = ("tune", "test")
 
@@ -145,10 +145,10 @@ def build_natural_item(tok, seed: int, split: str, index: int, budget: int,
         turns += [{"role": "user", "content": ask}, {"role": "assistant", "content": reply}]
         topics.append(topic)
         fact_turns = head if chat.asked < 2 else head + turns[:2]
-        fact_ids = _encode(tok, fact_turns, None)
-        ids = _encode(tok, head + turns + question, kind.lead_in)
+        fact_ids = encode_chat(tok, fact_turns, None)
+        ids = encode_chat(tok, head + turns + question, kind.lead_in)
         if len(ids) - len(fact_ids) >= distance:
-            spots = tuple(p for p in _value_positions(tok, fact_ids, value))
+            spots = tuple(p for p in value_token_positions(tok, fact_ids, value))
             return Item(index, kind.name, value, tuple(ids), len(fact_ids), len(topics),
                         spots, tuple(topics))
     raise RuntimeError(f"distractor pool {split!r} too small for distance {distance}")
