@@ -155,3 +155,17 @@ def plot(summary: dict, path: Path) -> None:
               for label, s in summary.items() if not label.startswith("_") and s["of_full"]["n"]]
     recall_plot(points, "bytes held over all layers (MiB)", "recall of the full cache's items (%)",
                 path)  # fmt: skip
+
+
+def section(result: dict) -> str:
+    """The report's section (``morphkv report``): the command and the table it printed."""
+    args = result.get("args", {})
+    flags = [f"--{k.replace('_', '-')} {args[k]}" for k in ("model", "split", "chats", "budget")
+             if args.get(k) is not None]
+    command = f"morphkv eval chatrecall {' '.join(flags)} --arms \"{args.get('arms', '')}\""
+    load = result.get("load_average", {})
+    note = (f"Load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end."
+            if load else "")
+    body = result.get("table") or table(result["summary"])
+    return "\n".join(["## Conversation memory (`morphkv eval chatrecall`)", "", f"`{command}`",
+                      "", body, "", note, ""])
