@@ -169,3 +169,29 @@ def section(result: dict) -> str:
     body = result.get("table") or table(result["summary"])
     return "\n".join(["## Conversation memory (`morphkv eval chatrecall`)", "", f"`{command}`",
                       "", body, "", note, ""])
+
+
+def main(argv=None) -> int:
+    """Redraw the table and both PNGs of a ``morphkv eval chatrecall`` JSON (a partial one
+    too: the run saves it after every chat)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    p.add_argument("json")
+    p.add_argument("--budget", type=int, default=None, help="default: the run's --budget")
+    args = p.parse_args(argv)
+    path = Path(args.json)
+    result = json.loads(path.read_text())
+    labels = list(dict.fromkeys(k for c in result["chats"] for k in c["arms"]))
+    summary = summarize(result["chats"], labels)
+    print(table(summary))
+    plot(summary, path.with_suffix(".png"))
+    budget = args.budget or result.get("args", {}).get("budget", 128)
+    distance_plot(result["chats"], path.with_name(path.stem + "_distance.png"), budget)
+    print(f"wrote {path.with_suffix('.png')} and {path.stem}_distance.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
