@@ -162,3 +162,13 @@ def test_the_report_section_names_the_command_and_the_table():
     text = section(result)
     assert "morphkv eval chatrecall --model qwen2.5-0.5b --split test --chats 1" in text
     assert '--arms "kvcache,h2o@64"' in text and "`h2o@64`" in text and "3.0" in text
+
+
+@pytest.mark.parametrize(("answer", "value", "ok"), [
+    ("Ansel.", "Anselm", True), ("852.", "8521", True), ("Marmot.", "Marmalade", True),
+    ("John.", "Anselm", False), ("", "Anselm", False), ("Tor", "To", False),
+])
+def test_a_fragment_is_the_values_start_without_its_end(answer, value, ok):
+    from morphkv.eval.chat_report import fragment
+
+    assert fragment(answer, value) is ok

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .output import markdown_table
@@ -19,7 +20,9 @@ def _share(k: int, n: int) -> dict:
 def summarize(chats: list[dict], labels: list[str]) -> dict:
     """Per arm: recall over all questions; recall over the questions the full cache answers
     (the share of the full cache's items kept); mean retention of the value's tokens; bytes
-    and tokens held; answers split by updated / never-updated facts."""
+    and tokens held; answers split by updated / never-updated facts; ``fragment``: of the full
+    cache's items, the wrong answers that begin with the value's first 3 letters ("Ansel" for
+    Anselm, "852" for 8521): the start of the value was kept, its end was not."""
     out = {}
     full_ok = [(c["index"], i) for c in chats for i, ok in
                enumerate(c["arms"].get(FULL, {}).get("correct", [])) if ok]  # fmt: skip
@@ -45,11 +48,21 @@ def summarize(chats: list[dict], labels: list[str]) -> dict:
             "mib": max((r["nbytes"] for _, r in runs), default=0) / 2**20,
             "tokens": max((r["tokens"] or 0 for _, r in runs), default=0) or None,
             "size": max((r.get("size", 0) for _, r in runs), default=0),
+            "fragment": _share(sum(fragment(r["answers"][i], c["questions"][i]["value"])
+                                   for c, r in runs for i, ok in enumerate(r["correct"])
+                                   if not ok and (c["index"], i) in full_ok), len(full_ok)),
         }
     dist = [q["distance"] for c in chats for q in c["questions"]]
     out["_items"] = {"chats": len(chats), "questions": len(dist),
                      "distance_min": min(dist, default=0), "distance_max": max(dist, default=0)}
     return out
+
+
+def fragment(answer: str, value: str) -> bool:
+    """The answer's first word begins with the value's first 3 letters (the caller passes wrong
+    answers only, so it is not the value itself)."""
+    first = re.findall(r"[a-z0-9]+", answer.lower())[:1]
+    return len(value) >= 3 and bool(first) and first[0].startswith(value.lower()[:3])
 
 
 def _pct(s: dict) -> str:
@@ -63,7 +76,7 @@ def table(summary: dict) -> str:
     """One row per arm, grouped by size (the full cache and no-fact rows first)."""
     headers = ["arm", "tokens", "MiB held", "recall (all questions)",
                "of the full cache's items", "of those: kept facts", "of those: updated facts",
-               "value tokens kept"]
+               "value tokens kept", "a fragment of the value"]
     rows = []
     arms = [(label, s) for label, s in summary.items() if not label.startswith("_")]
     for label, s in sorted(arms, key=lambda a: (a[0].split("@")[0] not in (FULL, "nofact"),
@@ -71,7 +84,8 @@ def table(summary: dict) -> str:
         ret = "-" if s["retention"] is None else f"{100 * s['retention']:.0f}%"
         rows.append([f"`{label}`", s["tokens"] or "all", f"{s['mib']:.2f}", _pct(s["all"]),
                      _pct(s["of_full"]), _pct(s.get("of_full_kept", _share(0, 0))),
-                     _pct(s.get("of_full_updated", _share(0, 0))), ret])
+                     _pct(s.get("of_full_updated", _share(0, 0))), ret,
+                     _pct(s.get("fragment", _share(0, 0)))])
     items = summary.get("_items", {})
     note = (f"\n({items.get('chats')} chats, {items.get('questions')} questions; statements "
             f"{items.get('distance_min')}-{items.get('distance_max')} tokens before the end; "
