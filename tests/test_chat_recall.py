@@ -129,7 +129,7 @@ def test_arm_sizes_parse_and_bad_ones_are_named():
 def _chat(index, full, arm, distances, size):
     qs = [{"kind": "k", "value": "v", "updated": i == 0, "distance": d, "value_tokens": 1}
           for i, d in enumerate(distances)]
-    run = {"nbytes": 1, "tokens": size, "size": size, "retention": [], "answers": []}
+    run = {"nbytes": 1, "tokens": size, "size": size, "retention": [], "answers": ["x"] * 3}
     return {"index": index, "questions": qs,
             "arms": {"kvcache": {**run, "correct": full, "tokens": None},
                      "h2o@64": {**run, "correct": arm}}}
