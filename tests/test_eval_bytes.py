@@ -81,7 +81,7 @@ def test_eval_bytes_writes_kl_at_equal_bytes(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(equal_bytes_command, "load_model", lambda name: pair)
     out = tmp_path / "bytes"
     argv = ["eval", "bytes", "--split", "tune", "--tokens", "32", "--prose-tokens", "160",
-            "--continuation-tokens", "60", "--arms",
+            "--continuation-tokens", "60", "--conversation-tokens", "160", "--arms",
             "streaming_llm:memory=f16:bits=8,recommended:memory=f16", "--out", str(out)]
     assert main(argv) == 0
     result = json.loads((out / "bytes_tune.json").read_text())

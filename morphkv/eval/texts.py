@@ -101,17 +101,20 @@ def _continuation(tokenizer, model, s) -> dict[str, list[int]]:
 TEXTS = {"prose": _prose, "conversation": _conversation, "continuation": _continuation}
 
 
-def split_texts(tokenizer, model, split: str, prose_tokens=1024, continuation_tokens=600):
+def split_texts(tokenizer, model, split: str, prose_tokens=1024, continuation_tokens=600,
+                conversation_tokens_max=0):
     """Texts for choosing settings (``tune``) and for reporting them (``heldout``), disjoint:
     tune = prose document 0, conversation 0, the continuation of ``CONTINUATION_PROMPT``;
-    heldout = prose document 1, conversations 1 and 2, the continuation of another prompt."""
+    heldout = prose document 1, conversations 1 and 2, the continuation of another prompt.
+    ``conversation_tokens_max``: cut each conversation to its first N tokens (0: whole)."""
     if split not in ("tune", "heldout"):
         raise ValueError(f"unknown split {split!r}; valid: tune, heldout")
     tune = split == "tune"
     docs = prose_documents(tokenizer, prose_tokens, 2)
     out = {"prose": docs[0] if tune else docs[1]}
     for i in (0,) if tune else (1, 2):
-        out[f"conversation{i}"] = conversation_tokens(tokenizer, i)
+        ids = conversation_tokens(tokenizer, i)
+        out[f"conversation{i}"] = ids[:conversation_tokens_max] if conversation_tokens_max else ids
     prompt = CONTINUATION_PROMPT if tune else GENERATION_PROMPTS[1]
     out["continuation"] = greedy_continuation(
         model, chat_prompt(tokenizer, prompt), continuation_tokens
