@@ -117,15 +117,20 @@ def finish(fig, ax, xlabel: str, ylabel: str, path: Path) -> None:
     plt().close(fig)
 
 
-def by_distance(chats: list[dict], label: str, default_size: int, edges=(2, 3, 4, 6)) -> list:
+EDGES = (1, 2, 3, 4, 6)
+BINS = ["<1", "1-2", "2-3", "3-4", "4-6", ">=6"]
+
+
+def by_distance(chats: list[dict], label: str, default_size: int, edges=EDGES) -> list:
     """[(bin, k, n)]: the arm's answers to the full cache's items, binned by the statement's
-    distance in units of the arm's size (tokens): below 2, 2-3, 3-4, 4-6, 6 and more."""
+    distance in units of the tokens the arm holds per KV head: below 1, 1-2, 2-3, 3-4, 4-6, 6
+    and more (below 1: the statement is still within reach of a recency window that size)."""
     bins: dict[int, list[int]] = {}
     for c in chats:
         full, run = c["arms"].get(FULL), c["arms"].get(label)
         if not full or not run:
             continue
-        size = run.get("size") or default_size
+        size = run.get("tokens") or run.get("size") or default_size
         for q, f, ok in zip(c["questions"], full["correct"], run["correct"], strict=True):
             if f:
                 b = sum(q["distance"] / size >= e for e in edges)
@@ -135,10 +140,10 @@ def by_distance(chats: list[dict], label: str, default_size: int, edges=(2, 3, 4
     return [(b, k, n) for b, (k, n) in sorted(bins.items())]
 
 
-def distance_plot(chats: list[dict], path: Path, default_size: int, edges=(2, 3, 4, 6)) -> None:
-    """Recall of the full cache's items against statement distance / the arm's size, per arm
-    (sizes pooled per method), with 95% intervals."""
-    names = ["<2", "2-3", "3-4", "4-6", ">=6"]
+def distance_plot(chats: list[dict], path: Path, default_size: int, edges=EDGES) -> None:
+    """Recall of the full cache's items against statement distance / the tokens an arm holds,
+    per method (its sizes pooled), with 95% intervals."""
+    names = BINS
     labels = [lab for lab in (chats[0]["arms"] if chats else {}) if lab.split("@")[0]
               not in (FULL, "nofact")]
     fig, ax = plt().subplots(figsize=(7.5, 4.5))
@@ -159,7 +164,7 @@ def distance_plot(chats: list[dict], path: Path, default_size: int, edges=(2, 3,
         ax.errorbar([x + 0.06 * j for x in xs], [100 * r for r in rates], yerr=err, marker="o",
                     capsize=3, label=method)
     ax.set_xticks(range(len(names)), names)
-    finish(fig, ax, "statement distance / the arm's size (tokens)",
+    finish(fig, ax, "statement distance / tokens the cache holds per KV head",
            "recall of the full cache's items (%)", path)
 
 
