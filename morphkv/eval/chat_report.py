@@ -185,7 +185,9 @@ def section(result: dict) -> str:
     load = result.get("load_average", {})
     note = (f"Load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end."
             if load else "")
-    body = result.get("table") or table(result["summary"])
+    chats = result.get("chats")
+    labels = list(dict.fromkeys(k for c in chats or [] for k in c["arms"]))
+    body = table(summarize(chats, labels) if chats else result["summary"])
     return "\n".join(["## Conversation memory (`morphkv eval chatrecall`)", "", f"`{command}`",
                       "", body, "", note, ""])
 
