@@ -14,7 +14,7 @@ from reference import reference_kept
 
 import morphkv
 from morphkv import METHODS, KVCacheBuilder, KVCacheConfig
-from morphkv.eval.util import tiny_llama
+from morphkv.eval.models import tiny_llama
 from morphkv.mlxlm import hooks
 
 CONFIG = dict(morphkv_budget=20, morphkv_n_sink=2, morphkv_window=4)

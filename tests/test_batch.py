@@ -16,7 +16,7 @@ from mlx_lm.generate import BatchGenerator, batch_generate, generate_step, strea
 
 from morphkv import KVCacheConfig, MorphKVCache, patch_model
 from morphkv.core.batch import BatchMorphKVCache
-from morphkv.eval.util import tiny_llama
+from morphkv.eval.models import tiny_llama
 from tests.smollm2_fixture import load_embedded
 
 STEP = 8  # prefill step: prompts span several chunks

@@ -7,7 +7,7 @@ import argparse
 import json
 
 from morphkv.bench import speed
-from morphkv.eval.util import tiny_llama
+from morphkv.eval.models import tiny_llama
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -14,7 +14,7 @@ import pytest
 
 from morphkv import KVCacheBuilder, MorphKVCache, recommended
 from morphkv.core import quant
-from morphkv.eval.util import greedy_tokens, tiny_llama
+from morphkv.eval.models import greedy_tokens, tiny_llama
 from morphkv.mlxlm.attach import attach
 
 

@@ -81,8 +81,14 @@ def test_value_tokens_are_the_values_own_and_chats_reach_the_distance():
 
 
 @pytest.mark.slow
-def test_smoke_run_on_the_embedded_model(tmp_path):
+def test_smoke_run_on_the_embedded_model(tmp_path, monkeypatch):
+    from smollm2_fixture import load_embedded
+
     from morphkv.cli import main
+    from morphkv.eval import chat_recall
+
+    pair = load_embedded()  # the module's one load of the model
+    monkeypatch.setattr(chat_recall, "load_model", lambda name: pair)
 
     rc = main(["eval", "chatrecall", "--split", "tune", "--chats", "1", "--budget", "32",
                "--min-distance", "3", "--max-tokens", "3", "--arms",
@@ -105,3 +111,64 @@ def test_the_memory_preset_uses_the_chosen_persistence_and_can_be_overridden():
     assert recommended(memory=3_000_000).morphkv_peak == MEMORY_PEAK == 1.0
     assert recommended(128).morphkv_peak == PEAK  # the token-budget preset is unchanged
     assert recommended(memory=3_000_000, morphkv_peak=0.02).morphkv_peak == 0.02
+
+
+def test_arm_sizes_parse_and_bad_ones_are_named():
+    from morphkv.eval.chat_recall import arm_budget, parse
+
+    arms = parse("kvcache,nofact,h2o@64,recommended:memory=f16@256")
+    assert [label for label, _ in arms] == ["kvcache", "nofact", "h2o@64",
+                                            "recommended:memory=f16@256"]
+    assert arms[1][1] is None and arms[3][1].method == "recommended"
+    assert [arm_budget(label, 128) for label, _ in arms] == [128, 128, 64, 256]
+    for bad in ("h2o@", "h2o@x", "h2o@0"):
+        with pytest.raises(ValueError, match="positive token count"):
+            parse(bad)
+
+
+def _chat(index, full, arm, distances, size):
+    qs = [{"kind": "k", "value": "v", "updated": i == 0, "distance": d, "value_tokens": 1}
+          for i, d in enumerate(distances)]
+    run = {"nbytes": 1, "tokens": size, "size": size, "retention": [], "answers": ["x"] * 3}
+    return {"index": index, "questions": qs,
+            "arms": {"kvcache": {**run, "correct": full, "tokens": None},
+                     "h2o@64": {**run, "correct": arm}}}
+
+
+def test_summary_splits_the_full_caches_items_into_kept_and_updated_facts():
+    from morphkv.eval.chat_report import by_distance, summarize, table
+
+    chats = [_chat(0, [True, True, False], [True, False, True], [100, 150, 400], 64),
+             _chat(1, [False, True, True], [False, True, False], [130, 200, 450], 64)]
+    s = summarize(chats, ["kvcache", "h2o@64"])["h2o@64"]
+    assert (s["all"]["k"], s["all"]["n"]) == (3, 6)
+    assert (s["of_full"]["k"], s["of_full"]["n"]) == (2, 4)  # the 3rd of chat 0 is not counted
+    assert (s["of_full_updated"]["k"], s["of_full_updated"]["n"]) == (1, 1)
+    assert (s["of_full_kept"]["k"], s["of_full_kept"]["n"]) == (1, 3)
+    assert s["size"] == 64
+    # distance / 64 tokens held: 100 -> 1.6 (1-2), 150 -> 2.3, 200 -> 3.1, 450 -> 7.0 (>= 6)
+    assert by_distance(chats, "h2o@64", 128) == [(1, 1, 1), (2, 0, 1), (3, 1, 1), (5, 0, 1)]
+    assert "`kvcache`" in table({"kvcache": summarize(chats, ["kvcache"])["kvcache"]})
+
+
+def test_the_report_section_names_the_command_and_the_table():
+    from morphkv.eval.chat_report import section, summarize
+
+    chats = [_chat(0, [True, True, False], [True, False, True], [100, 150, 400], 64)]
+    result = {"args": {"model": "qwen2.5-0.5b", "split": "test", "chats": 1, "budget": 128,
+                       "arms": "kvcache,h2o@64"},
+              "summary": summarize(chats, ["kvcache", "h2o@64"]),
+              "load_average": {"start": [3.0, 2, 1], "end": [4.0, 2, 1]}}
+    text = section(result)
+    assert "morphkv eval chatrecall --model qwen2.5-0.5b --split test --chats 1" in text
+    assert '--arms "kvcache,h2o@64"' in text and "`h2o@64`" in text and "3.0" in text
+
+
+@pytest.mark.parametrize(("answer", "value", "ok"), [
+    ("Ansel.", "Anselm", True), ("852.", "8521", True), ("Marmot.", "Marmalade", True),
+    ("John.", "Anselm", False), ("", "Anselm", False), ("Tor", "To", False),
+])
+def test_a_fragment_is_the_values_start_without_its_end(answer, value, ok):
+    from morphkv.eval.chat_report import fragment
+
+    assert fragment(answer, value) is ok

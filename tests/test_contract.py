@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models import cache as mlx_cache
 
 from morphkv import METHODS, KVCacheBuilder, KVCacheConfig, patch_model, unpatch_model
-from morphkv.eval.util import greedy_tokens, tiny_llama
+from morphkv.eval.models import greedy_tokens, tiny_llama
 
 SMALL = dict(morphkv_budget=12, morphkv_n_sink=2, morphkv_window=3)
 

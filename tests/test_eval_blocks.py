@@ -11,7 +11,7 @@ import pytest
 
 from morphkv.eval import blocks as B
 from morphkv.eval import blocks_report as R
-from morphkv.eval.util import tiny_llama
+from morphkv.eval.models import tiny_llama
 
 
 class ChatBytes:

@@ -10,7 +10,7 @@ import pytest
 from morphkv.cli import main
 from morphkv.eval import recall_natural as N
 from morphkv.eval.arms import Arm, f16_bytes
-from morphkv.eval.util import tiny_llama
+from morphkv.eval.models import tiny_llama
 from morphkv.mlxlm.layout import morph_caches
 
 
@@ -72,13 +72,16 @@ def test_natural_items_are_deterministic_split_apart_and_far():
 
 
 @pytest.mark.slow
-def test_eval_bytes_writes_kl_at_equal_bytes(tmp_path, capsys):
-    from smollm2_fixture import embedded_gguf_path
+def test_eval_bytes_writes_kl_at_equal_bytes(tmp_path, capsys, monkeypatch):
+    from smollm2_fixture import load_embedded
 
-    embedded_gguf_path()
+    from morphkv.eval import bytes as equal_bytes_command
+
+    pair = load_embedded()  # the module's one load of the model
+    monkeypatch.setattr(equal_bytes_command, "load_model", lambda name: pair)
     out = tmp_path / "bytes"
     argv = ["eval", "bytes", "--split", "tune", "--tokens", "32", "--prose-tokens", "160",
-            "--continuation-tokens", "60", "--arms",
+            "--continuation-tokens", "60", "--conversation-tokens", "160", "--arms",
             "streaming_llm:memory=f16:bits=8,recommended:memory=f16", "--out", str(out)]
     assert main(argv) == 0
     result = json.loads((out / "bytes_tune.json").read_text())

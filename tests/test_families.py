@@ -15,7 +15,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 from mlx_lm.utils import _get_classes
 
 from morphkv import KVCacheBuilder, KVCacheConfig, MorphKVCache
-from morphkv.eval.util import greedy_tokens
+from morphkv.eval.models import greedy_tokens
 from morphkv.mlxlm.hooks import is_installed
 from morphkv.mlxlm.layout import describe_layout, morph_caches
 

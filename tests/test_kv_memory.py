@@ -13,7 +13,7 @@ from smollm2_fixture import load_embedded
 import morphkv
 from morphkv import KVCacheBuilder, KVCacheConfig, recommended
 from morphkv.core.memory import at_budget, bound_bytes, parse_size
-from morphkv.eval.util import tiny_llama
+from morphkv.eval.models import tiny_llama
 from morphkv.mlxlm.layout import morph_caches
 from morphkv.mlxlm.memory import layer_shapes
 

@@ -21,6 +21,14 @@ def model_and_tokenizer():
     return load_embedded(True)
 
 
+@pytest.fixture(scope="module")
+def quantized():
+    """The GPU default load (dequantize=False), once for the module."""
+    from morphkv.model.gguf import load_gguf
+
+    return load_gguf(embedded_gguf_path(), dequantize=False)
+
+
 def _greedy(model, tok, max_tokens=24) -> str:
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
@@ -55,12 +63,10 @@ def test_config_matches_gguf_metadata(model_and_tokenizer):
     assert attn.k_proj.weight.shape == (192, 576)
 
 
-def test_quantized_layers_are_mlx_8_bit():
+def test_quantized_layers_are_mlx_8_bit(quantized):
     """dequantize=False (the GPU default): every quantized GGUF tensor becomes MLX 8-bit,
     group 32 (re-rounding the file's 4-bit grid onto MLX's 4-bit one doubled its error)."""
-    from morphkv.model.gguf import load_gguf
-
-    model, meta = load_gguf(embedded_gguf_path(), dequantize=False)
+    model, meta = quantized
     assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
     assert model.model.embed_tokens.bits == 8
     for lin in (
@@ -73,11 +79,9 @@ def test_quantized_layers_are_mlx_8_bit():
     assert meta["general.architecture"] == "llama"
 
 
-def test_dequantized_matches_quantized(model_and_tokenizer):
-    from morphkv.model.gguf import load_gguf
-
+def test_dequantized_matches_quantized(model_and_tokenizer, quantized):
     dense, _ = model_and_tokenizer
-    quant, _ = load_gguf(embedded_gguf_path(), dequantize=False)
+    quant, _ = quantized
     x = mx.array([[1, 9690, 198, 2683, 359, 253]])
     a, b = dense(x), quant(x).astype(mx.float32)
     assert mx.argmax(a, -1).tolist() == mx.argmax(b, -1).tolist()

@@ -13,7 +13,7 @@ from mlx_lm.models import cache as mlx_cache
 
 import morphkv
 from morphkv import METHODS, KVCacheBuilder, KVCacheConfig
-from morphkv.eval.util import greedy_tokens, tiny_llama
+from morphkv.eval.models import greedy_tokens, tiny_llama
 
 CONFIG = dict(morphkv_budget=20, morphkv_n_sink=2, morphkv_window=4)
 PROMPT = mx.array([[(7 * i + 3) % 251 + 1 for i in range(70)]])

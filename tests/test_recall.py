@@ -14,6 +14,15 @@ from morphkv.eval import recall_items as I
 from morphkv.eval.recall_report import wilson
 
 
+@pytest.fixture
+def one_load(monkeypatch):
+    """The commands below reuse the module's one load of the embedded model (seconds each)."""
+    from smollm2_fixture import load_embedded
+
+    pair = load_embedded()
+    monkeypatch.setattr(R, "load_model", lambda name: pair)
+
+
 def test_arm_specs_map_onto_config_fields():
     arms = R.parse_arms("full,streaming_llm,morphkv:window=32,fusion=max,tova:morphkv_n_sink=2,"
                         "peak:recent=32:value=true:pool=3,recommended:peak=0.25,rotating")
@@ -126,10 +135,7 @@ def test_items_are_deterministic_split_apart_and_long_enough():
 
 
 @pytest.mark.slow
-def test_quick_run_writes_table_json_and_png(tmp_path, capsys):
-    from smollm2_fixture import embedded_gguf_path
-
-    embedded_gguf_path()  # skip (or fail under CI) when the model is unobtainable
+def test_quick_run_writes_table_json_and_png(tmp_path, capsys, one_load):
     out = tmp_path / "recall"
     assert main(["eval", "recall", "--quick", "--quiet", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -155,10 +161,7 @@ def test_quick_run_writes_table_json_and_png(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_screen_is_prefill_only_and_counts_every_item(tmp_path, capsys):
-    from smollm2_fixture import embedded_gguf_path
-
-    embedded_gguf_path()
+def test_screen_is_prefill_only_and_counts_every_item(tmp_path, capsys, one_load):
     out = tmp_path / "screen"
     argv = ["eval", "recall", "--screen", "--quiet", "--items", "2", "--budgets", "32",
             "--distance", "48", "--arms", "streaming_llm,peak:window=1:recent=8", "--out", str(out)]

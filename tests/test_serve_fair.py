@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from smollm2_fixture import embedded_gguf_path, load_embedded
 
-from morphkv.eval.util import stop_process
+from morphkv.eval.process import stop_process
 from morphkv.server.fair import FairBatchGenerator, group_lengths
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from morphkv.eval.util import stop_process
+from morphkv.eval.process import stop_process
 from tests.smollm2_fixture import embedded_gguf_path
 
 openai = pytest.importorskip("openai")

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _generate(model, tokenizer):
     """Greedy tokens and the morphkv caches, through the Python API."""
     from morphkv import KVCacheBuilder, KVCacheConfig
-    from morphkv.eval.util import greedy_tokens
+    from morphkv.eval.models import greedy_tokens
 
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(**CONFIG))
     prompt = tokenizer.encode(TEXT)

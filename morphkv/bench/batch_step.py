@@ -26,15 +26,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ..eval.util import (
-    RANDOM_TINY,
-    add_flags,
-    environment,
-    load_model,
-    markdown_table,
-    out_dir,
-    write_json,
-)
+from ..eval.flags import add_flags
+from ..eval.models import RANDOM_TINY, load_model
+from ..eval.output import environment, markdown_table, out_dir, write_json
 
 NAME = "batch"
 H, G, D = 3, 3, 64  # KV heads, query heads per KV head, head dim (SmolLM2-135M)

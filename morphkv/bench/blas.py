@@ -17,16 +17,10 @@ import sys
 import time
 
 from ..eval import plots
-from ..eval.util import (
-    RANDOM_TINY,
-    add_flags,
-    environment,
-    load_model,
-    markdown_table,
-    out_dir,
-    require_matplotlib,
-    write_json,
-)
+from ..eval.flags import add_flags
+from ..eval.models import RANDOM_TINY, load_model
+from ..eval.output import environment, markdown_table, out_dir, write_json
+from ..eval.plots import require_matplotlib
 
 NAME = "blas"
 MEASURES = {  # label -> (worker key, speed-up key, higher is better)

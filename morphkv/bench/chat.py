@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 from ..eval import plots
-from ..eval.util import Progress, add_flags, environment, markdown_table, out_dir, write_json
+from ..eval.flags import add_flags
+from ..eval.output import environment, markdown_table, out_dir, write_json
+from ..eval.progress import Progress
 
 NAME = "chat"
 TIMING_MESSAGE = ("Summarize: a for statement repeats its body once for each item of a "
@@ -198,7 +200,7 @@ def plot(rows: list[dict], budget: int, path: Path) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """CLI entry point (``morphkv`` command contract): 0 on success."""
-    from ..eval.util import require_matplotlib
+    from ..eval.plots import require_matplotlib
 
     require_matplotlib(args)
     if args.quick:  # smaller defaults; flags given explicitly still win
@@ -213,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..chat.conversation import Conversation
     from ..core.presets import PRESETS
-    from ..eval.util import load_model
+    from ..eval.models import load_model
 
     config = PRESETS[args.preset](args.budget)
     model, tokenizer = load_model(args.model)

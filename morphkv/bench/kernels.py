@@ -22,7 +22,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..eval.util import add_flags, environment, markdown_table, out_dir, write_json
+from ..eval.flags import add_flags
+from ..eval.output import environment, markdown_table, out_dir, write_json
 from ..mlxlm.hooks import attention_step, queries_by_hand
 from .layer import B, D, H, make_cache, stream
 

@@ -26,15 +26,10 @@ import mlx.core as mx
 
 from ..eval import plots
 from ..eval.arms import Arm
-from ..eval.util import (
-    Progress,
-    add_flags,
-    environment,
-    markdown_table,
-    out_dir,
-    require_matplotlib,
-    write_json,
-)
+from ..eval.flags import add_flags
+from ..eval.output import environment, markdown_table, out_dir, write_json
+from ..eval.plots import require_matplotlib
+from ..eval.progress import Progress
 from ..mlxlm.hooks import attention_step, queries_by_hand
 
 NAME = "layer"

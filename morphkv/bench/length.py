@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from ..eval.arms import parse_arms
+from ..eval.models import load_model
+from ..eval.progress import Progress
 from ..eval.texts import topic_tokens
-from ..eval.util import Progress, load_model
 
 FULL = {"full": "kvcache"}  # here ``full`` is mlx_lm's KVCache
 WORKER_FLAGS = (

@@ -30,7 +30,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ..eval.util import stop_process
+from ..eval.process import stop_process
 from .load_clients import PROBE_BAD, User, in_threads, long_text, raw_post
 from .load_mixed import MixedUser, by_class, drive_mixed
 

@@ -44,16 +44,10 @@ import numpy as np
 
 from ..eval import plots
 from ..eval.arms import Arm, check_specs
-from ..eval.util import (
-    Progress,
-    add_flags,
-    environment,
-    markdown_table,
-    out_dir,
-    pivot,
-    require_matplotlib,
-    write_json,
-)
+from ..eval.flags import add_flags
+from ..eval.output import environment, markdown_table, out_dir, pivot, write_json
+from ..eval.plots import require_matplotlib
+from ..eval.progress import Progress
 from ..mlxlm.builder import KVCacheBuilder
 
 NAME = "mechanism"

@@ -23,18 +23,12 @@ import mlx.core as mx
 from ..core.warm import warm_up
 from ..eval import plots
 from ..eval.arms import parse_arms
+from ..eval.flags import add_flags
+from ..eval.models import RANDOM_TINY, load_model
+from ..eval.output import environment, markdown_table, out_dir, write_json
+from ..eval.plots import require_matplotlib
+from ..eval.progress import Progress
 from ..eval.texts import PROSE_TOPICS, prose_text
-from ..eval.util import (
-    RANDOM_TINY,
-    Progress,
-    add_flags,
-    environment,
-    load_model,
-    markdown_table,
-    out_dir,
-    require_matplotlib,
-    write_json,
-)
 
 NAME = "overhead"
 ALIASES = {"morphkv": "morphkv:attn", "proxy": "morphkv:proxy"}  # the old script's arm names

@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ..eval.util import stop_process
+from ..eval.process import stop_process
 
 PROMPTS = [
     "Write a long story about a lighthouse keeper and a storm.",

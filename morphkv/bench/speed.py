@@ -22,7 +22,10 @@ import numpy as np
 
 from ..eval import plots
 from ..eval.arms import check_specs
-from ..eval.util import RANDOM_TINY, add_flags, markdown_table, pivot, require_matplotlib
+from ..eval.flags import add_flags
+from ..eval.models import RANDOM_TINY
+from ..eval.output import markdown_table, pivot
+from ..eval.plots import require_matplotlib
 from .length import FULL, run_length, worker_main
 
 __all__ = ["RANDOM_TINY", "DEFAULT_ARMS", "execute", "add_arguments"]

@@ -1,18 +1,22 @@
 """Quality evaluation: the ``morphkv eval`` commands, ``morphkv report``, and the parts every
 measurement shares.
 
-Parts (dependencies point down the list): ``util`` (progress, flags, tables, tiny models,
-processes), ``arms`` (a spec string -> ``KVCacheConfig`` or an mlx_lm cache), ``metrics``,
-``texts`` (+ the data in ``conversations``), ``plots``, ``runner`` (teacher-forced feeding),
-``equal_bytes``; commands: ``fidelity``, ``sweep``, ``recall`` (+ ``recall_items``,
-``recall_report``), ``generation``, ``quantized``; ``report`` renders docs/results.md from the
-JSON of every command (quality here, speed in ``morphkv.bench``).
+Parts (dependencies point down the list): ``progress``, ``flags`` (command-line helpers),
+``output`` (result folder, machine facts, JSON, tables), ``models`` (model loading,
+``tiny_llama``, ``greedy_tokens``), ``process`` (peak memory, stopping a child), ``arms`` (a
+spec string -> ``KVCacheConfig`` or an mlx_lm cache), ``metrics``, ``texts`` (+ its data in
+``data/texts.json``), ``plots`` (+ ``plt``, ``require_matplotlib``), ``runner``
+(teacher-forced feeding), ``equal_bytes``; commands: ``fidelity``, ``sweep``, ``recall`` (+
+``recall_items``, ``recall_natural``, ``recall_report``; data in ``data/recall_*.json``),
+``chatrecall`` (+ ``chat_items``, ``chat_report``, ``chat_answers``; data in
+``data/chat_*.json``), ``generation``, ``quantized``; ``report`` renders docs/results.md from
+the JSON of every command (quality here, speed in ``morphkv.bench``).
 
 Adding things (one small change each):
 - a command: a module with ``add_arguments(parser)`` and ``execute(args) -> figures`` (or
   ``run(args)``), one line in ``morphkv.cli.commands.COMMANDS``, and for the report one entry in
   ``report.SOURCES`` and one in ``report.SECTIONS``. A sweep is ``fidelity.run_fidelity`` over
-  ``arms.grid_specs(...)``; a recall task scores answers with ``util.greedy_tokens``.
+  ``arms.grid_specs(...)``; a recall task scores answers with ``models.greedy_tokens``.
 - a knob or quantized storage: nothing here; an arm names any ``KVCacheConfig`` field
   (``morphkv:window=8:recent=64``, ``morphkv:bits=8``) and ``--equal-bytes`` measures its bytes.
 - mlx_lm's own quantized cache as a reference: one entry in ``arms.BASELINES``.

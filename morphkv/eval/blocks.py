@@ -35,10 +35,12 @@ import numpy as np
 
 from . import blocks_report as R
 from . import recall
+from .flags import add_flags, csv_ints
 from .metrics import held_bytes
+from .models import load_model
+from .output import environment, out_dir, write_json
 from .runner import Feeder, reference_logprobs
 from .texts import split_texts
-from .util import add_flags, csv_ints, environment, load_model, out_dir, write_json
 
 NAME = "blocks"
 N_SINK = 4

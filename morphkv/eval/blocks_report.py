@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .util import markdown_table, plt
+from .output import markdown_table
+from .plots import plt
 
 REFERENCE = "block 1"
 

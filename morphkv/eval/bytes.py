@@ -25,19 +25,13 @@ import time
 import mlx.core as mx
 
 from .arms import check_specs, parse_arms
+from .flags import add_flags, csv_ints
 from .metrics import held_bytes
+from .models import load_model
+from .output import environment, markdown_table, out_dir, write_json
+from .plots import plt
 from .runner import reference_logprobs
 from .texts import split_texts
-from .util import (
-    add_flags,
-    csv_ints,
-    environment,
-    load_model,
-    markdown_table,
-    out_dir,
-    plt,
-    write_json,
-)
 
 NAME = "bytes"
 DEFAULT_ARMS = ("h2o,streaming_llm:memory=f16:bits=8,recommended:memory=f16,"
@@ -76,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--reference", "streaming_llm", "the arm KL ratios are taken to"),
         ("--prose-tokens", 1024, "tokens of the prose text"),
         ("--continuation-tokens", 600, "tokens of the model's own continuation"),
+        ("--conversation-tokens", 0, "cut each conversation to its first N tokens (0: whole)"),
         ("--model", None, "model (default: the embedded SmolLM2)"),
         ("--out", None, "output folder (default results/bytes)"),
         ("--stem", None, "output file stem (default bytes_<split>)"),
@@ -91,7 +86,8 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     if model is None:
         model, tokenizer = load_model(args.model)
     start, load = time.perf_counter(), os.getloadavg()
-    texts = split_texts(tokenizer, model, args.split, args.prose_tokens, args.continuation_tokens)
+    texts = split_texts(tokenizer, model, args.split, args.prose_tokens, args.continuation_tokens,
+                        getattr(args, "conversation_tokens", 0))
     rows = []
     for name, tokens in texts.items():
         ref = reference_logprobs(model, tokens)

@@ -1,8 +1,11 @@
 """Write the assistant turns of the conversation-memory chats: each user question of a split
 (``data/chat_questions.json``) answered once by a model with the full cache, greedily, the
 answer cut at its last full sentence; saved as data (``data/chat_answers_<split>.json``) with
-the command that produced it, the model and the settings. The chats of ``chat_recall`` are
-assembled from these turns, so every assistant turn a model reads is text a model wrote.
+the command that produced it, the model and the settings. A second run of the same command
+keeps the answers already written and adds the questions that have none (the list grew, or a
+run was stopped): greedy answers do not depend on when they were written. The chats of
+``chat_recall`` are assembled from these turns, so every assistant turn a model reads is text a
+model wrote.
 
     python -m morphkv.eval.chat_answers --model qwen2.5-0.5b --split test
     python -m morphkv.eval.chat_answers --split tune          # the embedded SmolLM2
@@ -34,7 +37,7 @@ def trim(text: str) -> str:
 def answer(model, tok, question: str, max_tokens: int) -> str:
     from mlx_lm.models.cache import KVCache
 
-    from .util import greedy_tokens
+    from .models import greedy_tokens
 
     prompt = tok.apply_chat_template([{"role": "user", "content": question}],
                                      add_generation_prompt=True)  # fmt: skip
@@ -51,7 +54,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--out", default=None, help="default data/chat_answers_<split>.json")
     args = p.parse_args(argv)
-    from .util import load_model
+    from .models import load_model
 
     model, tok = load_model(args.model)
     out = Path(args.out or DATA / f"chat_answers_{args.split}.json")
@@ -59,9 +62,13 @@ def main(argv=None) -> int:
     record = {"command": command, "model": args.model or "smollm2-135m (embedded default)",
               "split": args.split, "max_tokens": args.max_tokens, "cache": "full (mlx_lm KVCache)",
               "sampling": "greedy", "answers": []}
+    old = json.loads(out.read_text()) if out.exists() else {}
+    same = all(old.get(k) == record[k] for k in ("model", "split", "max_tokens"))
+    done = {a["question"]: a["answer"] for a in old.get("answers", [])} if same else {}
     for i, q in enumerate(questions(args.split)):
         t0 = time.perf_counter()
-        record["answers"].append({"question": q, "answer": answer(model, tok, q, args.max_tokens)})
+        text = done[q] if q in done else answer(model, tok, q, args.max_tokens)
+        record["answers"].append({"question": q, "answer": text})
         out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
         print(f"[chat_answers] {i + 1}/{len(questions(args.split))} "
               f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)

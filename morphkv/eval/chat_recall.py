@@ -10,7 +10,13 @@ clause removed: how often the model guesses. Retention: the fraction of the valu
 still stored when the question arrives (per layer, mean over KV heads). Every figure comes with
 its item count and Wilson 95% interval; partial results are saved after every chat.
 
+An arm ``spec@N`` runs at N tokens (``memory=f16``: the float16 bytes of N tokens) instead of
+``--budget``, on the same chats: the chats are cut by ``--min-distance`` budgets of
+``--budget``, so one run measures several sizes on the same items (statement distance / size
+differs, the distance plot shows it).
+
     morphkv eval chatrecall --model qwen2.5-0.5b --split test --chats 14
+    morphkv eval chatrecall --model qwen2.5-0.5b --arms "kvcache,nofact,h2o@64,h2o@256"
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ import time
 
 from .arms import Arm
 from .chat_items import build_chat, common_prefix, encode, judge, tokenize
-from .chat_report import plot, summarize, table
+from .chat_report import distance_plot, plot, summarize, table
+from .models import load_model
+from .output import environment, out_dir, write_json
+from .progress import Progress
 from .recall import retention
-from .util import Progress, environment, load_model, out_dir, write_json
 
 NAME = "chatrecall"
 NOFACT = "nofact"
@@ -34,7 +42,7 @@ DEFAULT_ARMS = ("kvcache,nofact,recommended:memory=f16,h2o,streaming_llm,"
 
 
 def answer(model, tok, caches, suffix: list[int], max_tokens: int) -> str:
-    from .util import greedy_tokens
+    from .models import greedy_tokens
 
     ids = greedy_tokens(model, copy.deepcopy(caches), suffix, max_tokens)
     eos = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])
@@ -58,11 +66,11 @@ def run_chat(model, tok, chat, arms, args, bar) -> dict:
                           "distance": q.distance, "value_tokens": len(q.positions)}
                          for q in chat.questions]}  # fmt: skip
     for label, arm in arms:
-        msgs = chat.nofact if label == NOFACT else chat.messages
+        msgs = chat.nofact if arm is None else chat.messages
         full = [encode(tok, msgs, q) for q in chat.questions]
         n = min(common_prefix(full[0], f) for f in full[1:])
-        spec = Arm.parse("kvcache") if label == NOFACT else arm
-        caches = spec.caches(model, args.budget, args.n_sink)
+        spec = Arm.parse("kvcache") if arm is None else arm
+        caches = spec.caches(model, arm_budget(label, args.budget), args.n_sink)
         t0 = time.perf_counter()
         prefill(model, caches, full[0][:n], args.chunk)
         budgets = [c.config.budget for c in caches if hasattr(c, "config")]
@@ -70,12 +78,13 @@ def run_chat(model, tok, chat, arms, args, bar) -> dict:
                "tokens": max(budgets) if budgets else None, "answers": [], "correct": [],
                "retention": []}
         for q, ids in zip(chat.questions, full, strict=True):
-            if label != NOFACT:
+            if arm is not None:
                 out["retention"].append(retention(caches, q.positions))
             text = answer(model, tok, caches, ids[n:], args.max_tokens)
             out["answers"].append(text)
             out["correct"].append(judge(text, q))
         out["seconds"] = time.perf_counter() - t0
+        out["size"] = arm_budget(label, args.budget)
         rec["arms"][label] = out
         bar.update(1, f"chat {chat.index}: {label} {sum(out['correct'])}/{len(out['correct'])}")
     return rec
@@ -102,10 +111,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--quiet", action="store_true")
 
 
+def arm_budget(label: str, budget: int) -> int:
+    """The token count of an arm label: N for ``spec@N``, else the command's ``budget``."""
+    if "@" not in label:
+        return budget
+    size = label.rsplit("@", 1)[1]
+    if not size.isdigit() or int(size) < 1:
+        raise ValueError(f"arm {label!r}: the size after '@' must be a positive token count")
+    return int(size)
+
+
 def parse(text: str) -> list[tuple[str, Arm | None]]:
     out = []
     for spec in filter(None, (s.strip() for s in text.split(","))):
-        out.append((spec, None if spec == NOFACT else Arm.parse(spec)))
+        arm_budget(spec, 1)  # checks the size
+        base = spec.rsplit("@", 1)[0]
+        out.append((spec, None if base == NOFACT else Arm.parse(base)))
     if not out:
         raise ValueError("--arms is empty")
     return out
@@ -114,9 +135,9 @@ def parse(text: str) -> list[tuple[str, Arm | None]]:
 def run(args: argparse.Namespace) -> int:
     try:
         arms = parse(args.arms)
-        for _, arm in arms:
+        for label, arm in arms:
             if arm is not None and not arm.is_baseline:
-                arm.config(args.budget, n_sink=args.n_sink)
+                arm.config(arm_budget(label, args.budget), n_sink=args.n_sink)
     except ValueError as e:
         print(f"morphkv eval chatrecall: error: {e}", file=sys.stderr)
         return 2
@@ -137,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     print(result["table"])
     write_json(folder / f"{stem}.json", result)
     plot(result["summary"], folder / f"{stem}.png")
-    print(f"wrote {folder / f'{stem}.json'} and {folder / f'{stem}.png'}")
+    distance_plot(result["chats"], folder / f"{stem}_distance.png", args.budget)
+    print(f"wrote {folder / f'{stem}.json'}, {stem}.png and {stem}_distance.png")
     return 0
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from .output import markdown_table
+from .plots import plt
 from .recall_report import wilson
-from .util import markdown_table, plt
 
 FULL = "kvcache"
 
@@ -18,10 +20,13 @@ def _share(k: int, n: int) -> dict:
 def summarize(chats: list[dict], labels: list[str]) -> dict:
     """Per arm: recall over all questions; recall over the questions the full cache answers
     (the share of the full cache's items kept); mean retention of the value's tokens; bytes
-    and tokens held; answers split by updated / never-updated facts."""
+    and tokens held; answers split by updated / never-updated facts; ``fragment``: of the full
+    cache's items, the wrong answers that begin with the value's first 3 letters ("Ansel" for
+    Anselm, "852" for 8521): the start of the value was kept, its end was not."""
     out = {}
     full_ok = [(c["index"], i) for c in chats for i, ok in
                enumerate(c["arms"].get(FULL, {}).get("correct", [])) if ok]  # fmt: skip
+    updated = {(c["index"], i): q["updated"] for c in chats for i, q in enumerate(c["questions"])}
     for label in labels:
         runs = [(c, c["arms"][label]) for c in chats if label in c["arms"]]
         flags = [(c["index"], i, ok, c["questions"][i]["updated"])
@@ -29,18 +34,35 @@ def summarize(chats: list[dict], labels: list[str]) -> dict:
         k = sum(ok for *_, ok, _ in flags)
         kept = sum(ok for ci, i, ok, _ in flags if (ci, i) in set(full_ok))
         ret = [sum(x) / len(x) for _, r in runs for x in r["retention"] if x]
+        full_kept = [(ci, i) for ci, i in full_ok if not updated[(ci, i)]]
         out[label] = {
             "all": _share(k, len(flags)),
             "of_full": _share(kept, len(full_ok)),
+            "of_full_kept": _share(sum(ok for ci, i, ok, _ in flags if (ci, i) in full_kept),
+                                   len(full_kept)),
+            "of_full_updated": _share(kept - sum(ok for ci, i, ok, _ in flags
+                                                 if (ci, i) in full_kept),
+                                      len(full_ok) - len(full_kept)),
             "updated": _share(sum(ok for *_, ok, u in flags if u), sum(u for *_, u in flags)),
             "retention": sum(ret) / len(ret) if ret else None,
             "mib": max((r["nbytes"] for _, r in runs), default=0) / 2**20,
             "tokens": max((r["tokens"] or 0 for _, r in runs), default=0) or None,
+            "size": max((r.get("size", 0) for _, r in runs), default=0),
+            "fragment": _share(sum(fragment(r["answers"][i], c["questions"][i]["value"])
+                                   for c, r in runs for i, ok in enumerate(r["correct"])
+                                   if not ok and (c["index"], i) in full_ok), len(full_ok)),
         }
     dist = [q["distance"] for c in chats for q in c["questions"]]
     out["_items"] = {"chats": len(chats), "questions": len(dist),
                      "distance_min": min(dist, default=0), "distance_max": max(dist, default=0)}
     return out
+
+
+def fragment(answer: str, value: str) -> bool:
+    """The answer's first word begins with the value's first 3 letters (the caller passes wrong
+    answers only, so it is not the value itself)."""
+    first = re.findall(r"[a-z0-9]+", answer.lower())[:1]
+    return len(value) >= 3 and bool(first) and first[0].startswith(value.lower()[:3])
 
 
 def _pct(s: dict) -> str:
@@ -51,15 +73,19 @@ def _pct(s: dict) -> str:
 
 
 def table(summary: dict) -> str:
+    """One row per arm, grouped by size (the full cache and no-fact rows first)."""
     headers = ["arm", "tokens", "MiB held", "recall (all questions)",
-               "of the full cache's items", "updated facts", "value tokens kept"]
+               "of the full cache's items", "of those: kept facts", "of those: updated facts",
+               "value tokens kept", "a fragment of the value"]
     rows = []
-    for label, s in summary.items():
-        if label.startswith("_"):
-            continue
+    arms = [(label, s) for label, s in summary.items() if not label.startswith("_")]
+    for label, s in sorted(arms, key=lambda a: (a[0].split("@")[0] not in (FULL, "nofact"),
+                                                  a[1].get("size", 0))):
         ret = "-" if s["retention"] is None else f"{100 * s['retention']:.0f}%"
         rows.append([f"`{label}`", s["tokens"] or "all", f"{s['mib']:.2f}", _pct(s["all"]),
-                     _pct(s["of_full"]), _pct(s["updated"]), ret])
+                     _pct(s["of_full"]), _pct(s.get("of_full_kept", _share(0, 0))),
+                     _pct(s.get("of_full_updated", _share(0, 0))), ret,
+                     _pct(s.get("fragment", _share(0, 0)))])
     items = summary.get("_items", {})
     note = (f"\n({items.get('chats')} chats, {items.get('questions')} questions; statements "
             f"{items.get('distance_min')}-{items.get('distance_max')} tokens before the end; "
@@ -69,14 +95,18 @@ def table(summary: dict) -> str:
 
 def recall_plot(points: list[tuple], xlabel: str, ylabel: str, path: Path, vline=None) -> None:
     """One point per (x, rate, (lo, hi), label, marker) with its 95% interval as error bars."""
-    pyplot = plt()
-    fig, ax = pyplot.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt().subplots(figsize=(7.5, 4.5))
     for x, r, (lo, hi), label, marker in points:
         err = [[100 * max(0.0, r - lo)], [100 * max(0.0, hi - r)]]  # rounding: never < 0
         ax.errorbar([x], [100 * r], yerr=err, marker=marker,
                     capsize=3, label=label)  # fmt: skip
     if vline is not None:
         ax.axvline(vline, color="grey", ls="--", lw=1)
+    finish(fig, ax, xlabel, ylabel, path)
+
+
+def finish(fig, ax, xlabel: str, ylabel: str, path: Path) -> None:
+    """Labels, a 0-100% axis, grid and legend; saved as a PNG and closed."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_ylim(-5, 105)
@@ -84,7 +114,58 @@ def recall_plot(points: list[tuple], xlabel: str, ylabel: str, path: Path, vline
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    pyplot.close(fig)
+    plt().close(fig)
+
+
+EDGES = (1, 2, 3, 4, 6)
+BINS = ["<1", "1-2", "2-3", "3-4", "4-6", ">=6"]
+
+
+def by_distance(chats: list[dict], label: str, default_size: int, edges=EDGES) -> list:
+    """[(bin, k, n)]: the arm's answers to the full cache's items, binned by the statement's
+    distance in units of the tokens the arm holds per KV head: below 1, 1-2, 2-3, 3-4, 4-6, 6
+    and more (below 1: the statement is still within reach of a recency window that size)."""
+    bins: dict[int, list[int]] = {}
+    for c in chats:
+        full, run = c["arms"].get(FULL), c["arms"].get(label)
+        if not full or not run:
+            continue
+        size = run.get("tokens") or run.get("size") or default_size
+        for q, f, ok in zip(c["questions"], full["correct"], run["correct"], strict=True):
+            if f:
+                b = sum(q["distance"] / size >= e for e in edges)
+                bins.setdefault(b, [0, 0])
+                bins[b][0] += ok
+                bins[b][1] += 1
+    return [(b, k, n) for b, (k, n) in sorted(bins.items())]
+
+
+def distance_plot(chats: list[dict], path: Path, default_size: int, edges=EDGES) -> None:
+    """Recall of the full cache's items against statement distance / the tokens an arm holds,
+    per method (its sizes pooled), with 95% intervals."""
+    names = BINS
+    labels = [lab for lab in (chats[0]["arms"] if chats else {}) if lab.split("@")[0]
+              not in (FULL, "nofact")]
+    fig, ax = plt().subplots(figsize=(7.5, 4.5))
+    methods = list(dict.fromkeys(lab.split("@")[0] for lab in labels))
+    for j, method in enumerate(methods):
+        tally: dict[int, list[int]] = {}
+        for lab in labels:
+            if lab.split("@")[0] == method:
+                for b, k, n in by_distance(chats, lab, default_size, edges):
+                    tally.setdefault(b, [0, 0])
+                    tally[b][0] += k
+                    tally[b][1] += n
+        xs = sorted(tally)
+        rates = [tally[b][0] / tally[b][1] for b in xs]
+        cis = [wilson(*tally[b]) for b in xs]
+        err = [[100 * max(0.0, r - lo) for r, (lo, _) in zip(rates, cis, strict=True)],
+               [100 * max(0.0, hi - r) for r, (_, hi) in zip(rates, cis, strict=True)]]
+        ax.errorbar([x + 0.06 * j for x in xs], [100 * r for r in rates], yerr=err, marker="o",
+                    capsize=3, label=method)
+    ax.set_xticks(range(len(names)), names)
+    finish(fig, ax, "statement distance / tokens the cache holds per KV head",
+           "recall of the full cache's items (%)", path)
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -93,3 +174,45 @@ def plot(summary: dict, path: Path) -> None:
               for label, s in summary.items() if not label.startswith("_") and s["of_full"]["n"]]
     recall_plot(points, "bytes held over all layers (MiB)", "recall of the full cache's items (%)",
                 path)  # fmt: skip
+
+
+def section(result: dict) -> str:
+    """The report's section (``morphkv report``): the command and the table it printed."""
+    args = result.get("args", {})
+    flags = [f"--{k.replace('_', '-')} {args[k]}" for k in ("model", "split", "chats", "budget")
+             if args.get(k) is not None]
+    command = f"morphkv eval chatrecall {' '.join(flags)} --arms \"{args.get('arms', '')}\""
+    load = result.get("load_average", {})
+    note = (f"Load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end."
+            if load else "")
+    chats = result.get("chats")
+    labels = list(dict.fromkeys(k for c in chats or [] for k in c["arms"]))
+    body = table(summarize(chats, labels) if chats else result["summary"])
+    return "\n".join(["## Conversation memory (`morphkv eval chatrecall`)", "", f"`{command}`",
+                      "", body, "", note, ""])
+
+
+def main(argv=None) -> int:
+    """Redraw the table and both PNGs of a ``morphkv eval chatrecall`` JSON (a partial one
+    too: the run saves it after every chat)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    p.add_argument("json")
+    p.add_argument("--budget", type=int, default=None, help="default: the run's --budget")
+    args = p.parse_args(argv)
+    path = Path(args.json)
+    result = json.loads(path.read_text())
+    labels = list(dict.fromkeys(k for c in result["chats"] for k in c["arms"]))
+    summary = summarize(result["chats"], labels)
+    print(table(summary))
+    plot(summary, path.with_suffix(".png"))
+    budget = args.budget or result.get("args", {}).get("budget", 128)
+    distance_plot(result["chats"], path.with_name(path.stem + "_distance.png"), budget)
+    print(f"wrote {path.with_suffix('.png')} and {path.stem}_distance.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from .chat_report import recall_plot
-from .util import write_json
+from .output import write_json
 
 KL_FACTOR = 1.5
 EIGHT_BIT = "streaming_llm:memory=f16:bits=8"

@@ -20,21 +20,14 @@ import mlx.core as mx
 
 from . import plots
 from .arms import Arm, check_specs, parse_arms
-from .conversations import CONVERSATIONS
 from .equal_bytes import equal_byte_budgets
+from .flags import add_flags
+from .models import load_model
+from .output import environment, markdown_table, out_dir, pivot, write_json
+from .plots import require_matplotlib
+from .progress import Progress
 from .runner import Feeder, evaluate_arms, reference_logprobs
-from .texts import build_texts
-from .util import (
-    Progress,
-    add_flags,
-    environment,
-    load_model,
-    markdown_table,
-    out_dir,
-    pivot,
-    require_matplotlib,
-    write_json,
-)
+from .texts import CONVERSATIONS, build_texts
 
 NAME = "fidelity"
 N_SINK = 4

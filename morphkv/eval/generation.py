@@ -17,23 +17,15 @@ import mlx.core as mx
 
 from . import plots
 from .arms import check_specs, parse_arms
-from .conversations import GENERATION_PROMPTS
 from .fidelity import ARM_DEFAULTS, N_SINK
+from .flags import add_flags, csv_ints
 from .metrics import distinct, kv_bytes, repetition_rate
-from .texts import chat_prompt
-from .util import (
-    Progress,
-    add_flags,
-    csv_ints,
-    environment,
-    load_model,
-    markdown_table,
-    out_dir,
-    peak_memory,
-    require_matplotlib,
-    reset_peak_memory,
-    write_json,
-)
+from .models import load_model
+from .output import environment, markdown_table, out_dir, write_json
+from .plots import require_matplotlib
+from .process import peak_memory, reset_peak_memory
+from .progress import Progress
+from .texts import GENERATION_PROMPTS, chat_prompt
 
 NAME = "generation"
 FULL = {"full": "kvcache"}  # here ``full`` is mlx_lm's KVCache

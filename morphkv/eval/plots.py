@@ -2,9 +2,34 @@
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
-from .util import plt
+BENCH_EXTRA = "pip install -e '.[bench]'"
+
+
+def require_matplotlib(args: argparse.Namespace | None = None) -> None:
+    """Stop before any work, in one line, when the plots cannot be drawn."""
+    if args is not None and getattr(args, "no_plot", False):
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            f"morphkv: error: the benchmarks draw PNGs with matplotlib, which is not installed: "
+            f"{BENCH_EXTRA} (or pass --no-plot where offered)"
+        ) from None
+
+
+def plt():
+    """matplotlib.pyplot with a non-interactive backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
 
 
 def _save(fig, path, dpi: int = 80) -> str:

@@ -18,9 +18,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
 
 from ..core.config import KVCacheConfig
+from .flags import add_flags
+from .models import load_model
+from .output import markdown_table, out_dir, write_json
+from .plots import require_matplotlib
 from .runner import Feeder, reference_logprobs
 from .texts import conversation_tokens, prose_documents
-from .util import add_flags, load_model, markdown_table, out_dir, require_matplotlib, write_json
 
 NAME = "quantized"
 ROW_F16 = {None: 128, 8: 68, 4: 36}  # bytes per K (or V) row on a float16 head_dim-64 model

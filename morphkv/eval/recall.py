@@ -22,10 +22,12 @@ import time
 import numpy as np
 
 from .arms import Arm as SpecArm
+from .models import load_model
+from .output import environment, out_dir, write_json
+from .progress import Progress
 from .recall_items import build_item, is_correct
 from .recall_natural import build_natural_item
 from .recall_report import plot, section, summarize, table  # noqa: F401  (section: report)
-from .util import Progress, environment, load_model, out_dir, write_json
 
 NAME = "recall"
 DEFAULT_ARMS = "full,streaming_llm,recommended,h2o,peak:recent=32:value=true"
@@ -102,7 +104,7 @@ def run_arm(model, tok, item, caches, args, answer: bool) -> dict:
     (``answer``) feed the last token and decode ``--max-tokens`` greedily."""
     import mlx.core as mx
 
-    from .util import greedy_tokens
+    from .models import greedy_tokens
 
     ids = mx.array(list(item.ids))[None]
     for s in range(0, len(item.ids) - 1, args.chunk):

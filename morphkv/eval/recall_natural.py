@@ -11,6 +11,7 @@ unlike its statement ("Which city did I grow up in?" for "my childhood was spent
 the prompt ends in a short lead-in ("You grew up in the city of"). The fact asked for lies 3-6 token
 budgets before the end (drawn per item from the seed).
 
+Kinds, templates and module names: ``data/recall_natural.json``.
 Distractor pools (no download): ``tune`` items draw the assistant's answers from Python's
 language reference (``pydoc_data.topics``), ``test`` items from the standard library's module
 and class docstrings: different sources, and ``tune`` / ``test`` items are disjoint by seed.
@@ -21,10 +22,12 @@ the chat's facts.
 from __future__ import annotations
 
 import functools
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
-from .recall_items import Item, _encode, _value_positions
+from .recall_items import Item, encode_chat, value_token_positions
 
 SPLITS = ("tune", "test")
 
@@ -39,68 +42,12 @@ class Kind:
     ack: str = ""  # the assistant's passing comment, with {v}
 
 
-KINDS = (
-    Kind("pet", ("Biscuit", "Pepper", "Ziggy", "Mango", "Clementine", "Waffles", "Juniper",
-                 "Noodle"),
-         ("we adopted a grey cat last month and named her {v}",
-          "our new kitten, {v}, has taken over the sofa"),
-         "What is my cat's name?", "Your cat's name is", "{v} is a lovely name for a cat."),
-    Kind("town", ("Lima", "Oslo", "Nairobi", "Dublin", "Lisbon", "Krakow", "Osaka", "Quito"),
-         ("I grew up in {v}, though I moved away years ago",
-          "my childhood was spent in {v}"),
-         "Which city did I grow up in?", "You grew up in the city of",
-         "{v} must have been an interesting place to grow up."),
-    Kind("flat", ("214", "358", "471", "629", "735", "862", "517", "943"),
-         ("my flat is number {v}, on the top floor",
-          "the delivery driver keeps missing flat {v}, which is mine"),
-         "What is my flat number?", "Your flat number is",
-         "I hope the deliveries reach flat {v} from now on."),
-    Kind("job", ("beekeeper", "locksmith", "midwife", "surveyor", "glassblower", "stonemason",
-                 "veterinarian", "cartographer"),
-         ("these days I earn my living as a {v}",
-          "I retrained last year and now work as a {v}"),
-         "What is my job?", "You work as a", "Being a {v} sounds like rewarding work."),
-    Kind("sibling", ("Marguerite", "Anselm", "Rosalind", "Tobias", "Imogen", "Casimir",
-                     "Philippa", "Leopold"),
-         ("my older brother {v} is coming to stay next week",
-          "next week I am hosting my brother, {v}"),
-         "What is my brother's name?", "Your brother's name is",
-         "I hope you have a great time with {v}."),
-    Kind("dish", ("paella", "ramen", "moussaka", "goulash", "lasagne", "risotto", "falafel",
-                  "dumplings"),
-         ("nothing beats {v} for me, I could eat it every day",
-          "my comfort food has always been {v}"),
-         "What is my favourite food?", "Your favourite food is", "Good {v} is hard to beat."),
-    Kind("instrument", ("cello", "trombone", "banjo", "harp", "clarinet", "accordion", "oboe",
-                        "ukulele"),
-         ("on weekends I play the {v} in a small band",
-          "I have been taking {v} lessons since spring"),
-         "Which instrument do I play?", "You play the", "The {v} is a wonderful instrument."),
-    Kind("month", ("February", "March", "April", "June", "August", "October", "November",
-                   "December"),
-         ("my birthday falls in {v}",
-          "I was born in {v}, so my birthday is coming up"),
-         "In which month is my birthday?", "Your birthday is in", "A birthday in {v}, how nice."),
-)
-
-OPENERS = ("Hi there! A little about me: {a}, and {b}.",
-           "Hello! Before we start, {a}; also, {b}.",
-           "Good morning. Just so you know, {a}. Oh, and {b}.")
-REPLIES = ("Thanks for sharing that! {a} {b} How can I help you today?",
-           "Nice to meet you. {a} {b} What would you like to talk about?",
-           "{a} {b} What is on your mind today?")
-ASKS = ("Can you explain {t}?", "I keep getting confused by {t}. What should I know?",
-        "Could you walk me through {t}?", "Tell me about {t}, please.",
-        "What is the idea behind {t}?", "I am reading about {t}. Can you summarise it?")
-ASIDE = "By the way, {c}. Anyway: "
-STDLIB = tuple("""argparse ast asyncio base64 bisect calendar cmath codecs collections configparser
-contextlib copy csv dataclasses datetime decimal difflib dis doctest email enum filecmp fileinput
-fnmatch fractions ftplib functools getopt gettext glob graphlib gzip hashlib heapq hmac html
-imaplib inspect io ipaddress itertools json locale logging mailbox math mimetypes mmap numbers
-operator optparse pathlib pdb pickle platform poplib pprint queue random re reprlib sched secrets
-selectors shelve shutil signal smtplib socket sqlite3 stat statistics string struct subprocess
-tarfile tempfile textwrap threading timeit tokenize trace traceback tracemalloc types typing
-unittest uuid warnings wave weakref zipfile zoneinfo""".split())
+_DATA = json.loads((Path(__file__).with_name("data") / "recall_natural.json").read_text())
+KINDS = tuple(Kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+              for d in _DATA["kinds"])
+OPENERS, REPLIES, ASKS = (tuple(_DATA[k]) for k in ("openers", "replies", "asks"))
+ASIDE = _DATA["aside"]
+STDLIB = tuple(_DATA["stdlib"])
 
 
 def _prose(text: str) -> list[str]:
@@ -198,10 +145,10 @@ def build_natural_item(tok, seed: int, split: str, index: int, budget: int,
         turns += [{"role": "user", "content": ask}, {"role": "assistant", "content": reply}]
         topics.append(topic)
         fact_turns = head if chat.asked < 2 else head + turns[:2]
-        fact_ids = _encode(tok, fact_turns, None)
-        ids = _encode(tok, head + turns + question, kind.lead_in)
+        fact_ids = encode_chat(tok, fact_turns, None)
+        ids = encode_chat(tok, head + turns + question, kind.lead_in)
         if len(ids) - len(fact_ids) >= distance:
-            spots = tuple(p for p in _value_positions(tok, fact_ids, value))
+            spots = tuple(p for p in value_token_positions(tok, fact_ids, value))
             return Item(index, kind.name, value, tuple(ids), len(fact_ids), len(topics),
                         spots, tuple(topics))
     raise RuntimeError(f"distractor pool {split!r} too small for distance {distance}")

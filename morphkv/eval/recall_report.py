@@ -130,7 +130,7 @@ def layer_table(summary: dict) -> str:
 
 def plot(summary: dict, budgets: list[int], path: Path) -> None:
     """Left: recall (or retention when screening) per budget; right: retention per layer."""
-    from .util import plt as pyplot
+    from .plots import plt as pyplot
 
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -15,7 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
-from .util import add_flags, markdown_table, pivot
+from .flags import add_flags
+from .output import markdown_table, pivot
 
 MAX_COPY_BYTES = 2_000_000
 SOURCES = {  # name -> JSON file names, newest spelling first
@@ -24,7 +25,7 @@ SOURCES = {  # name -> JSON file names, newest spelling first
     "layer": ("layer.json", "cache_speed.json"), "blas": ("blas.json", "blas_speed.json"),
     "overhead": ("overhead.json", "model_overhead.json"),
     "sweep_tune": ("sweep_tune.json",), "sweep_heldout": ("sweep_heldout.json",),
-    "recall": ("recall.json",),
+    "recall": ("recall.json",), "chatrecall": ("chatrecall_test_sizes.json",),
 }
 BASELINE = "streaming_llm_w8"
 MIB_KEYS = {"kv_bytes_kept": "kept", "kv_bytes_held": "held"}
@@ -258,6 +259,7 @@ SECTIONS = {  # name -> section builder (a callable, or "module:function")
     "sweep_tune": "morphkv.eval.sweep:section",
     "sweep_heldout": "morphkv.eval.sweep:section",
     "recall": "morphkv.eval.recall:section",
+    "chatrecall": "morphkv.eval.chat_report:section",
 }
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..mlxlm.builder import KVCacheBuilder
 from .metrics import kv_bytes, token_stats
-from .util import peak_memory, reset_peak_memory
+from .process import peak_memory, reset_peak_memory
 
 
 def reference_logprobs(model, tokens: list[int], chunk: int = 256) -> mx.array:

@@ -19,9 +19,12 @@ import mlx.core as mx
 from . import plots
 from .arms import check_specs, grid_specs
 from .fidelity import run_fidelity
+from .flags import add_flags
+from .models import load_model
+from .output import markdown_table, out_dir, write_json
+from .plots import require_matplotlib
 from .runner import Feeder
 from .texts import split_texts
-from .util import add_flags, load_model, markdown_table, out_dir, require_matplotlib, write_json
 
 NAME = "sweep"
 BASELINE = "streaming_llm"
@@ -112,7 +115,7 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
 
 def section(result: dict) -> str:
     """The report's section (``morphkv report``): ratios per text, and the raw KL."""
-    from .util import pivot
+    from .output import pivot
 
     s, table = result["settings"], result["ratios"]
     names = sorted({k for e in table for k in e} - {"arm", "budget", "mean_ratio", "worst_ratio"})

@@ -1,42 +1,26 @@
 """Evaluation texts as token ids, no download needed: a registry of text kinds.
 
 ``prose``: Python's own reference documentation (``pydoc_data.topics``); ``conversation``: the
-multi-topic conversations of ``conversations.py`` in the model's chat template;
+multi-topic conversations of ``data/texts.json`` in the model's chat template;
 ``continuation``: the model's own greedy continuation of a prompt. A new kind is one function
 ``(tokenizer, model, settings) -> {name: ids}`` added to ``TEXTS``.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
-from .conversations import CONTINUATION_PROMPT, CONVERSATIONS, GENERATION_PROMPTS
+DATA = Path(__file__).with_name("data") / "texts.json"
+_DATA = json.loads(DATA.read_text())
+CONVERSATIONS: list[list[dict]] = _DATA["conversations"]
+GENERATION_PROMPTS: list[str] = _DATA["generation_prompts"]
+CONTINUATION_PROMPT: str = _DATA["continuation_prompt"]
+PROSE_TOPICS: tuple[str, ...] = tuple(_DATA["prose_topics"])
+MORE_TOPICS: tuple[str, ...] = tuple(_DATA["more_topics"])
 
 __all__ = ["CONVERSATIONS", "GENERATION_PROMPTS", "CONTINUATION_PROMPT", "TEXTS", "build_texts"]
-
-PROSE_TOPICS = ("assignment", "exceptions", "for", "import", "lambda", "with", "class", "numbers")
-MORE_TOPICS = (
-    "try",
-    "while",
-    "if",
-    "function",
-    "exprlists",
-    "booleans",
-    "comparisons",
-    "calls",
-    "attribute-access",
-    "typesseq",
-    "typesmapping",
-    "dict",
-    "sequence-types",
-    "specialnames",
-    "customization",
-    "execmodel",
-    "naming",
-    "truth",
-    "bltin-code-objects",
-    "context-managers",
-)
 
 
 def prose_text(topics: tuple[str, ...] = PROSE_TOPICS) -> str:
@@ -117,17 +101,20 @@ def _continuation(tokenizer, model, s) -> dict[str, list[int]]:
 TEXTS = {"prose": _prose, "conversation": _conversation, "continuation": _continuation}
 
 
-def split_texts(tokenizer, model, split: str, prose_tokens=1024, continuation_tokens=600):
+def split_texts(tokenizer, model, split: str, prose_tokens=1024, continuation_tokens=600,
+                conversation_tokens_max=0):
     """Texts for choosing settings (``tune``) and for reporting them (``heldout``), disjoint:
     tune = prose document 0, conversation 0, the continuation of ``CONTINUATION_PROMPT``;
-    heldout = prose document 1, conversations 1 and 2, the continuation of another prompt."""
+    heldout = prose document 1, conversations 1 and 2, the continuation of another prompt.
+    ``conversation_tokens_max``: cut each conversation to its first N tokens (0: whole)."""
     if split not in ("tune", "heldout"):
         raise ValueError(f"unknown split {split!r}; valid: tune, heldout")
     tune = split == "tune"
     docs = prose_documents(tokenizer, prose_tokens, 2)
     out = {"prose": docs[0] if tune else docs[1]}
     for i in (0,) if tune else (1, 2):
-        out[f"conversation{i}"] = conversation_tokens(tokenizer, i)
+        ids = conversation_tokens(tokenizer, i)
+        out[f"conversation{i}"] = ids[:conversation_tokens_max] if conversation_tokens_max else ids
     prompt = CONTINUATION_PROMPT if tune else GENERATION_PROMPTS[1]
     out["continuation"] = greedy_continuation(
         model, chat_prompt(tokenizer, prompt), continuation_tokens

@@ -30,7 +30,7 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ALIGNMENT = 1 << 16
 
 # metadata value types: (name, struct format or None)
-_VALUE_TYPES = {
+VALUE_TYPES = {
     0: ("uint8", "<B"),
     1: ("int8", "<b"),
     2: ("uint16", "<H"),
@@ -155,17 +155,17 @@ def _count(r: _Reader, what: str, limit: int, min_item_bytes: int) -> int:
 
 
 def _value(r: _Reader, type_id: int, key: str) -> Any:
-    if type_id not in _VALUE_TYPES:
+    if type_id not in VALUE_TYPES:
         raise GGUFError(f"GGUF metadata {key!r} has unknown value type {type_id}")
-    name, fmt = _VALUE_TYPES[type_id]
+    name, fmt = VALUE_TYPES[type_id]
     if fmt is not None:
         return r.unpack(fmt, f"metadata {key!r} value")
     if name == "string":
         return r.string(f"metadata {key!r} string")
     elem = r.unpack("<I", f"metadata {key!r} array type")
-    if elem not in _VALUE_TYPES:
+    if elem not in VALUE_TYPES:
         raise GGUFError(f"GGUF metadata {key!r} has unknown array element type {elem}")
-    elem_name, elem_fmt = _VALUE_TYPES[elem]
+    elem_name, elem_fmt = VALUE_TYPES[elem]
     if elem_name == "array":
         raise GGUFError(f"GGUF metadata {key!r} is a nested array (not supported)")
     item = struct.calcsize(elem_fmt) if elem_fmt else 8
@@ -270,7 +270,7 @@ def _parse(buf, size: int, path: str) -> GGUFHeader:
             raise GGUFError(f"GGUF metadata key {key!r} appears twice")
         type_id = r.unpack("<I", f"metadata {key!r} type")
         h.metadata[key] = _value(r, type_id, key)
-        h.value_types[key] = _VALUE_TYPES[type_id][0]
+        h.value_types[key] = VALUE_TYPES[type_id][0]
     raw, seen = [], set()
     for i in range(n_tensors):
         name, dims, type_id, offset = _tensor_info(r, i)

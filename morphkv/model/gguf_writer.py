@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from .gguf_header import _VALUE_TYPES
+from .gguf_header import VALUE_TYPES
 
-_TYPE_ID = {name: i for i, (name, _fmt) in _VALUE_TYPES.items()}
+_TYPE_ID = {name: i for i, (name, _fmt) in VALUE_TYPES.items()}
 # byte offsets of the float16 scale fields (d, dmin) inside one K-quant block
 _K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 K_SCALE = 0.002
@@ -96,7 +96,7 @@ def _layout(path: Path) -> Layout:
         elif kind == GGUFValueType.STRING:
             lay.fields[f"meta:{key}:len"] = (offs[3], "<Q")
         else:
-            lay.fields[f"meta:{key}"] = (offs[3], _VALUE_TYPES[int(kind)][1])
+            lay.fields[f"meta:{key}"] = (offs[3], VALUE_TYPES[int(kind)][1])
     for t in r.tensors:
         f, pos = t.field, t.field.offset
         lay.fields[f"tensor:{t.name}:namelen"] = (pos, "<Q")

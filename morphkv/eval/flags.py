@@ -1,0 +1,32 @@
+"""Command-line flag helpers shared by the benchmark commands."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_flags(parser: argparse.ArgumentParser, flags) -> None:
+    """Add ``(flag, default, help[, choices])`` flags; the type follows the default (False: a
+    switch; a list: comma separated; None: a string) and the help shows the default."""
+    for flag, default, text, *choices in flags:
+        kw: dict[str, Any] = {"default": default, "help": text}
+        if default is False:
+            kw = {"action": "store_true", "help": text}
+        elif isinstance(default, list):
+            kw["type"] = csv_ints if default and isinstance(default[0], int) else csv_strs
+            kw["help"] += f" (default {','.join(map(str, default))})"
+        elif default is not None:
+            kw["type"] = type(default)
+            kw["help"] += f" (default {default})"
+        if choices:
+            kw["choices"] = choices[0]
+        parser.add_argument(flag, **kw)
+
+
+def csv_ints(text: str) -> list[int]:
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def csv_strs(text: str) -> list[str]:
+    return [x.strip() for x in str(text).split(",") if x.strip()]

@@ -1,0 +1,32 @@
+"""Process and memory helpers: MLX's peak memory, stopping a child process."""
+
+from __future__ import annotations
+
+
+def peak_memory() -> int:
+    """Peak MLX memory in bytes."""
+    import mlx.core as mx
+
+    return int(mx.get_peak_memory())
+
+
+def reset_peak_memory() -> None:
+    import mlx.core as mx
+
+    mx.reset_peak_memory()
+
+
+def stop_process(proc, timeout: float = 20) -> int:
+    """Stop a child by its process id: SIGTERM, then SIGKILL after ``timeout`` s. Its status."""
+    import os
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout)
+    return proc.returncode
