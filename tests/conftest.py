@@ -1,5 +1,14 @@
 """Imported by pytest before any test module: ``import morphkv`` first, so on a Linux CPU it
 loads OpenBLAS before MLX is (``morphkv.runtime.blas.load_in_process``) and the in-process
-model tests run MLX's matmuls on it, as the ``morphkv`` command does."""
+model tests run MLX's matmuls on it, as the ``morphkv`` command does.
 
-import morphkv  # noqa: F401
+Single-threaded (``OPENBLAS_NUM_THREADS=1``, read when the library loads): in one long pytest
+process (many models, mlx_lm's generation streams, forked children) a threaded ``sgemm`` was
+seen spinning forever in OpenBLAS's ``exec_blas`` waiting for its worker threads; one thread
+has no worker pool to wait for. Child processes inherit it."""
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import morphkv  # noqa: E402, F401
