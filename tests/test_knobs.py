@@ -170,3 +170,11 @@ def test_flag_errors_name_the_flags():
         _flags("--budget", "64", "--recent", "40", "--block", "30")
     with pytest.raises(UsageError, match="--pool pools attention scores"):
         _flags("--method", "keydiff", "--pool", "3")
+
+
+def test_an_unknown_fusion_is_refused_for_every_rule():
+    from morphkv import KVCacheConfig
+
+    for method in ("h2o", "morphkv", "streaming_llm"):
+        with pytest.raises(ValueError, match="morphkv_fusion='median' is unknown"):
+            KVCacheConfig(method=method, morphkv_fusion="median").validate()

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from .rules import METHODS, Rule, make_rule
+from .rules.attention import FUSIONS
 
 SCORINGS = ("auto", "attention", "proxy")
 ENGINES = ("auto", "mlx", "host")
@@ -142,6 +143,8 @@ class KVCacheConfig:
             raise ValueError(f"morphkv_n_sink must be >= 0, got {self.morphkv_n_sink}")
         if not isinstance(self.morphkv_value, bool):
             raise ValueError(f"morphkv_value must be True or False, got {self.morphkv_value!r}")
+        if self.morphkv_fusion not in FUSIONS:  # checked for every rule, as before rules owned it
+            raise ValueError(f"morphkv_fusion={self.morphkv_fusion!r} is unknown; valid: {FUSIONS}")
         rule = make_rule(self)  # the method, and the knobs of its rule (fusion, peak, pool, ...)
         if self.morphkv_recent is not None:
             if not isinstance(self.morphkv_recent, int) or isinstance(self.morphkv_recent, bool):
