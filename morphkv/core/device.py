@@ -121,9 +121,8 @@ class DeviceEngine:
             return self.ring[..., : self.slots]
         from .attention import proxy_window
 
-        keys = self.stored_keys() if self._keys is None else self._keys
-        n = self.slots
-        return proxy_window(keys[:, :n], self.stored_positions, self.config.window, self.scale)
+        return proxy_window(self.slot_keys(), self.stored_positions, self.config.window,
+                            self.scale)
 
     def window_mean(self):
         probs = self.window_probs()

@@ -110,7 +110,7 @@ class Engine:
             return self.ring[..., : self.slots]
         if self.real:
             return self._window[..., : self.slots]
-        keys = self._stored()
+        keys = self.slot_keys()
         return proxy_rows(keys, self.stored_positions, self.config.window, self.scale,
                           self.finite, TOP)
 
@@ -129,14 +129,11 @@ class Engine:
             return self.ring[:, (self.seen - 1) % self.config.window, : self.slots]
         if self.real:
             return self._window[:, -1, : self.slots]
-        keys = self._stored()
+        keys = self.slot_keys()
         return proxy_rows(keys, self.stored_positions, 1, self.scale, self.finite, TOP)[:, 0]
 
     def slot_keys(self):
-        """(rows, slots, D) the stored keys in slot order (key-geometry rules read them)."""
-        return self._stored()
-
-    def _stored(self):
+        """(rows, slots, D) the stored keys in slot order (proxy rows and key-geometry rules)."""
         keys = self.stored_keys() if self._keys is None else self._keys
         return keys[:, : self.slots]
 
