@@ -10,6 +10,7 @@ _blas.load_in_process()  # a script that imports morphkv before MLX gets OpenBLA
 
 from .core.cache import MorphKVCache  # noqa: E402
 from .core.config import KVCacheConfig  # noqa: E402
+from .core.pins import pin  # noqa: E402
 from .core.presets import PRESETS, recommended  # noqa: E402
 from .core.rules import METHODS  # noqa: E402
 from .mlxlm.attach import attach, detach  # noqa: E402
@@ -25,6 +26,7 @@ __all__ = [
     "recommended",
     "MorphKVCache",
     "patch_model",
+    "pin",
     "unpatch_model",
 ]
 __version__ = _program.VERSION

@@ -91,6 +91,7 @@ def reference_kept(
     pool: int = 1,
     block: int = 1,
     margins: list | None = None,
+    pinned: frozenset = frozenset(),
 ) -> list[int]:
     """Positions kept after feeding ``keys`` (T, D) one token at a time.
 
@@ -115,6 +116,9 @@ def reference_kept(
     ``margins``: a list that gets, at every eviction, how far the decision is from a tie: the
     relative gap between the lowest score kept among the candidates and the highest evicted
     (<= 0: a tie decided by position; small: a near-tie another precision may break apart).
+
+    ``pinned``: positions evicted last: each pick is among the unpinned candidates while any
+    remain, else among the pinned ones (margins: within the group the picks came from).
     """
     norms = None
     if values is not None:
@@ -161,16 +165,19 @@ def reference_kept(
         ]
         start = list(candidates)
         for _ in range(block):
-            low = min(s for s, _ in candidates)
-            victim = min(p for s, p in candidates if s <= low + TIE_RTOL * abs(low))
+            group = [c for c in candidates if c[1] not in pinned] or candidates
+            low = min(s for s, _ in group)
+            victim = min(p for s, p in group if s <= low + TIE_RTOL * abs(low))
             candidates = [(s, p) for s, p in candidates if p != victim]
             stored.remove(victim)
             h2o.pop(victim, None)
             peaks.pop(victim, None)
         if margins is not None:
             gone = {p for _, p in start} - {p for _, p in candidates}
-            worst = max(s for s, p in start if p in gone)
-            rest = [s for s, p in candidates]
+            last = max(gone, key=lambda p: p in pinned)  # the group the last pick came from
+            group = [(s, p) for s, p in start if (p in pinned) == (last in pinned)]
+            worst = max(s for s, p in group if p in gone)
+            rest = [s for s, p in candidates if (p in pinned) == (last in pinned)]
             if rest:
                 best = min(rest)
                 margins.append((best - worst) / max(abs(best), abs(worst), 1e-300))

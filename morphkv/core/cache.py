@@ -36,6 +36,7 @@ from .batch import BatchMorphKVCache
 from .config import KVCacheConfig
 from .device_cache import DevicePath
 from .feed import Feed
+from .pins import Pins
 from .quant import QuantizedAttributes
 from .saved import SavedState
 
@@ -60,11 +61,25 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
     @engine.setter
     def engine(self, engine) -> None:
         self.engines = [engine]
+        if engine is not None:
+            engine.pins = self.pins
+
+    def pin(self, positions) -> None:
+        """Evict the tokens at these absolute positions last (``morphkv.core.pins``): a chat
+        pins its user turns. Positions not fed yet may be pinned ahead."""
+        if self.pins is None:
+            self.pins = Pins()
+            for e in self.engines:
+                if e is not None:
+                    e.pins = self.pins
+        self.pins.add(positions)
 
     def adopt(self, engine, keys, values, config: KVCacheConfig | None = None) -> None:
         """Hold ``engine``'s state over the stored ``keys`` / ``values`` (every token handed
         over; a loaded, extracted, converted or requantized cache)."""
+        pins = getattr(self, "pins", None)  # kept across a conversion
         self.init_feed(config or self.config, 1, None if keys is None else quant.dims(keys)[0])
+        self.pins = pins
         self._held = None
         self.keys, self.values, self.engine = keys, values, engine
         self.offset = 0 if engine is None else engine.seen

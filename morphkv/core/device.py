@@ -29,6 +29,7 @@ from .rules import make_rule
 
 RTOL = 2.0**-9  # two float16 ulps: rows rounded from float32 instead of float64 (+ value norms)
 TOP_BITS = mx.array(0xFFFFFFFF, mx.uint32)  # above every float32's bits (NaN included)
+PIN_BIT = mx.array(0x80000000, mx.uint32)  # a pinned slot: above every score >= 0
 SHIFT = mx.array(32, mx.uint64)
 
 
@@ -42,23 +43,27 @@ _norms16 = mx.compile(norms16, shapeless=True)
 _LOWEST: dict = {}
 
 
-def _lowest(block: int, weighted: bool):
+def _lowest(block: int, weighted: bool, pinned: bool):
     """Compiled: the ``block`` lowest (score [x value norm], position) keys per row among the
-    slots whose positions are in [bounds[0], bounds[1]] (the unprotected ones)."""
-    if (block, weighted) not in _LOWEST:
+    slots whose positions are in [bounds[0], bounds[1]] (the unprotected ones); with
+    ``pinned`` a (R, n) mask, pinned slots rank after every unpinned one (``core.pins``)."""
+    if (block, weighted, pinned) not in _LOWEST:
 
-        def lowest(scores, norms, pos, bounds):
+        def lowest(scores, norms, pos, bounds, pins=None):
             if weighted:
                 scores = scores * norms.astype(mx.float32)
             protected = (pos < bounds[0]) | (pos > bounds[1])
-            bits = mx.where(protected, TOP_BITS, mx.maximum(scores, 0.0).view(mx.uint32))
+            bits = mx.maximum(scores, 0.0).view(mx.uint32)  # < 2**31: the top bit is free
+            if pinned:
+                bits = mx.where(pins, bits | PIN_BIT, bits)
+            bits = mx.where(protected, TOP_BITS, bits)
             key = (bits.astype(mx.uint64) << SHIFT) | pos.astype(mx.uint64)
             if block == 1:
                 return mx.argmin(key, axis=1, keepdims=True)
             return mx.argpartition(key, block - 1, axis=1)[:, :block]
 
-        _LOWEST[block, weighted] = mx.compile(lowest)
-    return _LOWEST[block, weighted]
+        _LOWEST[block, weighted, pinned] = mx.compile(lowest)
+    return _LOWEST[block, weighted, pinned]
 
 
 def moves(victims, n: int, block: int):
@@ -81,6 +86,7 @@ class DeviceEngine:
     """Per-layer selection state on the device for B * H independent sequences."""
 
     xp, float = mx, mx.float32  # what rules read
+    pins = None  # positions evicted last (core.pins.Pins), set by the cache
     ARRAYS = ("positions", "accumulated", "value_norms", "ring")
 
     def __init__(self, config, B: int, H: int, head_dim: int, real_queries: bool) -> None:
@@ -220,7 +226,11 @@ class DeviceEngine:
             self._keys = None
         norms = None if self.value_norms is None else self.value_norms[:, :n]
         bounds = mx.array([c.n_sink, self.seen - 1 - c.recent], mx.int32)
-        return _lowest(self.block, norms is not None)(scores, norms, self.stored_positions, bounds)
+        pos = self.stored_positions
+        if self.pins is not None and len(self.pins):
+            pinned = self.pins.device(pos)
+            return _lowest(self.block, norms is not None, True)(scores, norms, pos, bounds, pinned)
+        return _lowest(self.block, norms is not None, False)(scores, norms, pos, bounds)
 
     def evict(self, keys=None, values=None):
         """The due eviction: returns (src, dst) (R, block) row moves for the storage, the

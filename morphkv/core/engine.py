@@ -31,6 +31,7 @@ from . import blocks, kernels, storage
 from .blocks import concat, cutter, nbytes_of, norms_of, running_kind
 from .config import KVCacheConfig
 from .host_blas import one_blas_thread
+from .pins import host_select
 from .rows import causal_rows, proxy_rows
 from .rules import make_rule
 
@@ -58,6 +59,7 @@ class Engine:
 
     ARRAYS = ("positions", "accumulated", "value_norms", "ring")
     xp, float, top = np, np.float64, TOP  # what rules read
+    pins = None  # positions evicted last (core.pins.Pins), set by the cache
 
     def __init__(self, config: KVCacheConfig, rows: int, head_dim: int, real_queries: bool) -> None:
         self.config = config
@@ -375,7 +377,11 @@ class Engine:
             scores = np.asarray(self.rule.score(self), np.float64)
         norms = NO_NORMS if self.value_norms is None else self.value_norms[:, : self.slots]
         out = np.empty((self.rows, self.block), np.int64)
+        last = self.seen - 1 - c.recent
+        bits = norms.view(np.uint16)
+        if self.pins is not None and len(self.pins):  # pinned slots go last (core.pins)
+            host_select(scores, bits, positions, c.n_sink, last, self.block, self.pins, out)
+            return out
         # protected: the sinks and the last ``recent`` positions; scores times the value norms
-        kernels.select(scores, norms.view(np.uint16), positions, c.n_sink, self.seen - 1 - c.recent,
-                       self.block, out)
+        kernels.select(scores, bits, positions, c.n_sink, last, self.block, out)
         return out

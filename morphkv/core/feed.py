@@ -52,6 +52,7 @@ class Feed:
         self._last = None  # the last decode step's tokens as stored (block 1 puts them)
         self._seal = None
         self.keys = self.values = None
+        self.pins = None  # positions evicted last (core.pins; the single cache's ``pin``)
 
     @property
     def needs_queries(self) -> bool:
@@ -75,6 +76,7 @@ class Feed:
             if self.engines[i] is None:
                 e = Engine(self.config, self.per * H, head_dim, self.needs_queries)
                 e.stored_keys = self.key_reader()
+                e.pins = self.pins
                 if self._scale is not None:
                     e.scale = self._scale
                 self.engines[i] = e

@@ -170,6 +170,8 @@ class QuantizedAttributes(QuantizedBits):
         engine = copy.deepcopy(self.engine, {id(self): new})
         keys = values = None
         if self.keys is not None:
-            keys, values = (quantize(x, group_size, bits) for x in self._fetch())
+            # the MLX path writes in place into storage of the engine's capacity: keep it all
+            whole = (self.keys, self.values) if self._device else self._fetch()
+            keys, values = (quantize(x, group_size, bits) for x in whole)
         new.adopt(engine, keys, values, config)
         return new

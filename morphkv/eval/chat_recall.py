@@ -10,13 +10,15 @@ clause removed: how often the model guesses. Retention: the fraction of the valu
 still stored when the question arrives (per layer, mean over KV heads). Every figure comes with
 its item count and Wilson 95% interval; partial results are saved after every chat.
 
-An arm ``spec@N`` runs at N tokens (``memory=f16``: the float16 bytes of N tokens) instead of
+An arm ``spec+pin`` pins the chat's user turns (``morphkv.pin``: evicted last, the assistant's
+turns first). An arm ``spec@N`` runs at N tokens (``memory=f16``: the float16 bytes of N tokens) instead of
 ``--budget``, on the same chats: the chats are cut by ``--min-distance`` budgets of
 ``--budget``, so one run measures several sizes on the same items (statement distance / size
 differs, the distance plot shows it).
 
     morphkv eval chatrecall --model qwen2.5-0.5b --split test --chats 14
     morphkv eval chatrecall --model qwen2.5-0.5b --arms "kvcache,nofact,h2o@64,h2o@256"
+    morphkv eval chatrecall --model qwen2.5-0.5b --arms "kvcache,recommended:memory=f16+pin@64"
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import os
 import sys
 import time
 
+from ..core.pins import pin
+from ..mlxlm.turns import user_positions
 from .arms import Arm
 from .chat_items import build_chat, common_prefix, encode, judge, tokenize
 from .chat_report import distance_plot, plot, summarize, table
@@ -37,6 +41,7 @@ from .recall import retention
 
 NAME = "chatrecall"
 NOFACT = "nofact"
+PIN = "+pin"
 DEFAULT_ARMS = ("kvcache,nofact,recommended:memory=f16,h2o,streaming_llm,"
                 "streaming_llm:memory=f16:bits=8")
 
@@ -71,6 +76,8 @@ def run_chat(model, tok, chat, arms, args, bar) -> dict:
         n = min(common_prefix(full[0], f) for f in full[1:])
         spec = Arm.parse("kvcache") if arm is None else arm
         caches = spec.caches(model, arm_budget(label, args.budget), args.n_sink)
+        if pins_user(label):  # the chat's user turns are evicted last (morphkv.pin)
+            pin(caches, user_positions(tok, msgs))
         t0 = time.perf_counter()
         prefill(model, caches, full[0][:n], args.chunk)
         budgets = [c.config.budget for c in caches if hasattr(c, "config")]
@@ -121,11 +128,18 @@ def arm_budget(label: str, budget: int) -> int:
     return int(size)
 
 
+def pins_user(label: str) -> bool:
+    """``spec+pin`` (before any ``@N``): the arm pins the chat's user turns."""
+    return label.rsplit("@", 1)[0].endswith(PIN)
+
+
 def parse(text: str) -> list[tuple[str, Arm | None]]:
     out = []
     for spec in filter(None, (s.strip() for s in text.split(","))):
         arm_budget(spec, 1)  # checks the size
-        base = spec.rsplit("@", 1)[0]
+        base = spec.rsplit("@", 1)[0].removesuffix(PIN)
+        if base == NOFACT and pins_user(spec):
+            raise ValueError(f"arm {spec!r}: nofact is the full cache, nothing to pin")
         out.append((spec, None if base == NOFACT else Arm.parse(base)))
     if not out:
         raise ValueError("--arms is empty")

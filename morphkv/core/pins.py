@@ -1,0 +1,93 @@
+"""Pinned positions: tokens the caller marks as evicted last (a chat's user turns).
+
+A rule ranks tokens by what the model attended to; it cannot know which words a user will ask
+about an hour later. The caller can: in a chat the user's own words are what must be
+remembered, and the assistant's turns are what can go first. ``MorphKVCache.pin(positions)``
+marks absolute token positions (seen or not yet seen); at an eviction the victims are the
+lowest-scored unprotected slots that are NOT pinned, and only when fewer than ``block`` of those
+remain in a row do pinned slots go, the lowest-scored first. Sinks and the recent window stay
+protected either way. No pins: the selection is unchanged (and costs nothing more).
+
+Both engines rank the same way: the host engine (NumPy) picks among unpinned candidates, and in a
+row with too few of them picks the rest among the pinned; the MLX engine sets one more key bit
+(pinned after every unpinned score, before every protected slot).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAX_POSITION = 1 << 24  # a position this large is refused (the table below is one byte each)
+
+
+class Pins:
+    """A set of absolute token positions, as a boolean table indexed by position."""
+
+    def __init__(self) -> None:
+        self.table = np.zeros(0, np.bool_)
+        self.count = 0
+        self._device = None  # the table as an MLX array, made on first use
+
+    def __len__(self) -> int:
+        return self.count
+
+    def add(self, positions) -> None:
+        p = np.asarray(positions)
+        if p.size == 0:
+            return
+        if p.dtype.kind not in "iu" or p.ndim != 1:
+            raise ValueError(f"pin: positions must be a 1-d sequence of integers, got "
+                             f"{p.dtype} with shape {p.shape}")
+        if p.min() < 0 or p.max() >= MAX_POSITION:
+            raise ValueError(f"pin: positions must be in [0, {MAX_POSITION}), got "
+                             f"{int(p.min())}..{int(p.max())}")
+        top = int(p.max()) + 1
+        if top > self.table.size:
+            self.table = np.concatenate([self.table, np.zeros(top - self.table.size, np.bool_)])
+        self.table[p] = True
+        self.count = int(self.table.sum())
+        self._device = None
+
+    def positions(self) -> np.ndarray:
+        return np.nonzero(self.table)[0]
+
+    def host(self, positions: np.ndarray) -> np.ndarray:
+        """(rows, slots) bool: which slots hold a pinned position."""
+        inside = positions < self.table.size
+        return inside & self.table[np.where(inside, positions, 0)]
+
+    def device(self, positions):
+        """The same on the MLX path: (R, n) bool mx.array."""
+        import mlx.core as mx
+
+        if self._device is None:
+            self._device = mx.array(np.append(self.table, False))  # the last entry: not pinned
+        top = self.table.size
+        return self._device[mx.minimum(positions, top)]
+
+
+def host_select(scores, norm_bits, positions, n_sink: int, last: int, block: int, pins, out):
+    """``kernels.select`` with pinned slots last: pinned -> inf; a row left with fewer than
+    ``block`` unpinned candidates evicts all of them and its lowest pinned ones."""
+    from .kernels import select
+
+    pinned = pins.host(positions)
+    free = (positions >= n_sink) & (positions <= last) & ~pinned
+    select(np.where(pinned, np.inf, scores), norm_bits, positions, n_sink, last, block, out)
+    for r in np.nonzero(free.sum(axis=1) < block)[0]:
+        mine = np.nonzero(free[r])[0]
+        rest = np.empty((1, block - mine.size), np.int64)
+        bits = norm_bits[r : r + 1] if norm_bits.size else norm_bits
+        select(np.where(pinned[r], scores[r], np.inf)[None], bits, positions[r : r + 1], n_sink,
+               last, block - mine.size, rest)
+        out[r] = np.concatenate([mine, rest[0]])
+
+
+def pin(prompt_cache, positions) -> int:
+    """Pin ``positions`` in every cache of ``prompt_cache`` that can (``MorphKVCache``); returns
+    how many caches took them. Other caches (mlx_lm's) keep every token or evict by age:
+    nothing to pin."""
+    caches = [c for c in prompt_cache if hasattr(c, "pin")]
+    for c in caches:
+        c.pin(positions)
+    return len(caches)

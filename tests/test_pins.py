@@ -1,0 +1,126 @@
+"""Pinned positions (``MorphKVCache.pin``, ``morphkv.pin``): evicted last, by both engines, for
+every rule and block, as the NumPy reference decides with the same pins; kept while they fit;
+carried through copies and conversions; bad positions refused with the problem named."""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import morphkv
+from morphkv import KVCacheBuilder, KVCacheConfig
+from morphkv.core.device import RTOL
+from morphkv.core.rules import METHODS
+from morphkv.mlxlm.hooks import attention_step, queries_by_hand
+from tests.chunked import draw_config
+from tests.reference import reference_kept
+
+EVICTING = sorted(set(METHODS) - {"full", "random"})
+SCALE = 0.35
+
+
+def feed(config, keys, queries, values, cuts, pins):
+    cache = KVCacheBuilder.build(config)
+    cache.pin(pins)
+    start = 0
+    for end in [*cuts, keys.shape[2]]:
+        if end > start:
+            k, v, q = (mx.array(x[:, :, start:end]) for x in (keys, values, queries))
+            mx.eval(attention_step(cache, q, k, v, SCALE))
+            start = end
+    return cache
+
+
+def reference(config, keys, queries, values, h, pins, margins):
+    G = queries.shape[1] // keys.shape[1]
+    real = config.scoring == "attention"
+    return reference_kept(
+        keys[0, h], config.method, config.budget, config.morphkv_n_sink, config.window,
+        fusion=config.morphkv_fusion,
+        queries=queries[0, h * G : (h + 1) * G].transpose(1, 0, 2) if real else None,
+        recent=config.recent, scale=SCALE,
+        values=values[0, h] if config.morphkv_value else None, peak=config.morphkv_peak,
+        decay=config.morphkv_decay, pool=config.morphkv_pool, block=config.block,
+        margins=margins, pinned=frozenset(int(p) for p in pins),
+    )
+
+
+@st.composite
+def cases(draw):
+    engine = draw(st.sampled_from(["host", "mlx"]))
+    config = draw_config(draw, EVICTING, [1, 2, 3, 8], slack=12, engine=engine)
+    T = draw(st.integers(config.budget, 3 * config.budget + 2 * config.block))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    G, H, D = draw(st.integers(1, 2)), draw(st.integers(1, 2)), 8
+    keys = (rng.standard_normal((1, H, T, D)) * 2).astype(np.float32)
+    queries = rng.standard_normal((1, H * G, T, D)).astype(np.float32)
+    share = draw(st.sampled_from([0.1, 0.3, 0.7]))  # 0.7: more pins than fit
+    pins = np.nonzero(rng.random(T) < share)[0]
+    cuts = sorted(draw(st.lists(st.integers(1, max(1, T - 1)), max_size=4)))
+    return config, keys, queries, keys + 1, cuts, pins
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_both_engines_evict_pinned_tokens_last_as_the_reference(case):
+    config, keys, queries, values, cuts, pins = case
+    with queries_by_hand(), np.errstate(all="ignore"):
+        cache = feed(config, keys, queries, values, cuts, pins)
+        kept = cache.kept_positions
+        for h in range(keys.shape[1]):
+            margins: list = []
+            expected = reference(config, keys, queries, values, h, pins, margins)
+            if min(margins, default=1.0) > RTOL:  # a near-tie may go either way
+                assert kept[0, h].tolist() == expected, config
+
+
+@pytest.mark.parametrize("engine", ["host", "mlx"])
+@pytest.mark.parametrize("method", EVICTING)
+def test_pinned_tokens_stay_while_they_fit(engine, method):
+    """Every rule, both engines: 20 pinned positions of 300 tokens fed to a 64-token cache (4
+    sinks, 16 recent, block 8) all remain; without pins most of them go."""
+    rng = np.random.default_rng(5)
+    T, pins = 300, np.arange(40, 240, 10)
+    keys = rng.standard_normal((1, 2, T, 16)).astype(np.float32)
+    queries = rng.standard_normal((1, 4, T, 16)).astype(np.float32)
+    config = KVCacheConfig(method=method, morphkv_budget=64, morphkv_recent=16,
+                           morphkv_block=8, scoring="attention", engine=engine)
+    with queries_by_hand():
+        pinned = feed(config, keys, queries, keys, [100, 200], pins).kept_positions
+        plain = feed(config, keys, queries, keys, [100, 200], []).kept_positions
+    for h in range(2):
+        assert set(pins) <= set(pinned[0, h].tolist())
+        assert len(set(pins) & set(plain[0, h].tolist())) < len(pins)
+
+
+def test_pins_survive_copies_and_conversions_and_pin_skips_mlx_lm_caches():
+    from mlx_lm.models.cache import KVCache
+
+    rng = np.random.default_rng(2)
+    keys = rng.standard_normal((1, 2, 200, 64)).astype(np.float32)
+    config = KVCacheConfig(morphkv_budget=48, morphkv_recent=8, morphkv_block=4, engine="mlx")
+    caches = [KVCacheBuilder.build(config), KVCache()]
+    assert morphkv.pin(caches, range(20, 40)) == 1
+    cache = caches[0]
+    k = mx.array(keys[:, :, :100])
+    cache.update_and_fetch(k, k)
+    for other in (copy.deepcopy(cache), cache.on_host(), cache.to_quantized(64, 8)):
+        other.update_and_fetch(mx.array(keys[:, :, 100:]), mx.array(keys[:, :, 100:]))
+        kept = other.kept_positions
+        assert all(set(range(20, 40)) <= set(kept[0, h].tolist()) for h in range(2))
+
+
+@pytest.mark.parametrize("bad, words", [([-1, 3], "[0, "), ([1.5], "integers"),
+                                        ([[1, 2]], "1-d"), ([1 << 30], "[0, ")])
+def test_bad_positions_are_refused_and_lose_nothing(bad, words):
+    cache = KVCacheBuilder.build(KVCacheConfig(morphkv_budget=32))
+    cache.pin([5, 6])
+    with pytest.raises(ValueError, match="pin: positions") as e:
+        cache.pin(bad)
+    assert words in str(e.value)
+    assert cache.pins.positions().tolist() == [5, 6]
