@@ -28,12 +28,12 @@ def embedded():
     return load_embedded()
 
 
-def _conversation(embedded, budget=32):
+def _conversation(embedded, budget=32, pin_user=True):
     from morphkv.chat.conversation import Conversation
     from morphkv.core.presets import PRESETS
 
     model, tokenizer = embedded
-    return Conversation(model, tokenizer, PRESETS["recommended"](budget))
+    return Conversation(model, tokenizer, PRESETS["recommended"](budget), pin_user=pin_user)
 
 
 def _say(conv, text, max_tokens=12):
@@ -56,6 +56,7 @@ def test_each_turn_prefills_only_its_new_tokens(embedded):
         assert turn.last.prompt_tokens == len(turn.prompt)
         if i > 1:  # the user's message and the template around it, no more
             assert len(turn.prompt) < len(tokenizer.encode(text)) + 12, turn.prompt
+        assert conv.pinned[-1] == [before, before + len(turn.prompt)]  # the turn's prompt
         fed += turn.prompt + turn.tokens
     assert {t.finish for t in [conv.last]} <= {"stop", "length"}
     # what the cache has seen is the template of the whole conversation, token for token
@@ -81,10 +82,30 @@ def test_a_resumed_session_gives_the_same_next_reply(embedded, tmp_path):
     loaded = session.load(path, model, "embedded", fp, resumed.config)
     assert (loaded.turns, loaded.fed) == (2, talk.fed - len(talk.last.prompt)
                                           - len(talk.last.tokens))
-    resumed.caches, resumed.messages, resumed.turns = loaded.caches, loaded.messages, 2
-    resumed.fed, resumed.pending = loaded.fed, loaded.pending
+    resumed.resume(loaded)
     assert _say(resumed, MESSAGES[2]) == straight
     assert resumed.turns == 3 and resumed.fed == talk.fed
+    assert loaded.pins == talk.pinned[:2]
+
+
+@pytest.mark.slow
+def test_pinned_user_turns_outlast_the_replies(embedded):
+    """Three turns through a 48-token cache: with the turns pinned (the default) more of the
+    user's tokens are still held at the end than with ``pin_user=False``."""
+    import numpy as np
+
+    held = {}
+    for pin_user in (True, False):
+        conv = _conversation(embedded, budget=48, pin_user=pin_user)
+        ranges = []
+        for text in MESSAGES:
+            start = conv.fed
+            _say(conv, text, max_tokens=24)
+            ranges.append(range(start, start + len(conv.last.prompt)))
+        user = np.concatenate([np.arange(r.start, r.stop) for r in ranges[1:]])
+        kept = conv.caches[0].kept_positions[0]
+        held[pin_user] = np.isin(kept, user).sum()
+    assert held[True] > held[False], held
 
 
 @pytest.mark.slow
@@ -118,6 +139,8 @@ def test_bad_sessions_are_one_line_and_change_nothing(embedded, tmp_path):
         variant("config", config=other.to_json()): "another setting",
         variant("layers", caches=caches[:-1]): "do not fit this model",
         variant("json", messages="[{"): "bad session metadata",
+        variant("pins", pins="[[0, 99999]]"): "pinned ranges",
+        variant("pins_kind", pins='"all"'): "pinned ranges",
         tmp_path / "missing.safetensors": "no such file",
     }
     for path, words in cases.items():

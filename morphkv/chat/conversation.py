@@ -10,6 +10,11 @@ mlx_lm's ``generate_step`` feeds every token it yields before yielding it, so af
 (stopped by end of turn, by ``max_tokens`` or by the caller at any token) the cache has seen
 the prompt plus every generated token, the end-of-turn token included; ``Conversation.fed`` is
 checked against the caches' own count after each turn.
+
+Each turn's prompt tokens (the user's message with its template tokens; the system prompt in
+the first) are pinned (``morphkv.pin``): a bounded cache evicts the assistant's tokens before the
+user's, so what the user said stays longest. ``pin_user=False`` (``morphkv chat --no-pin``)
+leaves the rule alone.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..core.config import KVCacheConfig
+from ..core.pins import pin
 from ..mlxlm.builder import KVCacheBuilder
 from ..mlxlm.layout import morph_caches
 from ..model.tokenizer import PLAIN_TEMPLATE
@@ -41,11 +47,12 @@ class Conversation:
     """A chat over ``model`` whose history lives in one morphkv cache set (see module doc)."""
 
     def __init__(self, model, tokenizer, config: KVCacheConfig, system_prompt: str | None = None,
-                 make_caches: Callable[[], list] | None = None):
+                 make_caches: Callable[[], list] | None = None, pin_user: bool = True):
         if not tokenizer.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; chat needs one")
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.system_prompt = system_prompt
+        self.pin_user = pin_user
         plain = getattr(tokenizer, "chat_template", None) == PLAIN_TEMPLATE
         self.stop_text = PLAIN_STOP if plain else None  # ends a reply like an end-of-turn token
         self.make_caches = make_caches or (
@@ -63,6 +70,7 @@ class Conversation:
         self.pending = ""  # template text that closes the last reply, not yet fed
         self.ahead = ""  # template text the cache saw early (a stop text after the reply)
         self.last: Turn | None = None
+        self.pinned: list[list[int]] = []  # [start, end) token ranges pinned so far
 
     def copy(self) -> Conversation:
         """An independent copy (caches deep-copied through their ``state``): a snapshot to
@@ -72,6 +80,7 @@ class Conversation:
         other = copy.copy(self)
         other.caches = copy.deepcopy(self.caches)
         other.messages = [dict(m) for m in self.messages]
+        other.pinned = [list(r) for r in self.pinned]
         return other
 
     # ---- the tokens of a turn ----------------------------------------------------------------
@@ -121,6 +130,8 @@ class Conversation:
         prompt_text = self._template([*self.messages, {"role": "user", "content": user}], True)
         prompt = self.new_tokens(user)
         turn = Turn(self.turns + 1, prompt)
+        if self.pin_user:
+            self.pin_range(self.fed, self.fed + len(prompt))
         resp = None
         interrupted = ended = False
         held = ""  # streamed text held back while it may begin the stop text
@@ -177,6 +188,21 @@ class Conversation:
         seen = self.seen()
         if seen is not None and seen != self.fed:
             raise RuntimeError(f"the caches saw {seen} tokens, the conversation fed {self.fed}")
+
+    def resume(self, loaded) -> None:
+        """Continue a saved session (``morphkv.chat.session.Loaded``): its caches, transcript
+        and pins."""
+        self.config, self.system_prompt = loaded.config, loaded.system_prompt
+        self.caches, self.messages, self.turns = loaded.caches, loaded.messages, loaded.turns
+        self.fed, self.pending, self.last, self.pinned = loaded.fed, loaded.pending, None, []
+        for start, end in loaded.pins:
+            self.pin_range(start, end)
+
+    def pin_range(self, start: int, end: int) -> None:
+        """Pin token positions [start, end) in the caches (a turn's prompt; a loaded session's
+        pins)."""
+        pin(self.caches, range(start, end))
+        self.pinned.append([start, end])
 
     # ---- what the cache holds ------------------------------------------------------------------
     def seen(self) -> int | None:

@@ -65,7 +65,7 @@ def save(path: Path, conv, model_name: str, fingerprint: str) -> float:
         "format": FORMAT, "version": VERSION, "model": model_name, "fingerprint": fingerprint,
         "config": conv.config.to_json(), "turns": str(conv.turns), "fed": str(conv.fed),
         "messages": json.dumps(conv.messages), "pending": conv.pending,
-        "system_prompt": json.dumps(conv.system_prompt),
+        "system_prompt": json.dumps(conv.system_prompt), "pins": json.dumps(conv.pinned),
     }
     if not path.parent.is_dir():
         raise SessionError(f"cannot save to {path}: no such folder {path.parent}")
@@ -90,6 +90,7 @@ class Loaded:
     fed: int
     pending: str
     seconds: float
+    pins: list = dataclasses.field(default_factory=list)  # [start, end) ranges to pin again
 
 
 def _one_line(e: BaseException) -> str:
@@ -131,6 +132,7 @@ def load(path: Path, model, model_name: str, fingerprint: str,
         messages = json.loads(meta["messages"])
         system_prompt = json.loads(meta["system_prompt"])
         pending = meta["pending"]
+        pins = json.loads(meta.get("pins", "[]"))  # absent: saved before pins existed
     except (KeyError, ValueError, TypeError) as e:
         raise SessionError(f"{where}: bad session metadata ({_one_line(e)})") from None
     if config is not None and "seed" not in saved.rule.knobs():
@@ -139,9 +141,19 @@ def load(path: Path, model, model_name: str, fingerprint: str,
         raise SessionError(f"{where}: saved with cache setting {describe(saved)}; this chat "
                            f"uses {describe(config)} (start with the same flags)")
     _check_transcript(where, messages, system_prompt, turns, fed)
+    _check_pins(where, pins, fed)
     _check_caches(where, caches, model, saved, fed)
     return Loaded(caches, saved, messages, system_prompt, turns, fed, pending,
-                  time.perf_counter() - start)
+                  time.perf_counter() - start, pins)
+
+
+def _check_pins(where, pins, fed: int) -> None:
+    ok = isinstance(pins, list) and len(pins) <= fed and all(
+        isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)
+        and 0 <= r[0] < r[1] <= fed for r in pins)
+    if not ok:
+        raise SessionError(f"{where}: its pinned ranges are not [start, end) token ranges "
+                           f"within the {fed} tokens it saw")
 
 
 def _check_transcript(where, messages, system_prompt, turns, fed) -> None:

@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", metavar="FILE", default=None,
                         help="Resume a session saved with /save (its cache setting is used "
                         "unless cache flags are given, which must then match it).")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="Do not pin your turns (by default a bounded cache evicts the "
+                        "assistant's tokens before yours: morphkv.pin).")
     add_cache_flags(parser, DEFAULT_BUDGET)
 
 
@@ -189,9 +192,7 @@ class Chat:
 
     def resume(self, loaded, path) -> None:
         conv = self.conv
-        conv.config, conv.system_prompt = loaded.config, loaded.system_prompt
-        conv.caches, conv.messages, conv.turns = loaded.caches, loaded.messages, loaded.turns
-        conv.fed, conv.pending, conv.last = loaded.fed, loaded.pending, None
+        conv.resume(loaded)
         stats = cache_stats(_morph(conv.caches))
         _note(f"loaded {path}: {loaded.turns} turns, seen {stats.tokens_seen}, kept "
               f"{stats.tokens_kept} per KV head ({loaded.seconds:.2f} s)")
@@ -258,7 +259,7 @@ def run(args) -> int:
         except session.SessionError as e:
             raise UsageError(str(e)) from None
         config = loaded.config
-    conv = Conversation(model, tokenizer, config, args.system_prompt)
+    conv = Conversation(model, tokenizer, config, args.system_prompt, pin_user=not args.no_pin)
     chat = Chat(args, model, tokenizer, conv, model_name, fingerprint)
     _note(f"morphkv chat: {model_name} · {describe(config)} · /help for commands")
     if loaded is not None:

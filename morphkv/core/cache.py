@@ -198,9 +198,11 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
     @property
     def engine_nbytes(self) -> int:
         """Bytes of the selection engine's state: slot positions, and for attention rules the
-        window's attention rows (h2o: a running score per slot). No copy of the keys."""
+        window's attention rows (h2o: a running score per slot), pinned ranges. No copy of the
+        keys."""
         self._flush()
-        return 0 if self.engine is None else self.engine.nbytes
+        pins = 0 if self.pins is None else self.pins.nbytes
+        return pins + (0 if self.engine is None else self.engine.nbytes)
 
     @property
     def nbytes(self) -> int:

@@ -17,19 +17,25 @@ from __future__ import annotations
 
 import numpy as np
 
-MAX_POSITION = 1 << 24  # a position this large is refused (the table below is one byte each)
+MAX_POSITION = 1 << 40  # positions are int64; this bound only catches nonsense
 
 
 class Pins:
-    """A set of absolute token positions, as a boolean table indexed by position."""
+    """A set of absolute token positions held as sorted disjoint ranges [start, end): a chat
+    pins one range a turn, so the set costs 16 bytes a turn, not a byte a token."""
 
     def __init__(self) -> None:
-        self.table = np.zeros(0, np.bool_)
+        self.starts = np.zeros(0, np.int64)
+        self.ends = np.zeros(0, np.int64)
         self.count = 0
-        self._device = None  # the table as an MLX array, made on first use
+        self._device = None  # (starts, ends) as MLX arrays, made on first use
 
     def __len__(self) -> int:
         return self.count
+
+    @property
+    def nbytes(self) -> int:
+        return self.starts.nbytes + self.ends.nbytes
 
     def add(self, positions) -> None:
         p = np.asarray(positions)
@@ -41,29 +47,37 @@ class Pins:
         if p.min() < 0 or p.max() >= MAX_POSITION:
             raise ValueError(f"pin: positions must be in [0, {MAX_POSITION}), got "
                              f"{int(p.min())}..{int(p.max())}")
-        top = int(p.max()) + 1
-        if top > self.table.size:
-            self.table = np.concatenate([self.table, np.zeros(top - self.table.size, np.bool_)])
-        self.table[p] = True
-        self.count = int(self.table.sum())
+        p = np.unique(p.astype(np.int64))
+        cut = np.nonzero(np.diff(p) > 1)[0] + 1  # runs of consecutive positions
+        starts = np.concatenate([self.starts, p[np.r_[0, cut]]])
+        ends = np.concatenate([self.ends, p[np.r_[cut - 1, p.size - 1]] + 1])
+        order = np.argsort(starts, kind="stable")
+        starts, ends = starts[order], ends[order]
+        reach = np.maximum.accumulate(ends)  # merge overlapping and touching ranges
+        new = np.r_[True, starts[1:] > reach[:-1]]
+        self.starts = starts[new]
+        self.ends = np.maximum.reduceat(reach, np.nonzero(new)[0])
+        self.count = int((self.ends - self.starts).sum())
         self._device = None
 
     def positions(self) -> np.ndarray:
-        return np.nonzero(self.table)[0]
+        return np.concatenate([np.arange(a, b) for a, b in zip(self.starts, self.ends,
+                                                                strict=True)] or [[]]).astype(np.int64)
 
     def host(self, positions: np.ndarray) -> np.ndarray:
         """(rows, slots) bool: which slots hold a pinned position."""
-        inside = positions < self.table.size
-        return inside & self.table[np.where(inside, positions, 0)]
+        p = positions[..., None]
+        return ((p >= self.starts) & (p < self.ends)).any(axis=-1)
 
     def device(self, positions):
         """The same on the MLX path: (R, n) bool mx.array."""
         import mlx.core as mx
 
         if self._device is None:
-            self._device = mx.array(np.append(self.table, False))  # the last entry: not pinned
-        top = self.table.size
-        return self._device[mx.minimum(positions, top)]
+            self._device = (mx.array(self.starts), mx.array(self.ends))
+        starts, ends = self._device
+        p = positions.astype(mx.int64)[..., None]
+        return ((p >= starts) & (p < ends)).any(axis=-1)
 
 
 def host_select(scores, norm_bits, positions, n_sink: int, last: int, block: int, pins, out):
