@@ -65,6 +65,12 @@ def test_the_rule_prefers_recall_among_settings_close_enough_in_kl():
     assert out["choice"] == "y"
     assert {p["arm"]: p["admissible"] for p in out["points"]} == {
         "x": True, "y": True, "z": False, "w": False}
+    # a pinned candidate is judged on its base's KL (a text has no turns to pin)
+    out = choose(kl, {"x": rec(5), "x+pin": rec(9), "z+pin": rec(10), "y": rec(8)})
+    assert out["choice"] == "x+pin"
+    points = {p["arm"]: p for p in out["points"]}
+    assert points["z+pin"]["admissible"] is False
+    assert points["x+pin"]["mean_kl"] == points["x"]["mean_kl"]
 
 
 @pytest.mark.slow
@@ -92,7 +98,8 @@ def test_smoke_run_on_the_embedded_model(tmp_path, monkeypatch):
 
     rc = main(["eval", "chatrecall", "--split", "tune", "--chats", "1", "--budget", "32",
                "--min-distance", "3", "--max-tokens", "3", "--arms",
-               "kvcache,nofact,streaming_llm,recommended:memory=f16", "--out", str(tmp_path),
+               "kvcache,nofact,streaming_llm,recommended:memory=f16,recommended:memory=f16+pin",
+               "--out", str(tmp_path),
                "--quiet"])  # fmt: skip
     assert rc == 0
     result = json.loads((tmp_path / "chatrecall_tune_32.json").read_text())
@@ -101,6 +108,8 @@ def test_smoke_run_on_the_embedded_model(tmp_path, monkeypatch):
     assert s["streaming_llm"]["retention"] == 0.0  # 3 budgets back: recency has lost it
     assert s["kvcache"]["retention"] == 1.0
     assert s["recommended:memory=f16"]["tokens"] > 32  # 8-bit: more tokens in f16 bytes
+    # the facts are said in user turns: pinned, more of the values' tokens are still held
+    assert s["recommended:memory=f16+pin"]["retention"] > s["recommended:memory=f16"]["retention"]
     assert (tmp_path / "chatrecall_tune_32.png").is_file()
 
 
@@ -114,7 +123,7 @@ def test_the_memory_preset_uses_the_chosen_persistence_and_can_be_overridden():
 
 
 def test_arm_sizes_parse_and_bad_ones_are_named():
-    from morphkv.eval.chat_recall import arm_budget, parse
+    from morphkv.eval.chat_recall import arm_budget, parse, pins_user
 
     arms = parse("kvcache,nofact,h2o@64,recommended:memory=f16@256")
     assert [label for label, _ in arms] == ["kvcache", "nofact", "h2o@64",
@@ -124,6 +133,11 @@ def test_arm_sizes_parse_and_bad_ones_are_named():
     for bad in ("h2o@", "h2o@x", "h2o@0"):
         with pytest.raises(ValueError, match="positive token count"):
             parse(bad)
+    label, arm = parse("recommended:memory=f16+pin@64")[0]
+    assert pins_user(label) and arm.method == "recommended" and arm_budget(label, 128) == 64
+    assert not pins_user("h2o@64")
+    with pytest.raises(ValueError, match="nothing to pin"):
+        parse("nofact+pin")
 
 
 def _chat(index, full, arm, distances, size):

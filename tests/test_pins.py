@@ -124,3 +124,35 @@ def test_bad_positions_are_refused_and_lose_nothing(bad, words):
         cache.pin(bad)
     assert words in str(e.value)
     assert cache.pins.positions().tolist() == [5, 6]
+
+
+@pytest.mark.slow
+def test_user_positions_are_the_user_turns_of_the_template():
+    from smollm2_fixture import load_embedded
+
+    from morphkv.mlxlm.turns import user_positions
+
+    _, tok = load_embedded()
+    messages = [{"role": "user", "content": "My cat is called Ziggy. Hi!"},
+                {"role": "assistant", "content": "Hello! How can I help?"},
+                {"role": "user", "content": "Tell me a joke."}]
+    ids = list(tok.apply_chat_template(messages, add_generation_prompt=False))
+    pos = user_positions(tok, messages, offset=0)
+    text = tok.decode([ids[p] for p in pos])
+    assert text.startswith("My cat is called Ziggy. Hi!") and "Tell me a joke." in text
+    assert "How can I help" not in text and "SmolLM" not in text  # not the reply, not the system
+    assert (user_positions(tok, messages, offset=7) == pos + 7).all()
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused():
+    from morphkv.mlxlm.turns import user_positions
+
+    class Rewriting:  # renders every message but the last in upper case (as thinking-strippers do)
+        def apply_chat_template(self, messages, add_generation_prompt=False):
+            text = "".join((m["content"].upper() if i < len(messages) - 1 else m["content"]) + "|"
+                           for i, m in enumerate(messages))
+            return [ord(c) for c in text]
+
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    with pytest.raises(ValueError, match="cannot be located"):
+        user_positions(Rewriting(), msgs)

@@ -8,6 +8,8 @@ chatrecall --split tune`` result with the same candidates. The rule:
 1. admissible: mean KL <= ``KL_FACTOR`` x that of ``streaming_llm:memory=f16:bits=8``, and on
    every text KL <= that of ``streaming_llm`` (the model's dtype, same tokens);
 2. among the admissible, the highest tune recall (all questions); ties: the lower mean KL.
+A ``spec+pin`` candidate (the chat's user turns pinned, ``morphkv.pin``) is judged on the KL
+of ``spec``: a text without turns has nothing pinned, so it keeps exactly what ``spec`` keeps.
 
 Writes the choice and the whole recall-vs-KL curve (JSON + PNG).
 
@@ -25,6 +27,7 @@ from .chat_report import recall_plot
 from .output import write_json
 
 KL_FACTOR = 1.5
+PIN = "+pin"
 EIGHT_BIT = "streaming_llm:memory=f16:bits=8"
 DTYPE = "streaming_llm"
 
@@ -34,7 +37,9 @@ def choose(kl_rows: list[dict], recall: dict) -> dict:
     by_arm = {r["arm"]: r for r in kl_rows}
     eight, dtype = by_arm[EIGHT_BIT], by_arm[DTYPE]
     points = []
-    for arm, row in by_arm.items():
+    pinned = [a + PIN for a in by_arm if a + PIN in recall]  # judged on their base's KL
+    for arm in [*by_arm, *pinned]:
+        row = by_arm[arm.removesuffix(PIN)]
         if arm in (EIGHT_BIT, DTYPE):
             continue
         worse = [t for t, v in row["kl"].items() if v > dtype["kl"][t]]
