@@ -82,14 +82,19 @@ def test_eval_bytes_writes_kl_at_equal_bytes(tmp_path, capsys, monkeypatch):
     out = tmp_path / "bytes"
     argv = ["eval", "bytes", "--split", "tune", "--tokens", "32", "--prose-tokens", "160",
             "--continuation-tokens", "60", "--conversation-tokens", "160", "--arms",
-            "streaming_llm:memory=f16:bits=8,recommended:memory=f16", "--out", str(out)]
+            "streaming_llm:memory=f16:bits=8,recommended:memory=f16,recommended:memory=f16+pin",
+            "--out", str(out)]
     assert main(argv) == 0
     result = json.loads((out / "bytes_tune.json").read_text())
     rows = {s["arm"]: s for s in result["summary"]}
     assert set(rows) == {"streaming_llm", "streaming_llm:memory=f16:bits=8",
-                         "recommended:memory=f16"}
+                         "recommended:memory=f16", "recommended:memory=f16+pin"}
+    pinned, plain = rows["recommended:memory=f16+pin"]["kl"], rows["recommended:memory=f16"]["kl"]
+    assert pinned["prose"] == plain["prose"]  # no turns: nothing pinned, the same cache
+    assert pinned["conversation0"] != plain["conversation0"]  # the user turns were pinned
     assert rows["streaming_llm"]["mean_ratio"] == pytest.approx(1.0)
     f16 = 30 * 3 * 128 * 2 * 32  # the embedded model: 30 layers, 3 KV heads, head_dim 64
-    for arm in ("streaming_llm:memory=f16:bits=8", "recommended:memory=f16"):
+    for arm in ("streaming_llm:memory=f16:bits=8", "recommended:memory=f16",
+                "recommended:memory=f16+pin"):
         assert rows[arm]["mib"] * 2**20 <= f16 and rows[arm]["tokens"] > 32
     assert (out / "bytes_tune.png").stat().st_size > 0

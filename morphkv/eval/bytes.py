@@ -8,7 +8,8 @@ head that fit; an arm without ``memory`` holds ``--tokens`` tokens. Each text is
 forced in chunks of 256 (exact: the attention hook) and KL(full || arm) is averaged over the
 SAME positions for every arm: from the first position a cache of ``--tokens`` tokens lacks a
 token, to the end. The reference is mlx_lm's unquantized ``KVCache``, so quantization error
-counts. Texts: ``--split tune`` or ``heldout`` (``texts.split_texts``: disjoint). Reported per
+counts. An arm ``spec+pin`` pins the user turns of the conversation texts (``morphkv.pin``,
+as ``morphkv chat`` does; the other texts have no turns). Texts: ``--split tune`` or ``heldout`` (``texts.split_texts``: disjoint). Reported per
 arm: bytes held (``cache.nbytes`` summed over layers: storage + selection state), tokens per KV
 head, KL per text, mean and worst ratio to ``--reference`` (default ``streaming_llm`` at
 ``--tokens`` in the model's dtype: what mlx_lm's ``RotatingKVCache(tokens, keep=4)`` keeps when
@@ -24,6 +25,8 @@ import time
 
 import mlx.core as mx
 
+from ..core.pins import pin
+from ..mlxlm.turns import user_positions
 from .arms import check_specs, parse_arms
 from .flags import add_flags, csv_ints
 from .metrics import held_bytes
@@ -31,17 +34,21 @@ from .models import load_model
 from .output import environment, markdown_table, out_dir, write_json
 from .plots import plt
 from .runner import reference_logprobs
-from .texts import split_texts
+from .texts import CONVERSATIONS, split_texts
 
 NAME = "bytes"
+PIN = "+pin"
 DEFAULT_ARMS = ("h2o,streaming_llm:memory=f16:bits=8,recommended:memory=f16,"
                 "recommended:memory=f16:peak=1")
 CHUNK = 256
 
 
-def kl_of(model, arm, tokens: list[int], ref, budget: int, first: int) -> dict:
-    """Mean KL(full || arm) over positions ``first``..end-1; bytes and tokens held."""
+def kl_of(model, arm, tokens: list[int], ref, budget: int, first: int, pins=None) -> dict:
+    """Mean KL(full || arm) over positions ``first``..end-1; bytes and tokens held.
+    ``pins``: positions pinned in the caches (``morphkv.pin``) before the text is fed."""
     caches = arm.caches(model, budget, 4)
+    if pins is not None:
+        pin(caches, pins)
     ids = mx.array([int(t) for t in tokens])[None]
     kl, n, pos = 0.0, 0, 0
     while pos < len(tokens) - 1:
@@ -77,12 +84,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ])
 
 
+def user_pins(tokenizer, name: str):
+    """The user turns of text ``name`` when it is a conversation (``conversation<i>``), else
+    None: a text without turns has nothing to pin."""
+    if not name.startswith("conversation"):
+        return None
+    return user_positions(tokenizer, CONVERSATIONS[int(name.removeprefix("conversation"))])
+
+
 def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     specs = [s.strip() for s in args.arms.split(",") if s.strip()]
     if args.reference not in specs:
         specs.insert(0, args.reference)
-    check_specs(specs)
-    arms = parse_arms(specs)
+    bases = [s.removesuffix(PIN) for s in specs]  # spec+pin: the conversations' user turns pinned
+    check_specs(bases)
+    arms = parse_arms(bases)
     if model is None:
         model, tokenizer = load_model(args.model)
     start, load = time.perf_counter(), os.getloadavg()
@@ -93,8 +109,9 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
         ref = reference_logprobs(model, tokens)
         for budget in csv_ints(str(args.tokens)):
             for spec, arm in zip(specs, arms, strict=True):
+                pins = user_pins(tokenizer, name) if spec.endswith(PIN) else None
                 row = {"text": name, "arm": spec, "f16_tokens": budget,
-                       **kl_of(model, arm, tokens, ref, budget, budget + 1)}
+                       **kl_of(model, arm, tokens, ref, budget, budget + 1, pins)}
                 rows.append(row)
                 print(f"{name} {spec} @{budget}: KL {row['kl']:.4f}, {row['tokens']} tokens, "
                       f"{row['nbytes'] / 2**20:.2f} MiB", flush=True)
