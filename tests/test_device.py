@@ -47,7 +47,7 @@ def feed(config, keys, queries, values, cuts, dtype):
     return cache
 
 
-def reference(config, keys, queries, values, h: int, margins: list) -> list[int]:
+def reference(config, keys, queries, values, h: int, margins: list, pins=()) -> list[int]:
     G = queries.shape[1] // keys.shape[1]
     real = config.scoring == "attention"
     return reference_kept(
@@ -57,7 +57,7 @@ def reference(config, keys, queries, values, h: int, margins: list) -> list[int]
         recent=config.recent, scale=SCALE,
         values=values[0, h] if config.morphkv_value else None, peak=config.morphkv_peak,
         decay=config.morphkv_decay, pool=config.morphkv_pool, block=config.block,
-        margins=margins,
+        margins=margins, pinned=frozenset(int(p) for p in pins),
     )
 
 

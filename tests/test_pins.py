@@ -18,7 +18,7 @@ from morphkv.core.device import RTOL
 from morphkv.core.rules import METHODS
 from morphkv.mlxlm.hooks import attention_step, queries_by_hand
 from tests.chunked import draw_config
-from tests.reference import reference_kept
+from tests.test_device import reference
 
 EVICTING = sorted(set(METHODS) - {"full", "random"})
 SCALE = 0.35
@@ -34,20 +34,6 @@ def feed(config, keys, queries, values, cuts, pins):
             mx.eval(attention_step(cache, q, k, v, SCALE))
             start = end
     return cache
-
-
-def reference(config, keys, queries, values, h, pins, margins):
-    G = queries.shape[1] // keys.shape[1]
-    real = config.scoring == "attention"
-    return reference_kept(
-        keys[0, h], config.method, config.budget, config.morphkv_n_sink, config.window,
-        fusion=config.morphkv_fusion,
-        queries=queries[0, h * G : (h + 1) * G].transpose(1, 0, 2) if real else None,
-        recent=config.recent, scale=SCALE,
-        values=values[0, h] if config.morphkv_value else None, peak=config.morphkv_peak,
-        decay=config.morphkv_decay, pool=config.morphkv_pool, block=config.block,
-        margins=margins, pinned=frozenset(int(p) for p in pins),
-    )
 
 
 @st.composite
@@ -74,7 +60,7 @@ def test_both_engines_evict_pinned_tokens_last_as_the_reference(case):
         kept = cache.kept_positions
         for h in range(keys.shape[1]):
             margins: list = []
-            expected = reference(config, keys, queries, values, h, pins, margins)
+            expected = reference(config, keys, queries, values, h, margins, pins)
             if min(margins, default=1.0) > RTOL:  # a near-tie may go either way
                 assert kept[0, h].tolist() == expected, config
 

@@ -61,8 +61,8 @@ class Pins:
         self._device = None
 
     def positions(self) -> np.ndarray:
-        return np.concatenate([np.arange(a, b) for a, b in zip(self.starts, self.ends,
-                                                                strict=True)] or [[]]).astype(np.int64)
+        runs = [np.arange(a, b) for a, b in zip(self.starts, self.ends, strict=True)]
+        return np.concatenate(runs).astype(np.int64) if runs else np.zeros(0, np.int64)
 
     def host(self, positions: np.ndarray) -> np.ndarray:
         """(rows, slots) bool: which slots hold a pinned position."""

@@ -9,7 +9,8 @@ forced in chunks of 256 (exact: the attention hook) and KL(full || arm) is avera
 SAME positions for every arm: from the first position a cache of ``--tokens`` tokens lacks a
 token, to the end. The reference is mlx_lm's unquantized ``KVCache``, so quantization error
 counts. An arm ``spec+pin`` pins the user turns of the conversation texts (``morphkv.pin``,
-as ``morphkv chat`` does; the other texts have no turns). Texts: ``--split tune`` or ``heldout`` (``texts.split_texts``: disjoint). Reported per
+as ``morphkv chat`` does; the other texts have no turns). Texts: ``--split tune`` or
+``heldout`` (``texts.split_texts``: disjoint). Reported per
 arm: bytes held (``cache.nbytes`` summed over layers: storage + selection state), tokens per KV
 head, KL per text, mean and worst ratio to ``--reference`` (default ``streaming_llm`` at
 ``--tokens`` in the model's dtype: what mlx_lm's ``RotatingKVCache(tokens, keep=4)`` keeps when

@@ -140,15 +140,6 @@ def tokenize(tok, chat: Chat, min_distance: int, max_turns: int = 12) -> list[in
     return ids
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def words(text: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", text.lower())
 

@@ -11,10 +11,10 @@ still stored when the question arrives (per layer, mean over KV heads). Every fi
 its item count and Wilson 95% interval; partial results are saved after every chat.
 
 An arm ``spec+pin`` pins the chat's user turns (``morphkv.pin``: evicted last, the assistant's
-turns first). An arm ``spec@N`` runs at N tokens (``memory=f16``: the float16 bytes of N tokens) instead of
-``--budget``, on the same chats: the chats are cut by ``--min-distance`` budgets of
-``--budget``, so one run measures several sizes on the same items (statement distance / size
-differs, the distance plot shows it).
+turns first). An arm ``spec@N`` runs at N tokens (``memory=f16``: the float16 bytes of N
+tokens) instead of ``--budget``, on the same chats: the chats are cut by ``--min-distance``
+budgets of ``--budget``, so one run measures several sizes on the same items (statement
+distance / size differs, the distance plot shows it).
 
     morphkv eval chatrecall --model qwen2.5-0.5b --split test --chats 14
     morphkv eval chatrecall --model qwen2.5-0.5b --arms "kvcache,nofact,h2o@64,h2o@256"
@@ -30,9 +30,9 @@ import sys
 import time
 
 from ..core.pins import pin
-from ..mlxlm.turns import user_positions
+from ..mlxlm.turns import common_prefix, user_positions
 from .arms import Arm
-from .chat_items import build_chat, common_prefix, encode, judge, tokenize
+from .chat_items import build_chat, encode, judge, tokenize
 from .chat_report import distance_plot, plot, summarize, table
 from .models import load_model
 from .output import environment, out_dir, write_json

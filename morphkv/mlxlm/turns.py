@@ -16,7 +16,8 @@ def _ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=False))
 
 
-def _common(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -33,7 +34,7 @@ def user_positions(tokenizer, messages: list[dict], offset: int = 0) -> np.ndarr
     for i, m in enumerate(messages):
         if i == 0:  # what the template adds before the first message is not the user's
             other = _ids(tokenizer, [{**m, "content": "\u2014" + str(m.get("content", ""))}])
-            start = _common(_ids(tokenizer, messages[:1]), other)
+            start = common_prefix(_ids(tokenizer, messages[:1]), other)
         else:
             start = end
         head = _ids(tokenizer, messages[: i + 1])
