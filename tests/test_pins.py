@@ -142,3 +142,29 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     with pytest.raises(ValueError, match="cannot be located"):
         user_positions(Rewriting(), msgs)
+
+
+@pytest.mark.parametrize("engine", ["host", "mlx"])
+def test_a_long_chats_pins_stay_bounded_by_what_the_cache_holds(engine):
+    """200 one-token-apart pinned ranges through a 48-token cache: ranges that hold nothing
+    kept and nothing to come are dropped, so the pins' bytes stay bounded; the kept tokens are
+    the same as with every range kept."""
+    from morphkv.core.pins import PRUNE_AT, Pins
+
+    rng = np.random.default_rng(4)
+    keys = rng.standard_normal((1, 2, 800, 16)).astype(np.float32)
+    config = KVCacheConfig(morphkv_budget=48, morphkv_recent=8, morphkv_block=4, engine=engine)
+    cache = KVCacheBuilder.build(config)
+    every = Pins()
+    for t in range(0, 800, 4):
+        cache.pin([t])
+        every.add([t])
+        k = mx.array(keys[:, :, t : t + 4])
+        cache.update_and_fetch(k, k)
+        # at most the ranges it still holds a token of (<= budget per KV head) or the
+        # pruning threshold, plus the new one
+        assert len(cache.pins.starts) <= max(PRUNE_AT, 2 * 48) + 1
+    assert cache.pins.nbytes <= 16 * 97 < every.nbytes
+    held = set(cache.kept_positions.reshape(-1).tolist())
+    assert {p for p in every.positions().tolist() if p in held} <= set(
+        cache.pins.positions().tolist())

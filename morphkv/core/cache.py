@@ -36,7 +36,7 @@ from .batch import BatchMorphKVCache
 from .config import KVCacheConfig
 from .device_cache import DevicePath
 from .feed import Feed
-from .pins import Pins
+from .pins import PRUNE_AT, Pins
 from .quant import QuantizedAttributes
 from .saved import SavedState
 
@@ -73,6 +73,8 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
                 if e is not None:
                     e.pins = self.pins
         self.pins.add(positions)
+        if len(self.pins.starts) > PRUNE_AT and self.engine is not None:  # once a turn at most
+            self.pins.prune(self.kept_positions, self.engine.seen)
 
     def adopt(self, engine, keys, values, config: KVCacheConfig | None = None) -> None:
         """Hold ``engine``'s state over the stored ``keys`` / ``values`` (every token handed

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 MAX_POSITION = 1 << 40  # positions are int64; this bound only catches nonsense
+PRUNE_AT = 32  # ranges held before the ones no longer held are dropped (MorphKVCache.pin)
 
 
 class Pins:
@@ -57,6 +58,21 @@ class Pins:
         new = np.r_[True, starts[1:] > reach[:-1]]
         self.starts = starts[new]
         self.ends = np.maximum.reduceat(reach, np.nonzero(new)[0])
+        self.count = int((self.ends - self.starts).sum())
+        self._device = None
+
+    def prune(self, held: np.ndarray, seen: int) -> None:
+        """Drop the ranges that hold none of the positions still ``held`` and none still to
+        come (at or after ``seen``): they can never matter again. Keeps a long chat's pins
+        bounded by what its cache holds."""
+        p = np.unique(np.asarray(held, np.int64))
+        if p.size:
+            i = np.minimum(np.searchsorted(p, self.starts), p.size - 1)
+            keep = (p[i] >= self.starts) & (p[i] < self.ends)
+        else:
+            keep = np.zeros(self.starts.size, np.bool_)
+        keep |= self.ends > seen
+        self.starts, self.ends = self.starts[keep], self.ends[keep]
         self.count = int((self.ends - self.starts).sum())
         self._device = None
 

@@ -38,9 +38,9 @@ def choose(kl_rows: list[dict], recall: dict) -> dict:
     eight, dtype = by_arm[EIGHT_BIT], by_arm[DTYPE]
     points = []
     pinned = [a + PIN for a in by_arm if a + PIN in recall]  # judged on their base's KL
-    for arm in [*by_arm, *pinned]:
+    for arm in dict.fromkeys([*by_arm, *pinned]):
         row = by_arm[arm.removesuffix(PIN)]
-        if arm in (EIGHT_BIT, DTYPE):
+        if arm in (EIGHT_BIT, DTYPE) or (arm.endswith(PIN) and arm not in recall):
             continue
         worse = [t for t, v in row["kl"].items() if v > dtype["kl"][t]]
         ratio = row["mean_kl"] / eight["mean_kl"]
@@ -48,6 +48,7 @@ def choose(kl_rows: list[dict], recall: dict) -> dict:
         points.append({"arm": arm, "mean_kl": row["mean_kl"], "kl_vs_8bit": ratio,
                        "texts_worse_than_dtype": worse, "recall": rec["rate"], "k": rec["k"],
                        "n": rec["n"], "ci95": rec["ci95"],
+                       "kl_with_pins": by_arm.get(arm, row)["kl"],  # reported, not judged
                        "admissible": ratio <= KL_FACTOR and not worse})
     ok = [p for p in points if p["admissible"] and p["recall"] is not None]
     best = max(ok, key=lambda p: (p["recall"], -p["mean_kl"])) if ok else None
@@ -68,11 +69,14 @@ def plot(result: dict, path: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bytes_json")
-    p.add_argument("recall_json")
+    p.add_argument("recall_json", nargs="+", help="chatrecall results on the same tune chats "
+                   "(their arms are pooled)")
     p.add_argument("--out", default="results/chatrecall/choose_memory", help="path stem")
     args = p.parse_args(argv)
     kl = json.loads(Path(args.bytes_json).read_text())["summary"]
-    recall = json.loads(Path(args.recall_json).read_text())["summary"]
+    recall = {}
+    for path in args.recall_json:
+        recall.update(json.loads(Path(path).read_text())["summary"])
     result = choose(kl, recall)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
