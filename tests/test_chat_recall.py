@@ -113,13 +113,20 @@ def test_smoke_run_on_the_embedded_model(tmp_path, monkeypatch):
     assert (tmp_path / "chatrecall_tune_32.png").is_file()
 
 
-def test_the_memory_preset_uses_the_chosen_persistence_and_can_be_overridden():
-    from morphkv import recommended
-    from morphkv.core.presets import MEMORY_PEAK, PEAK
+def test_the_memory_preset_is_the_chosen_arm_and_can_be_overridden():
+    """recommended(memory=...) is exactly the arm the rule chose on tune
+    (``streaming_llm:memory=f16:bits=8``, pinned where a chat knows its turns)."""
+    import dataclasses
 
-    assert recommended(memory=3_000_000).morphkv_peak == MEMORY_PEAK == 1.0
+    from morphkv import recommended
+    from morphkv.core.presets import PEAK
+    from morphkv.eval.arms import Arm
+
+    chosen = Arm.parse("streaming_llm:memory=f16:bits=8").config(128, n_sink=4)
+    preset = recommended(memory=chosen.kv_memory)
+    assert dataclasses.replace(preset, engine=chosen.engine, scoring=chosen.scoring) == chosen
     assert recommended(128).morphkv_peak == PEAK  # the token-budget preset is unchanged
-    assert recommended(memory=3_000_000, morphkv_peak=0.02).morphkv_peak == 0.02
+    assert recommended(memory=3_000_000, method="morphkv").method == "morphkv"
 
 
 def test_arm_sizes_parse_and_bad_ones_are_named():

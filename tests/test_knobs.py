@@ -141,7 +141,8 @@ DOCUMENTED_ARMS = [  # (spec, the field it sets, the value) at budget 128
     ("streaming_llm:memory=f16:bits=8", "kv_bits", 8),
     ("recommended:memory=f16:bits=None", "kv_bits", None),
     ("recommended:memory=64M", "kv_memory", 64 * 2**20),
-    ("recommended:memory=f16:peak=1", "morphkv_peak", 1),
+    ("recommended:memory=f16", "method", "streaming_llm"),  # issue 33's second choice
+    ("recommended:memory=f16:method=morphkv:peak=1", "morphkv_peak", 1),  # its first
     ("recommended:peak=0.25:decay=0.999", "morphkv_decay", 0.999),
     ("peak:window=1:recent=32:value=true:pool=3", "morphkv_pool", 3),
     ("morphkv:recent=0.5:value=true:attn", "morphkv_recent", 64),

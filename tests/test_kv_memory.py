@@ -11,6 +11,7 @@ from mlx_lm.generate import generate_step
 from smollm2_fixture import load_embedded
 
 import morphkv
+from morphkv.core.presets import MEMORY_METHOD
 from morphkv import KVCacheBuilder, KVCacheConfig, recommended
 from morphkv.core.memory import at_budget, bound_bytes, parse_size
 from morphkv.eval.models import tiny_llama
@@ -69,7 +70,7 @@ def tiny():
 def test_tiny_model_never_holds_more_than_asked(tiny, bits, memory):
     config = recommended(memory=memory, kv_bits=bits)
     resolved, _ = check_memory(tiny, config, tokens=100)
-    assert resolved.kv_bits == bits and resolved.recent == max(16, resolved.budget // 2)
+    assert resolved.kv_bits == bits and resolved.method == MEMORY_METHOD
 
 
 def test_float16_model_and_other_methods(tiny):

@@ -21,11 +21,13 @@ from .config import KVCacheConfig
 N_SINK = 4
 WINDOW = 16
 PEAK = 0.02  # peak fusion lambda: best tune retention with tune KL below StreamingLLM
-# recommended(memory=...)'s lambda (issue 33): the highest tune recall on model-written chats
-# (Qwen2.5-0.5B) among settings with mean tune KL <= 1.5x StreamingLLM at 8 bits in the same
-# bytes and never worse than StreamingLLM of the same tokens in the model's dtype on a text
-# (morphkv.eval.choose_memory, docs/recall.md); was PEAK
-MEMORY_PEAK = 1.0
+# recommended(memory=...)'s rule (issue 33, second round): the highest tune recall on
+# model-written chats (Qwen2.5-0.5B, user turns pinned where a chat knows them) among settings
+# with mean tune KL <= 1.5x StreamingLLM at 8 bits in the same bytes and never worse than
+# StreamingLLM of the same tokens in the model's dtype on a text (morphkv.eval.choose_memory,
+# docs/recall.md): recency at 8 bits, no selection state (every byte a token). Was MorphKV with
+# persistence 1 (first round), 0.02 before.
+MEMORY_METHOD = "streaming_llm"
 PAPER_BLOCK = 8  # the paper's coarse eviction: every 8 steps (-0.9 accuracy points, 0.82x time)
 MEMORY_BITS = 8  # storage precision of recommended(memory=...)
 BLOCK = 16  # recommended: evict 16 tokens every 16 (no window ring; docs/engine.md, issue 26)
@@ -39,15 +41,15 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     selection state (``MorphKVCache.nbytes_bound``), so the bytes depend on the model.
     ``recommended(memory=N)`` holds at most ``N`` bytes per sequence over all layers with a
     morphkv cache (K/V storage plus selection state), keys and values stored at ``MEMORY_BITS``
-    bits, persistence ``MEMORY_PEAK``: ``KVCacheBuilder.for_model`` / ``patch_model`` resolve it
-    from the model's shape into the most tokens per KV head that fit (``budget`` is then
-    ignored), the newest half of them always kept. ``recommended(budget)`` evicts in blocks of
-    ``BLOCK`` tokens: once full, every 16th token evicts 16 at once (between evictions the cache
-    holds ``budget - 15`` to ``budget`` tokens); so does ``recommended(memory=N)`` since the MLX
-    engine (the default with real queries) holds no queries between evictions (the host engine
-    did: ``recommended(memory=N)`` evicted per token before, at 4.1x RotatingKVCache's prefill
-    on the MLX engine; ``morphkv_block=1`` gives it back). Keyword arguments override any
-    ``KVCacheConfig`` field.
+    bits: ``KVCacheBuilder.for_model`` / ``patch_model`` resolve it from the model's shape into
+    the most tokens per KV head that fit (``budget`` is then ignored). Its rule is
+    ``MEMORY_METHOD`` (recency: 4 sinks, the oldest other token goes, per token), which holds
+    no selection state, so every byte is a token; a chat pins its user turns
+    (``morphkv.pin``), which recency then evicts last. Chosen by a fixed rule on tune chats
+    and texts (issue 33; docs/recall.md). ``recommended(budget)`` evicts in blocks of ``BLOCK``
+    tokens: once full, every 16th token evicts 16 at once (between evictions the cache holds
+    ``budget - 15`` to ``budget`` tokens). Keyword arguments override any ``KVCacheConfig``
+    field.
     """
     window = overrides.get("morphkv_window", WINDOW)
     fields = dict(
@@ -61,11 +63,9 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
         # at budgets too small for a whole block above the sinks and recent floor: a smaller one
         morphkv_block=max(1, min(BLOCK, budget - N_SINK - max(window, budget // 2))),
     )
-    if memory is not None:
-        fields.update(morphkv_budget=0, kv_memory=memory, kv_bits=MEMORY_BITS, morphkv_block=BLOCK,
-                      morphkv_recent=None, morphkv_recent_share=0.5, morphkv_peak=MEMORY_PEAK)
-        if "morphkv_recent" in overrides:
-            fields["morphkv_recent_share"] = None
+    if memory is not None:  # the KVCacheConfig defaults but for these
+        fields = dict(method=MEMORY_METHOD, morphkv_budget=0, kv_memory=memory,
+                      kv_bits=MEMORY_BITS, morphkv_n_sink=N_SINK)
     fields.update(overrides)
     return KVCacheConfig(**fields).validate(resolved=memory is None)
 
