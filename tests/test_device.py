@@ -67,13 +67,18 @@ def test_decisions_equal_the_reference_outside_near_ties(case):
     config, keys, queries, values, cuts, dtype = case
     with queries_by_hand(), np.errstate(all="ignore"):
         cache = feed(config, keys, queries, values, cuts, dtype)
-        kept = cache.kept_positions
-        assert kept.shape[2] <= config.budget
-        for h in range(keys.shape[1]):
-            margins: list = []
-            expected = reference(config, keys, queries, values, h, margins)
-            if min(margins, default=1.0) > RTOL:  # a near-tie may go either way
-                assert kept[0, h].tolist() == expected
+        assert cache.kept_positions.shape[2] <= config.budget
+        check_kept(cache, config, keys, queries, values)
+
+
+def check_kept(cache, config, keys, queries, values, pins=()) -> None:
+    """Every KV head kept what the reference keeps (with ``pins``), unless a near-tie."""
+    kept = cache.kept_positions
+    for h in range(keys.shape[1]):
+        margins: list = []
+        expected = reference(config, keys, queries, values, h, margins, pins)
+        if min(margins, default=1.0) > RTOL:  # a near-tie may go either way
+            assert kept[0, h].tolist() == expected, config
 
 
 def test_every_scorer_and_block_decides_as_the_reference():

@@ -11,9 +11,9 @@ from mlx_lm.generate import generate_step
 from smollm2_fixture import load_embedded
 
 import morphkv
-from morphkv.core.presets import MEMORY_METHOD
 from morphkv import KVCacheBuilder, KVCacheConfig, recommended
 from morphkv.core.memory import at_budget, bound_bytes, parse_size
+from morphkv.core.presets import MEMORY_METHOD
 from morphkv.eval.models import tiny_llama
 from morphkv.mlxlm.layout import morph_caches
 from morphkv.mlxlm.memory import layer_shapes
