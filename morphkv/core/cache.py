@@ -36,7 +36,7 @@ from .batch import BatchMorphKVCache
 from .config import KVCacheConfig
 from .device_cache import DevicePath
 from .feed import Feed
-from .pins import PRUNE_AT, Pins
+from .pins import PRUNE_AT
 from .quant import QuantizedAttributes
 from .saved import SavedState
 
@@ -67,12 +67,7 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
     def pin(self, positions) -> None:
         """Evict the tokens at these absolute positions last (``morphkv.core.pins``): a chat
         pins its user turns. Positions not fed yet may be pinned ahead."""
-        if self.pins is None:
-            self.pins = Pins()
-            for e in self.engines:
-                if e is not None:
-                    e.pins = self.pins
-        self.pins.add(positions)
+        self.pins.add(positions)  # the engines share this object (``Feed.init_feed``)
         if len(self.pins.starts) > PRUNE_AT and self.engine is not None:  # once a turn at most
             self.pins.prune(self.kept_positions, self.engine.seen)
 
@@ -81,7 +76,7 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
         over; a loaded, extracted, converted or requantized cache)."""
         pins = getattr(self, "pins", None)  # kept across a conversion
         self.init_feed(config or self.config, 1, None if keys is None else quant.dims(keys)[0])
-        self.pins = pins
+        self.pins = self.pins if pins is None else pins
         self._held = None
         self.keys, self.values, self.engine = keys, values, engine
         self.offset = 0 if engine is None else engine.seen
@@ -203,8 +198,7 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
         window's attention rows (h2o: a running score per slot), pinned ranges. No copy of the
         keys."""
         self._flush()
-        pins = 0 if self.pins is None else self.pins.nbytes
-        return pins + (0 if self.engine is None else self.engine.nbytes)
+        return self.pins.nbytes + (0 if self.engine is None else self.engine.nbytes)
 
     @property
     def nbytes(self) -> int:

@@ -227,7 +227,7 @@ class DeviceEngine:
         norms = None if self.value_norms is None else self.value_norms[:, :n]
         bounds = mx.array([c.n_sink, self.seen - 1 - c.recent], mx.int32)
         pos = self.stored_positions
-        if self.pins is not None and len(self.pins):
+        if self.pins:
             pinned = self.pins.device(pos)
             return _lowest(self.block, norms is not None, True)(scores, norms, pos, bounds, pinned)
         return _lowest(self.block, norms is not None, False)(scores, norms, pos, bounds)

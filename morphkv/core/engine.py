@@ -379,7 +379,7 @@ class Engine:
         out = np.empty((self.rows, self.block), np.int64)
         last = self.seen - 1 - c.recent
         bits = norms.view(np.uint16)
-        if self.pins is not None and len(self.pins):  # pinned slots go last (core.pins)
+        if self.pins:  # pinned slots go last (core.pins)
             host_select(scores, bits, positions, c.n_sink, last, self.block, self.pins, out)
             return out
         # protected: the sinks and the last ``recent`` positions; scores times the value norms

@@ -27,6 +27,7 @@ import numpy as np
 from . import quant, storage
 from .engine import Engine, at_grid
 from .masks import Chunk, causal_mask, chunk_mask, decode_mask
+from .pins import Pins
 from .queries import hooks_attached
 from .rules import make_rule
 
@@ -52,7 +53,7 @@ class Feed:
         self._last = None  # the last decode step's tokens as stored (block 1 puts them)
         self._seal = None
         self.keys = self.values = None
-        self.pins = None  # positions evicted last (core.pins; the single cache's ``pin``)
+        self.pins = Pins()  # positions evicted last (core.pins; the single cache's ``pin``)
 
     @property
     def needs_queries(self) -> bool:

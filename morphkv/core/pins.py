@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .kernels import select
+
 MAX_POSITION = 1 << 40  # positions are int64; this bound only catches nonsense
 PRUNE_AT = 32  # ranges held before the ones no longer held are dropped (MorphKVCache.pin)
 
@@ -28,11 +30,11 @@ class Pins:
     def __init__(self) -> None:
         self.starts = np.zeros(0, np.int64)
         self.ends = np.zeros(0, np.int64)
-        self.count = 0
         self._device = None  # (starts, ends) as MLX arrays, made on first use
 
     def __len__(self) -> int:
-        return self.count
+        """Positions pinned (0: the selection is the rule's alone)."""
+        return int((self.ends - self.starts).sum())
 
     @property
     def nbytes(self) -> int:
@@ -58,7 +60,6 @@ class Pins:
         new = np.r_[True, starts[1:] > reach[:-1]]
         self.starts = starts[new]
         self.ends = np.maximum.reduceat(reach, np.nonzero(new)[0])
-        self.count = int((self.ends - self.starts).sum())
         self._device = None
 
     def prune(self, held: np.ndarray, seen: int) -> None:
@@ -73,7 +74,6 @@ class Pins:
             keep = np.zeros(self.starts.size, np.bool_)
         keep |= self.ends > seen
         self.starts, self.ends = self.starts[keep], self.ends[keep]
-        self.count = int((self.ends - self.starts).sum())
         self._device = None
 
     def positions(self) -> np.ndarray:
@@ -99,8 +99,6 @@ class Pins:
 def host_select(scores, norm_bits, positions, n_sink: int, last: int, block: int, pins, out):
     """``kernels.select`` with pinned slots last: pinned -> inf; a row left with fewer than
     ``block`` unpinned candidates evicts all of them and its lowest pinned ones."""
-    from .kernels import select
-
     pinned = pins.host(positions)
     free = (positions >= n_sink) & (positions <= last) & ~pinned
     select(np.where(pinned, np.inf, scores), norm_bits, positions, n_sink, last, block, out)

@@ -57,6 +57,14 @@ def field_name(key: str) -> str:
         raise ValueError(f"arm option {e}") from None
 
 
+PIN = "+pin"  # an arm spec ending so pins the user turns of chats (``morphkv.pin``)
+
+
+def unpinned(spec: str) -> tuple[str, bool]:
+    """(the spec without ``+pin``, whether it had it)."""
+    return spec.removesuffix(PIN), spec.endswith(PIN)
+
+
 def parse_value(text: str) -> Any:
     low = text.lower()
     if low in ("none", "null"):

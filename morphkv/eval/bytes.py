@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from ..core.pins import pin
 from ..mlxlm.turns import user_positions
-from .arms import check_specs, parse_arms
+from .arms import check_specs, parse_arms, unpinned
 from .flags import add_flags, csv_ints
 from .metrics import held_bytes
 from .models import load_model
@@ -38,7 +38,6 @@ from .runner import reference_logprobs
 from .texts import CONVERSATIONS, split_texts
 
 NAME = "bytes"
-PIN = "+pin"
 DEFAULT_ARMS = ("h2o,streaming_llm:memory=f16:bits=8,recommended:memory=f16,"
                 "recommended:memory=f16:peak=1")
 CHUNK = 256
@@ -97,7 +96,7 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     specs = [s.strip() for s in args.arms.split(",") if s.strip()]
     if args.reference not in specs:
         specs.insert(0, args.reference)
-    bases = [s.removesuffix(PIN) for s in specs]  # spec+pin: the conversations' user turns pinned
+    bases = [unpinned(s)[0] for s in specs]  # spec+pin: the conversations' user turns pinned
     check_specs(bases)
     arms = parse_arms(bases)
     if model is None:
@@ -110,7 +109,7 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
         ref = reference_logprobs(model, tokens)
         for budget in csv_ints(str(args.tokens)):
             for spec, arm in zip(specs, arms, strict=True):
-                pins = user_pins(tokenizer, name) if spec.endswith(PIN) else None
+                pins = user_pins(tokenizer, name) if unpinned(spec)[1] else None
                 row = {"text": name, "arm": spec, "f16_tokens": budget,
                        **kl_of(model, arm, tokens, ref, budget, budget + 1, pins)}
                 rows.append(row)

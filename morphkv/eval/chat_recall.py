@@ -31,7 +31,7 @@ import time
 
 from ..core.pins import pin
 from ..mlxlm.turns import common_prefix, user_positions
-from .arms import Arm
+from .arms import Arm, unpinned
 from .chat_items import build_chat, encode, judge, tokenize
 from .chat_report import distance_plot, plot, summarize, table
 from .models import load_model
@@ -41,7 +41,6 @@ from .recall import retention
 
 NAME = "chatrecall"
 NOFACT = "nofact"
-PIN = "+pin"
 DEFAULT_ARMS = ("kvcache,nofact,recommended:memory=f16,h2o,streaming_llm,"
                 "streaming_llm:memory=f16:bits=8")
 
@@ -130,14 +129,14 @@ def arm_budget(label: str, budget: int) -> int:
 
 def pins_user(label: str) -> bool:
     """``spec+pin`` (before any ``@N``): the arm pins the chat's user turns."""
-    return label.rsplit("@", 1)[0].endswith(PIN)
+    return unpinned(label.rsplit("@", 1)[0])[1]
 
 
 def parse(text: str) -> list[tuple[str, Arm | None]]:
     out = []
     for spec in filter(None, (s.strip() for s in text.split(","))):
         arm_budget(spec, 1)  # checks the size
-        base = spec.rsplit("@", 1)[0].removesuffix(PIN)
+        base = unpinned(spec.rsplit("@", 1)[0])[0]
         if base == NOFACT and pins_user(spec):
             raise ValueError(f"arm {spec!r}: nofact is the full cache, nothing to pin")
         out.append((spec, None if base == NOFACT else Arm.parse(base)))

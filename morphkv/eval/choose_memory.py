@@ -23,11 +23,11 @@ import argparse
 import json
 from pathlib import Path
 
+from .arms import PIN, unpinned
 from .chat_report import recall_plot
 from .output import write_json
 
 KL_FACTOR = 1.5
-PIN = "+pin"
 EIGHT_BIT = "streaming_llm:memory=f16:bits=8"
 DTYPE = "streaming_llm"
 
@@ -39,8 +39,8 @@ def choose(kl_rows: list[dict], recall: dict) -> dict:
     points = []
     pinned = [a + PIN for a in by_arm if a + PIN in recall]  # judged on their base's KL
     for arm in dict.fromkeys([*by_arm, *pinned]):
-        row = by_arm[arm.removesuffix(PIN)]
-        if arm in (EIGHT_BIT, DTYPE) or (arm.endswith(PIN) and arm not in recall):
+        row = by_arm[unpinned(arm)[0]]
+        if arm in (EIGHT_BIT, DTYPE) or (unpinned(arm)[1] and arm not in recall):
             continue
         worse = [t for t, v in row["kl"].items() if v > dtype["kl"][t]]
         ratio = row["mean_kl"] / eight["mean_kl"]
