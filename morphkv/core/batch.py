@@ -28,8 +28,10 @@ from . import quant, storage
 from .engine import Engine
 from .feed import Feed, no_reader
 from .masks import offsets
+from .pins import Pins, keep_bounded
 
 _SHARED = (int, float, bool, str, type(None))
+ROW_LISTS = ("seen", "stored", "waiting", "lead", "pin_next", "row_pins")  # one entry a row
 
 
 class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
@@ -39,6 +41,7 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
         # the batch runs the host engine (its rows' caches too: see MorphKVCache.on_host)
         self.init_feed(dataclasses.replace(config, engine="host"), rows, 1)
         self.row_class = row_class
+        self.row_pins = [Pins() for _ in range(rows)]  # each row's own (``pins_of``)
 
     @property
     def B(self) -> int:
@@ -66,6 +69,8 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
                 sorted({c.config.describe() if hasattr(c.config, "describe") else repr(c.config)
                         for c in caches})))
         batch = cls(caches[0].config, len(caches), row_class)
+        batch.row_pins = [c.pins.copy() for c in caches]  # pinned ahead too (empty caches)
+        batch.pin_next = [c.pin_next[0] for c in caches]
         full = [c for c in caches if not c.empty()]
         for c in full:
             c.flush()  # hands a pending update to the engine before copying
@@ -79,7 +84,7 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
             n = c.engine.slots
             storage.put_row(batch.keys, i, c.keys, n)
             storage.put_row(batch.values, i, c.values, n)
-            batch.engines[i] = batch.copy_engine(c.engine)
+            batch.engines[i] = batch.copy_engine(c.engine, batch.row_pins[i])
             batch.seen[i], batch.stored[i] = c.offset, n
         return batch
 
@@ -88,12 +93,13 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
         self.flush_chunk()
         self.catch_up([idx])
         cache = self.row_class(self.config)
+        cache.pins, cache.pin_next = self.row_pins[idx].copy(), [self.pin_next[idx]]
         engine = self.engines[idx]
         if engine is None:
             return cache
         n = int(self.stored[idx])
-        cache.adopt(self.copy_engine(engine), storage.row_copy(self.keys, idx, n),
-                    storage.row_copy(self.values, idx, n))
+        cache.adopt(self.copy_engine(engine, cache.pins), storage.row_copy(self.keys, idx, n),
+                    storage.row_copy(self.values, idx, n))  # keeps the pins set above
         return cache
 
     def filter(self, batch_indices) -> None:
@@ -102,7 +108,7 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
                                  else batch_indices)]
         self.flush_chunk()
         self.engines = [self.engines[i] for i in keep]
-        for name in ("seen", "stored", "waiting", "lead"):
+        for name in ROW_LISTS:
             setattr(self, name, [getattr(self, name)[i] for i in keep])
         if self._remaining is not None:
             self._remaining = [self._remaining[i] for i in keep]
@@ -145,7 +151,7 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
             theirs = other._remaining if other._remaining is not None else [0] * other.B
             self._remaining = mine + theirs
         self.engines = self.engines + other.engines
-        for name in ("seen", "stored", "waiting", "lead"):
+        for name in ROW_LISTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self._last = self._seal = None
         keys, values = other.keys, other.values
@@ -187,7 +193,27 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store each row's real tokens after its live slots; return every row's slots up to
         the longest row (the mask hides each row's free tail)."""
+        C = keys.shape[2]
+        if self.pin_prompts and C and (C > 1 or any(self.pin_next)):  # pin="prompt", per row
+            self.check(keys, values)  # first: a refused update pins nothing
+            self.pin_arrived(list(self.seen), self.spans(C)[1], C)
         return self.host_update(keys, values)
+
+    def pins_of(self, i: int) -> Pins:
+        return self.row_pins[i]
+
+    def pin_range(self, i: int, start: int, end: int) -> None:
+        """Pin positions [start, end) of row i (``Feed.pin_arrived``), keeping its pins
+        bounded (``core.pins.keep_bounded``: reads the row's kept positions past ``PRUNE_AT``
+        ranges)."""
+        pins, engine = self.row_pins[i], self.engines[i]
+        pins.add(np.arange(start, end))
+        if engine is not None:
+            keep_bounded(pins, lambda: self._held_positions(i), engine.seen)
+
+    def _held_positions(self, i: int) -> np.ndarray:
+        self.flush()
+        return np.asarray(self.engines[i].stored_positions).reshape(-1)
 
     def prepare_attention(self, queries: mx.array, scale: float, mask):
         """Attention hook: keeps this layer's queries (one reference per decode step) and
@@ -208,7 +234,8 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
         """Storage + every row's selection state + the decode steps' queries held."""
         held = 0 if self.keys is None else quant.nbytes(self.keys) + quant.nbytes(self.values)
         engines = sum(e.nbytes for e in self.engines if e is not None)
-        return held + engines + sum(q.nbytes for q in self.steps)
+        pins = sum(p.nbytes for p in self.row_pins)
+        return held + engines + pins + sum(q.nbytes for q in self.steps)
 
     @property
     def tokens_kept(self) -> list[int]:
@@ -227,15 +254,17 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
         return all(e is None for e in self.engines)
 
     @staticmethod
-    def copy_engine(engine: Engine) -> Engine:
+    def copy_engine(engine: Engine, pins: Pins) -> Engine:
         """A copy of an engine that shares nothing mutable with it (NumPy arrays copied, lists
         copied, immutable fields and the frozen config shared, anything else deep-copied),
-        reading its keys only through ``settle``. Several times cheaper than
-        ``copy.deepcopy``; rows are copied at every merge, extract and batch split."""
+        ranking with ``pins`` and reading its keys only through ``settle``. Several times
+        cheaper than ``copy.deepcopy``; rows are copied at every merge, extract and split."""
         new = copy.copy(engine)
         for name, value in vars(engine).items():
             if name == "stored_keys":
                 value = None
+            elif name == "pins":
+                value = pins
             elif isinstance(value, np.ndarray):
                 value = value.copy()
             elif isinstance(value, list):  # the pending queries: never written in place
@@ -249,9 +278,13 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
     def __deepcopy__(self, memo):
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
+        pins = [p.copy() for p in self.row_pins]
         for name, value in vars(self).items():
             if name == "engines":
-                value = [None if e is None else self.copy_engine(e) for e in value]
+                value = [None if e is None else self.copy_engine(e, p)
+                         for e, p in zip(value, pins, strict=True)]
+            elif name == "row_pins":
+                value = pins
             elif name != "row_class":
                 value = copy.deepcopy(value, memo)
             setattr(new, name, value)

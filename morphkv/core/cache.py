@@ -36,7 +36,7 @@ from .batch import BatchMorphKVCache
 from .config import KVCacheConfig
 from .device_cache import DevicePath
 from .feed import Feed
-from .pins import PRUNE_AT
+from .pins import MAX_NBYTES, keep_bounded
 from .quant import QuantizedAttributes
 from .saved import SavedState
 
@@ -66,17 +66,25 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
 
     def pin(self, positions) -> None:
         """Evict the tokens at these absolute positions last (``morphkv.core.pins``): a chat
-        pins its user turns. Positions not fed yet may be pinned ahead."""
+        pins its user turns. Positions not fed yet may be pinned ahead. Past ``PRUNE_AT``
+        ranges the ones no longer holding a kept token are dropped, and at most
+        ``MAX_RANGES`` (the newest) are kept."""
         self.pins.add(positions)  # the engines share this object (``Feed.init_feed``)
-        if len(self.pins.starts) > PRUNE_AT and self.engine is not None:  # once a turn at most
-            self.pins.prune(self.kept_positions, self.engine.seen)
+        if self.engine is not None:  # reads the kept positions once a turn at most
+            keep_bounded(self.pins, lambda: self.kept_positions, self.engine.seen)
+
+    def pin_range(self, i: int, start: int, end: int) -> None:
+        """``pin="prompt"`` (``Feed.pin_arrived``): one engine, every row."""
+        self.pin(np.arange(start, end))
 
     def adopt(self, engine, keys, values, config: KVCacheConfig | None = None) -> None:
         """Hold ``engine``'s state over the stored ``keys`` / ``values`` (every token handed
         over; a loaded, extracted, converted or requantized cache)."""
         pins = getattr(self, "pins", None)  # kept across a conversion
+        pin_next = getattr(self, "pin_next", None)
         self.init_feed(config or self.config, 1, None if keys is None else quant.dims(keys)[0])
         self.pins = self.pins if pins is None else pins
+        self.pin_next = self.pin_next if pin_next is None else pin_next
         self._held = None
         self.keys, self.values, self.engine = keys, values, engine
         self.offset = 0 if engine is None else engine.seen
@@ -90,12 +98,16 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
     # ---- mlx_lm hot path -----------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store new keys/values (B, n_kv_heads, C, head_dim); return what attention reads."""
+        C = keys.shape[2]
+        if self.pin_prompts and (C > 1 or self.pin_next[0]):  # pin="prompt": checked first,
+            self.check(keys, values)  # so a refused update pins nothing
+            self.pin_arrived((self.offset,), (C,), C)
         if self._device:
             self.check(keys, values)
-            self.need_hooks(keys.shape[2])
+            self.need_hooks(C)
             return self._device_update(keys, values)
         fetched = self.host_update(keys, values)
-        self.offset += keys.shape[2]
+        self.offset += C
         return fetched
 
     def prepare_attention(self, queries: mx.array, scale: float, mask):
@@ -209,13 +221,15 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
     @property
     def nbytes_bound(self) -> int | None:
         """Every byte this cache will hold once its budget is reached (K/V storage of
-        ``budget + 1`` slots + the selection state); None for ``method="full"``. Known after
+        ``budget + 1`` slots + the selection state + the pinned ranges: with ``pin="prompt"``
+        the most they hold, else what is pinned now); None for ``method="full"``. Known after
         the first update (it needs the shapes)."""
         engine = None if self.engine is None else self.engine.bound_nbytes()
         if engine is None:
             return None
         per_slot = self.storage_nbytes // quant.dims(self.keys)[2]  # plain or quantized rows
-        return per_slot * (self.config.budget + 1) + engine
+        pins = MAX_NBYTES if self.pin_prompts else self.pins.nbytes  # pinned ranges
+        return per_slot * (self.config.budget + 1) + engine + pins
 
     def size(self) -> int:
         return self.tokens_kept

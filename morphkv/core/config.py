@@ -10,6 +10,7 @@ from .rules.attention import FUSIONS
 
 SCORINGS = ("auto", "attention", "proxy")
 ENGINES = ("auto", "mlx", "host")
+PIN_POLICIES = ("none", "prompt")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,15 @@ class KVCacheConfig:
         morphkv_recent_share: the recency floor as a share of the budget, in [0, 1):
             ``recent = max(window, int(share x budget))``; for a budget resolved from
             ``kv_memory``. Exclusive with ``morphkv_recent``.
+        engine: where statistics and selection run: ``"mlx"`` (on the device), ``"host"``
+            (NumPy), ``"auto"`` (see ``default_engine``).
+        pin: what the cache pins by itself (``morphkv.core.pins``: evicted last).
+            ``"prompt"``: the tokens of every multi-token update (a prefill: a prompt, a chat
+            turn's new tokens, a server request's uncached tokens) and the two one-token
+            updates right after it (mlx_lm feeds a prompt's last token alone, and a prefill
+            may end in a one-token chunk); other tokens the model generates one at a time are
+            not. ``"none"``: only what ``pin()`` is given.
+            ``recommended(memory=...)`` sets ``"prompt"``.
     """
 
     method: str = "morphkv"
@@ -79,6 +89,7 @@ class KVCacheConfig:
     kv_memory: int | None = None
     morphkv_recent_share: float | None = None
     engine: str = "auto"
+    pin: str = "none"
 
     @property
     def default_engine(self) -> str:
@@ -180,6 +191,8 @@ class KVCacheConfig:
             raise ValueError(f"scoring={self.scoring!r} is unknown; valid: {SCORINGS}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine={self.engine!r} is unknown; valid: {ENGINES}")
+        if self.pin not in PIN_POLICIES:
+            raise ValueError(f"pin={self.pin!r} is unknown; valid: {PIN_POLICIES}")
         if self.engine == "mlx" and not rule.evicts:
             raise ValueError(f"engine='mlx' runs evictions on the device: method={self.method!r} "
                              "evicts nothing (use engine='auto' or 'host')")

@@ -32,6 +32,7 @@ from .queries import hooks_attached
 from .rules import make_rule
 
 DEFER_TOKENS = 64  # a chunk this short that evicts nothing is fed at the next update
+PIN_AFTER = 2  # pin="prompt": one-token updates after a multi-token one that are pinned too
 
 
 class Feed:
@@ -54,6 +55,8 @@ class Feed:
         self._seal = None
         self.keys = self.values = None
         self.pins = Pins()  # positions evicted last (core.pins; the single cache's ``pin``)
+        self.pin_prompts = config.pin == "prompt"  # the policy (KVCacheConfig.pin)
+        self.pin_next = [0] * engines  # per engine: one-token updates still to pin (PIN_AFTER)
 
     @property
     def needs_queries(self) -> bool:
@@ -77,10 +80,30 @@ class Feed:
             if self.engines[i] is None:
                 e = Engine(self.config, self.per * H, head_dim, self.needs_queries)
                 e.stored_keys = self.key_reader()
-                e.pins = self.pins
+                e.pins = self.pins_of(i)
                 if self._scale is not None:
                     e.scale = self._scale
                 self.engines[i] = e
+
+    def pins_of(self, i: int) -> Pins:
+        """The pins engine i ranks with (the single cache: one set for all its rows)."""
+        return self.pins
+
+    def pin_arrived(self, firsts, counts, C: int) -> None:
+        """``pin="prompt"``: for an update of ``C`` columns in which engine i takes
+        ``counts[i]`` tokens from position ``firsts[i]`` on, pin them if the update is a
+        multi-token one, or one of the ``PIN_AFTER`` one-token updates right after one: mlx_lm
+        feeds a prompt's last token alone, and its prefill can end in a one-token chunk (so a
+        turn's first generated token is pinned too, at times). Called before the update is
+        stored (positions may be pinned ahead), so the pins are there before any eviction
+        that could take them."""
+        if C == 1 and not any(self.pin_next):
+            return
+        for i, n in enumerate(counts):
+            if n and (C > 1 or self.pin_next[i]):
+                self.pin_range(i, int(firsts[i]), int(firsts[i]) + int(n))  # the cache's
+            if n:
+                self.pin_next[i] = PIN_AFTER if C > 1 else max(0, self.pin_next[i] - 1)
 
     def set_scale(self, scale: float) -> None:
         if scale != self._scale:

@@ -29,6 +29,7 @@ FIELDS = {  # a knob's name -> the KVCacheConfig field that holds it
     "kv_memory": "kv_memory",
     "recent_share": "morphkv_recent_share",
     "engine": "engine",
+    "pin": "pin",
 }
 OLD = {"n_sink": "sinks", "bits": "kv_bits", "memory": "kv_memory"}  # older spellings
 NAMES = {field: name for name, field in FIELDS.items()}

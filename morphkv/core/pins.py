@@ -21,6 +21,8 @@ from .kernels import select
 
 MAX_POSITION = 1 << 40  # positions are int64; this bound only catches nonsense
 PRUNE_AT = 32  # ranges held before the ones no longer held are dropped (MorphKVCache.pin)
+MAX_RANGES = 64  # ranges held at most after a prune: beyond them the oldest are unpinned
+MAX_NBYTES = MAX_RANGES * 16  # what a cache's pins hold at most (counted in nbytes_bound)
 
 
 class Pins:
@@ -76,6 +78,22 @@ class Pins:
         self.starts, self.ends = self.starts[keep], self.ends[keep]
         self._device = None
 
+    def limit(self, n: int = MAX_RANGES) -> None:
+        """Keep only the newest ``n`` ranges (a conversation of more turns than that, each
+        still holding a kept token: its oldest turns are unpinned), so pins stay bounded."""
+        if self.starts.size > n:
+            self.starts, self.ends = self.starts[-n:], self.ends[-n:]
+            self._device = None
+
+    def ranges(self) -> list[list[int]]:
+        """[[start, end), ...] as plain ints (what a saved cache holds)."""
+        return [[int(a), int(b)] for a, b in zip(self.starts, self.ends, strict=True)]
+
+    def copy(self) -> Pins:
+        new = Pins()
+        new.starts, new.ends = self.starts.copy(), self.ends.copy()
+        return new
+
     def positions(self) -> np.ndarray:
         runs = [np.arange(a, b) for a, b in zip(self.starts, self.ends, strict=True)]
         return np.concatenate(runs).astype(np.int64) if runs else np.zeros(0, np.int64)
@@ -109,6 +127,29 @@ def host_select(scores, norm_bits, positions, n_sink: int, last: int, block: int
         select(np.where(pinned[r], scores[r], np.inf)[None], bits, positions[r : r + 1], n_sink,
                last, block - mine.size, rest)
         out[r] = np.concatenate([mine, rest[0]])
+
+
+def keep_bounded(pins: Pins, held, seen: int) -> None:
+    """After an ``add``: past ``PRUNE_AT`` ranges drop those no longer holding a kept or future
+    token (``held``: a callable giving the kept positions, read only then), then keep at most
+    ``MAX_RANGES``."""
+    if len(pins.starts) > PRUNE_AT:
+        pins.prune(held(), seen)
+        pins.limit()
+
+
+def check_ranges(ranges) -> list[list[int]]:
+    """Saved pinned ranges, checked: sorted disjoint [start, end) int pairs (they may lie
+    ahead of the tokens seen: pinned before they are fed), at most ``MAX_RANGES`` +
+    ``PRUNE_AT`` of them (``ValueError`` naming the problem)."""
+    ok = isinstance(ranges, list) and len(ranges) <= MAX_RANGES + PRUNE_AT and all(
+        isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)
+        and 0 <= r[0] < r[1] <= MAX_POSITION for r in ranges)
+    ok = ok and all(a[1] < b[0] for a, b in zip(ranges[:-1], ranges[1:], strict=True))
+    if not ok:
+        raise ValueError("saved cache: its pinned ranges are not sorted disjoint [start, end) "
+                         f"integer pairs (at most {MAX_RANGES + PRUNE_AT}): {str(ranges)[:80]}")
+    return ranges
 
 
 def pin(prompt_cache, positions) -> int:

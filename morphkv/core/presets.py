@@ -30,6 +30,10 @@ PEAK = 0.02  # peak fusion lambda: best tune retention with tune KL below Stream
 MEMORY_METHOD = "streaming_llm"
 PAPER_BLOCK = 8  # the paper's coarse eviction: every 8 steps (-0.9 accuracy points, 0.82x time)
 MEMORY_BITS = 8  # storage precision of recommended(memory=...)
+# recommended(memory=...) was chosen among settings whose user turns were pinned: it pins
+# every prompt itself (KVCacheConfig.pin), so every entry point (mlx_lm's generate, chat loop,
+# batch_generate, server) runs it as evaluated, with no morphkv.pin call
+MEMORY_PIN = "prompt"
 BLOCK = 16  # recommended: evict 16 tokens every 16 (no window ring; docs/engine.md, issue 26)
 
 
@@ -44,12 +48,13 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     bits: ``KVCacheBuilder.for_model`` / ``patch_model`` resolve it from the model's shape into
     the most tokens per KV head that fit (``budget`` is then ignored). Its rule is
     ``MEMORY_METHOD`` (recency: 4 sinks, the oldest other token goes, per token), which holds
-    no selection state, so every byte is a token; a chat pins its user turns
-    (``morphkv.pin``), which recency then evicts last. Chosen by a fixed rule on tune chats
-    and texts (issue 33; docs/recall.md). ``recommended(budget)`` evicts in blocks of ``BLOCK``
-    tokens: once full, every 16th token evicts 16 at once (between evictions the cache holds
-    ``budget - 15`` to ``budget`` tokens). Keyword arguments override any ``KVCacheConfig``
-    field.
+    no selection state, so every byte is a token; it pins every prompt (``pin="prompt"``: the
+    tokens of each prefill, a chat's user turns with their template tokens, are evicted after
+    the model's own), so plain mlx_lm calls keep the user's words with no ``morphkv.pin``.
+    Chosen by a fixed rule on tune chats and texts (issue 33; docs/recall.md).
+    ``recommended(budget)`` evicts in blocks of ``BLOCK`` tokens: once full, every 16th token
+    evicts 16 at once (between evictions the cache holds ``budget - 15`` to ``budget``
+    tokens). Keyword arguments override any ``KVCacheConfig`` field.
     """
     window = overrides.get("morphkv_window", WINDOW)
     fields = dict(
@@ -65,7 +70,7 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     )
     if memory is not None:  # the KVCacheConfig defaults but for these
         fields = dict(method=MEMORY_METHOD, morphkv_budget=0, kv_memory=memory,
-                      kv_bits=MEMORY_BITS, morphkv_n_sink=N_SINK)
+                      kv_bits=MEMORY_BITS, morphkv_n_sink=N_SINK, pin=MEMORY_PIN)
     fields.update(overrides)
     return KVCacheConfig(**fields).validate(resolved=memory is None)
 

@@ -9,12 +9,15 @@ portable MLX dtype).
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import numpy as np
 
 from . import device_saved, quant
 from .config import KVCacheConfig
 from .engine import Engine
+from .pins import Pins, check_ranges
 
 DTYPES = ("float64", "float32", "float16", "int32", "int64")
 
@@ -130,6 +133,29 @@ def restore(config: KVCacheConfig, rows: int, head_dim: int, stored_rows: int, s
     return engine
 
 
+def header(config: KVCacheConfig, pins: Pins) -> str:
+    """A saved cache's first entry: the config's fields as JSON, plus ``"pinned"``: the pinned
+    [start, end) ranges, when there are any (a file without them has none)."""
+    if not len(pins.starts):
+        return config.to_json()
+    return json.dumps({**json.loads(config.to_json()), "pinned": pins.ranges()}, sort_keys=True)
+
+
+def read_header(text) -> tuple[KVCacheConfig, Pins]:
+    """``header``'s (config, pins), checked (``ValueError`` naming what is wrong)."""
+    try:
+        fields = json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"saved cache config is malformed: {e}") from None
+    if not isinstance(fields, dict):
+        raise ValueError("saved cache config is malformed: not a JSON object")
+    pins = Pins()
+    ranges = check_ranges(fields.pop("pinned", []))
+    if ranges:
+        pins.starts, pins.ends = (np.array(x, np.int64) for x in zip(*ranges, strict=True))
+    return KVCacheConfig.from_json(json.dumps(fields)).validate(), pins
+
+
 class SavedState:
     """``state`` for mlx_lm's save_prompt_cache / load_prompt_cache and copy.deepcopy, checked
     on load (for ``MorphKVCache``)."""
@@ -141,7 +167,7 @@ class SavedState:
         arrays each (packed, scales, biases)."""
         self._flush()
         if self.engine is None:
-            return [self.config.to_json()]
+            return [header(self.config, self.pins)]
         if self._device:  # MLX arrays as they are: no host read (see core.device_saved)
             keys, values = self.keys, self.values
             self.engine.fill_norms(self._float_values)
@@ -151,13 +177,13 @@ class SavedState:
             keys, values = self._fetch()
             spec, arrays = pack(snapshot(self.engine))
         storage = [keys, values] if self.config.kv_bits is None else [*keys, *values]
-        return [self.config.to_json(), *storage, spec, *arrays]
+        return [header(self.config, self.pins), *storage, spec, *arrays]
 
     @state.setter
     def state(self, state: list) -> None:
         """Restore from ``state``; an inconsistent or edited state raises ``ValueError`` and
         leaves this cache as it was."""
-        config = KVCacheConfig.from_json(state[0]).validate()
+        config, pins = read_header(state[0])
         n = 1 if config.kv_bits is None else 3  # arrays per stored keys (values)
         if len(state) == 1:
             engine = keys = values = None
@@ -174,14 +200,16 @@ class SavedState:
                 if config.engine != "mlx" or N > config.budget + 1:
                     raise ValueError("saved cache: MLX engine state for a host config or "
                                      f"{N} stored rows for budget {config.budget}")
-                self.adopt(device_saved.restore(config, B, H, D, N, spec, arrays), keys, values,
-                           config)
+                engine = device_saved.restore(config, B, H, D, N, spec, arrays)
+                self.pins = pins  # checked: now the cache changes
+                self.adopt(engine, keys, values, config)
                 return
             if config.engine == "mlx":
                 raise ValueError("saved cache: host engine state for engine='mlx'")
             engine = restore(config, B * H, D, N, unpack(spec, arrays))
             if engine.slots != N:
                 raise ValueError(f"saved cache: {N} stored rows for {engine.slots} slots")
+        self.pins = pins
         self.adopt(engine, keys, values, config)
 
     @staticmethod

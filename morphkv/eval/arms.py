@@ -154,7 +154,9 @@ class Arm:
         of ``budget`` tokens on ``model``; needs it) the budget is left for
         ``KVCacheBuilder.for_model`` to resolve from that memory, and ``recent=0.5`` becomes a
         share of the resolved budget."""
-        fields = {field_name(k): v for k, v in extra.items()}
+        # arms feed whole texts and chats as prefills: pin="prompt" would pin all of them, so
+        # an arm pins only what it says (``pin=prompt``, or ``+pin``: the chat's user turns)
+        fields = {"pin": "none", **{field_name(k): v for k, v in extra.items()}}
         if self.method not in PRESETS:  # a preset sets its own values; the spec overrides them
             fields.update(self.defaults)
         fields.update(self.options)

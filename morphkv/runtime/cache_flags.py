@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.config import ENGINES, SCORINGS, KVCacheConfig
+from ..core.config import ENGINES, PIN_POLICIES, SCORINGS, KVCacheConfig
 from ..core.knobs import FIELDS, flag
 from ..core.presets import PRESETS
 from ..core.rules import METHODS
@@ -48,7 +48,7 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                  "tokens (an integer >= 1, odd; default: the preset's, 1 = none)."),
     "block": dict(type=Number(int, lo=1), help="Tokens evicted at once: once the budget is full, "
                   "every BLOCK-th token evicts BLOCK tokens and the tokens between only append "
-                  "(an integer >= 1; budget >= sinks + recent + block; default: the preset's: 1 "
+                  "(an integer >= 1; budget >= sinks + recent + block; default: the preset's: 16 "
                   "for recommended, 8 for paper, 1 for other methods)."),
     "sinks": dict(type=Number(int, lo=0), help="First tokens never evicted (an integer >= 0; "
                   "default: 4; none for sliding_window)."),
@@ -59,7 +59,13 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                     "supported (default: auto)."),
     "engine": dict(choices=list(ENGINES), help="Where the rule's statistics and selection run: "
                    "mlx (from the layer's own attention, no host sync), host (the float64 NumPy "
-                   "reference), auto: mlx for every evicting method (default: auto)."),
+                   "reference), auto: mlx for real-query rules evicting in blocks or bounded by "
+                   "--kv-memory, host otherwise; batches (the server) run host (default: "
+                   "auto)."),
+    "pin": dict(choices=list(PIN_POLICIES), help="What the cache pins (evicts last): prompt: "
+                "every prefilled token (prompts, chat turns, server requests), not the model's "
+                "own generated tokens; none: nothing (default: the preset's: prompt with "
+                "--kv-memory, else none)."),
     "kv_bits": dict(type=int, choices=(4, 8), help="Store keys and values quantized to 4 or 8 "
                     "bits (default: as they arrive, unquantized)."),
     "kv_group_size": dict(type=int, choices=(32, 64, 128), help="Quantization group size with "
@@ -130,6 +136,8 @@ def describe(config: KVCacheConfig) -> str:
         text += f" block={config.block}"
     if config.kv_bits is not None:
         text += f" {config.kv_bits}-bit (groups of {config.kv_group_size})"
+    if config.pin != "none":
+        text += f" pin={config.pin}"
     return text
 
 

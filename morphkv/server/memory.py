@@ -83,7 +83,19 @@ def startup_line(served, config, bound: int | None, per_token=None) -> str:
             n = sum(1 for c in served.model.make_cache() if hasattr(c, "nbytes_bound"))
             memory += (f": {n} morphkv layers {_fmt(morph)} + "
                        + " + ".join(t for t, _ in texts))
-    return f"morphkv serve: {served.path}; KV cache {setting}; KV memory bound {memory}"
+    return (f"morphkv serve: {served.path}; KV cache {setting}; {engine_and_pins(config)}; "
+            f"KV memory bound {memory}")
+
+
+def engine_and_pins(config) -> str:
+    """Where selection runs in the server, and what its caches pin."""
+    engine = "engine host (every request runs in a batch, and batches run the host engine"
+    engine += f"; --engine {config.engine} applies to single sequences)" if config.engine not in (
+        "auto", "host") else ")"
+    pins = ("pinned: every prompt's tokens (system prompt and user turns as they arrive, with "
+            "their template tokens; generated tokens are not)" if config.pin == "prompt"
+            else "pinned: nothing (--pin prompt pins every prompt's tokens)")
+    return f"{engine}; {pins}"
 
 
 def worst_case(args, bound: int | None, per_token: int | None) -> tuple[int | None, str]:

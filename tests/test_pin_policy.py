@@ -1,0 +1,201 @@
+"""``pin="prompt"``: the cache pins every prefilled token by itself, through plain mlx_lm calls.
+
+Real mlx_lm ``generate_step`` / ``stream_generate`` / ``batch_generate`` / ``BatchGenerator`` and
+the server's prompt cache (``bounded_prompt_cache``, mlx_lm's ``LRUPromptCache``) on tiny
+random-weight llama models: each prompt's tokens (and its last token, fed alone) are pinned,
+generated tokens are not; batch rows pin per row and equal single runs; pins survive extract,
+merge, deepcopy, the prompt cache and save/load; a bad saved pin set is refused and nothing is
+lost; ``recommended(memory=...)`` pins by itself, the eval arms only when they say so.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from morphkv import KVCacheConfig, patch_model, recommended
+from morphkv.core.pins import MAX_NBYTES, MAX_RANGES
+from morphkv.eval.arms import Arm
+from morphkv.eval.models import tiny_llama
+from tests.test_batch import STEP, _Tok, assert_same_cache, prompts_of, single
+
+PINNED = dict(morphkv_budget=16, morphkv_n_sink=2, morphkv_window=4, pin="prompt")
+
+
+def ranges(caches) -> list:
+    """Every layer's pinned ranges (they are the same in every layer)."""
+    out = [c.pins.ranges() for c in caches]
+    assert all(r == out[0] for r in out)
+    return out[0]
+
+
+def prompt_pins(start: int, end: int) -> list:
+    """What a prompt of positions [start, end) pins: it, and at times the turn's first
+    generated token (the second one-token update after the prefill, ``feed.PIN_AFTER``)."""
+    return [[[start, end]], [[start, end + 1]]]
+
+
+def model_for(method="streaming_llm", engine="host", block=1, **extra):
+    config = KVCacheConfig(method=method, morphkv_block=block, engine=engine,
+                           **{**PINNED, **extra})
+    return patch_model(tiny_llama(2), config)
+
+
+@pytest.mark.parametrize("engine", ["host", "mlx"])
+@pytest.mark.parametrize("method", ["streaming_llm", "h2o", "morphkv"])
+def test_a_prompt_is_pinned_and_outlives_the_generated_tokens(method, engine):
+    model = model_for(method, engine, block=1 if engine == "host" else 4,
+                      scoring="attention", morphkv_budget=24)
+    prompt = prompts_of([9])[0]
+    tokens, _, caches = single(model, prompt, 40)
+    assert ranges(caches) in prompt_pins(0, 9)  # 8 prefilled + the last one fed alone
+    kept = caches[0].kept_positions[0, 0]
+    assert set(range(9)) <= set(kept.tolist())  # they fit with a block to spare: none went
+    assert caches[0].offset >= 9 + 39  # mlx_lm computes one token ahead
+
+
+def test_plain_mlx_lm_chat_loop_pins_every_turn_and_pins_overflow_by_the_rule():
+    """mlx_lm.chat's loop: one prompt cache, each turn feeds only its new tokens."""
+    model = model_for()
+    caches = model.make_cache()
+    turns, expected = prompts_of([6, 11, 4, 13], seed=3), []
+    for turn in turns:
+        start = caches[0].offset
+        list(generate_step(mx.array(turn), model, prompt_cache=caches, max_tokens=5,
+                           prefill_step_size=STEP))
+        expected.append((start, start + len(turn)))
+    start = caches[0].offset
+    held = ranges(caches)
+    assert len(held) == len(expected)
+    assert all([h] in prompt_pins(*e) for h, e in zip(held, expected, strict=True))
+    kept = set(caches[0].kept_positions[0, 0].tolist())
+    pinned = {p for a, b in held for p in range(a, b)}
+    assert len(pinned) > 16  # more pinned than fit: the oldest (recency) pinned went first
+    assert max(pinned) in kept and {0, 1} <= kept  # sinks stay, the newest prompt stays
+    assert not (kept - pinned) - set(range(start - 6, start))  # unpinned: the newest reply
+
+
+@pytest.mark.parametrize("block", [1, 4])
+@pytest.mark.parametrize("method", ["streaming_llm", "morphkv", "h2o"])
+def test_batch_rows_pin_per_row_and_equal_single_runs(method, block):
+    model = model_for(method, block=block)
+    prompts, max_tokens = prompts_of([5, 30, 12]), [20, 9, 25]
+    res = batch_generate(model, _Tok(), prompts, max_tokens=max_tokens, prefill_step_size=STEP,
+                         return_prompt_caches=True, return_token_ids=True)
+    for prompt, n, ids, caches in zip(prompts, max_tokens, res.token_ids, res.caches,
+                                      strict=True):
+        tokens, _, reference = single(model, prompt, n)
+        assert ids == tokens
+        assert ranges(caches) == ranges(reference)
+        assert ranges(caches) in prompt_pins(0, len(prompt))
+        assert_same_cache(caches, reference)
+
+
+def test_rows_joining_leaving_and_the_server_prompt_cache_keep_each_rows_pins():
+    """BatchGenerator (the server's loop) with rows joining mid-stream, then each finished
+    row kept in the server's prompt cache and fetched back for a second turn."""
+    from morphkv.server.run import bounded_prompt_cache
+
+    model = model_for("morphkv", block=4, scoring="attention")
+    prompts, max_tokens = prompts_of([7, 19, 3, 26], seed=1), [30, 12, 20, 15]
+    gen = BatchGenerator(model, max_tokens=30, prefill_step_size=STEP, completion_batch_size=3,
+                         prefill_batch_size=2)
+    uids = gen.insert(prompts[:1], max_tokens=max_tokens[:1])
+    out, finished = {}, {}
+    for step in range(200):
+        if step == 4:
+            uids += gen.insert(prompts[1:], max_tokens=max_tokens[1:])
+        for r in gen.next_generated():
+            out.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None:
+                finished[r.uid] = r
+        if len(finished) == len(prompts):
+            break
+    gen.close()
+    kept = bounded_prompt_cache(10, 10**9)
+    for uid, prompt, n in zip(uids, prompts, max_tokens, strict=True):
+        tokens, _, reference = single(model, prompt, n)
+        assert out[uid] == tokens
+        caches = finished[uid].prompt_cache
+        assert ranges(caches) == ranges(reference)
+        assert ranges(caches) in prompt_pins(0, len(prompt))
+        assert_same_cache(caches, reference)
+        kept.insert_cache("m", finished[uid].all_tokens, caches)
+    # a second turn of the first conversation, from the prompt cache (a deepcopy comes back)
+    history = finished[uids[0]].all_tokens
+    back, rest = kept.fetch_nearest_cache("m", history + [5, 6, 7])
+    assert rest == [5, 6, 7] and ranges(back) == ranges(finished[uids[0]].prompt_cache)
+    second, first = back[0].offset, ranges(back)
+    gen = BatchGenerator(model, max_tokens=4, prefill_step_size=STEP)
+    gen.insert([rest], max_tokens=[4], caches=[back])
+    done = None
+    for _ in range(50):
+        done = next((r for r in gen.next_generated() if r.finish_reason), done)
+        if done:
+            break
+    gen.close()
+    assert ranges(done.prompt_cache) in [first + p for p in prompt_pins(second, second + 3)]
+
+
+def test_deepcopy_save_and_load_keep_pins_and_a_bad_saved_pin_set_is_refused(tmp_path):
+    model = model_for()
+    _, _, caches = single(model, prompts_of([12])[0], 30)
+    held = ranges(caches)
+    assert held in prompt_pins(0, 12)
+    copied = copy.deepcopy(caches)
+    copied[0].pin([40, 41])  # a copy's pins are its own
+    assert ranges(caches) == held and copied[0].pins.ranges() == [*held, [40, 42]]
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    assert ranges(loaded) == held
+    np.testing.assert_array_equal(loaded[0].kept_positions, caches[0].kept_positions)
+    state = list(caches[0].state)
+    before = caches[0].kept_positions
+    for bad in ('[[5, 2]]', '[[0, 4], [3, 9]]', '"x"', '[[0, 1.5]]'):
+        header = state[0].replace(f'"pinned": {held}', f'"pinned": {bad}')
+        assert header != state[0]
+        with pytest.raises(ValueError, match="pinned ranges"):
+            caches[0].state = [header, *state[1:]]
+        assert ranges(caches) == held  # nothing lost
+        np.testing.assert_array_equal(caches[0].kept_positions, before)
+
+
+def test_pins_stay_bounded_in_a_long_chat_and_the_bound_counts_them():
+    model = model_for()
+    caches = model.make_cache()
+    for turn in prompts_of([3] * (MAX_RANGES + 40), seed=4):
+        list(generate_step(mx.array(turn), model, prompt_cache=caches, max_tokens=2))
+    for c in caches:
+        assert len(c.pins.starts) <= MAX_RANGES
+        assert c.pins.nbytes <= MAX_NBYTES
+        assert c.nbytes <= c.nbytes_bound
+    unpinned = patch_model(tiny_llama(2), KVCacheConfig(method="streaming_llm",
+                                                        **{**PINNED, "pin": "none"}))
+    other = unpinned.make_cache()
+    list(generate_step(mx.array(prompts_of([20])[0]), unpinned, prompt_cache=other, max_tokens=2))
+    assert other[0].pins.ranges() == []
+    assert caches[0].nbytes_bound - other[0].nbytes_bound == MAX_NBYTES
+
+
+def test_the_memory_preset_pins_and_the_eval_arms_pin_only_when_they_say():
+    assert recommended(memory=2**20).pin == "prompt" and recommended(512).pin == "none"
+    assert Arm.parse("recommended:memory=1M").config(64).pin == "none"
+    assert Arm.parse("recommended:memory=1M:pin=prompt").config(64).pin == "prompt"
+    with pytest.raises(ValueError, match="pin='always' is unknown"):
+        dataclasses.replace(KVCacheConfig(), pin="always").validate()
+
+
+def test_a_refused_update_pins_nothing():
+    model = model_for()
+    cache = model.make_cache()[0]
+    k = mx.zeros((1, 2, 5, 16))
+    with pytest.raises(ValueError):
+        cache.update_and_fetch(k, mx.zeros((1, 3, 5, 16)))  # values of another shape
+    assert cache.pins.ranges() == [] and cache.pin_next == [0]
