@@ -41,6 +41,7 @@ from .recall import retention
 
 NAME = "chatrecall"
 NOFACT = "nofact"
+LIVE_MEM = 1572864  # the float16 bytes of 128 tokens on Qwen2.5-0.5B (24 layers x 2 KV heads x 64)
 DEFAULT_ARMS = ("kvcache,nofact,recommended:memory=f16,h2o,streaming_llm,"
                 "streaming_llm:memory=f16:bits=8")
 
@@ -115,6 +116,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--out", default=None, help="output folder (default results/chatrecall)")
     add("--stem", default=None, help="output file stem (default chatrecall_<split>_<budget>)")
     add("--quiet", action="store_true")
+    live = parser.add_argument_group("live conversations (morphkv.eval.live)")
+    live.add_argument("--live", choices=("serve", "mlx_lm"), default=None,
+                      help="run the chats live through morphkv serve + the openai client, or "
+                      "mlx_lm's chat loop after patch_model, replies generated")
+    live.add_argument("--live-arms", default=f"full=--method full;memory=--kv-memory {LIVE_MEM}",
+                      help="';'-separated name=cache flags (a name ending ':nofact': the chats "
+                      "without their facts; flags 'mlx_lm': mlx_lm's own cache with --live "
+                      "mlx_lm)")
+    live.add_argument("--turns", type=int, default=11, help="user turns before the questions, "
+                      "facts in the first three (default 11)")
+    live.add_argument("--reply-tokens", type=int, default=48, help="tokens per live reply")
+    live.add_argument("--answer-tokens", type=int, default=12, help="tokens per answer")
+    live.add_argument("--verbose", action="store_true", help="show the server's log")
 
 
 def arm_budget(label: str, budget: int) -> int:
@@ -146,6 +160,15 @@ def parse(text: str) -> list[tuple[str, Arm | None]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.live:
+        from .live import run_live
+
+        result = {"benchmark": NAME, "args": vars(args), "environment": environment(),
+                  "load_average": {"start": os.getloadavg()}, **run_live(args)}
+        result["load_average"]["end"] = os.getloadavg()
+        stem = args.stem or f"{NAME}_live_{args.live}_{args.split}"
+        print(f"wrote {write_json(out_dir(args, NAME) / f'{stem}.json', result)}")
+        return 0
     try:
         arms = parse(args.arms)
         for label, arm in arms:

@@ -1,0 +1,228 @@
+"""Live conversations: the chat runs through the entry point a user runs, replies generated.
+
+``morphkv eval chatrecall --live serve`` starts ``morphkv serve`` with each arm's cache flags
+and talks to it with the official ``openai`` client as chat apps do (the whole history resent
+every turn, replies streamed); ``--live mlx_lm`` is mlx_lm's own chat loop after
+``patch_model`` (one prompt cache, each turn templates only its new message, as
+``mlx_lm.chat`` does), with no morphkv call but ``patch_model``. An arm is a name and the cache
+flags ``morphkv serve`` takes (``"memory=--kv-memory 1572864"``; ``mlx_lm`` for mlx_lm's own
+cache with ``--live mlx_lm``, never patched).
+
+Each chat (``chat_items``, held-out split by default): the user turns of the chat (three facts
+said in passing in turns 1-3, one updated in turn 3), ``--turns`` turns in all, each answered
+live in up to ``--reply-tokens`` greedy tokens; then each fact's question is asked from the
+conversation so far (the server: a request with the history, its prompt cache hands a copy
+back; mlx_lm: a deep copy of the prompt cache) and judged strictly (``chat_items.judge``).
+``nofact`` arms run the same chats with every fact clause removed (what guessing scores).
+Per turn: time to the first token and, for the server, its resident memory. Intervals are a
+bootstrap over chats (the questions of one chat are not independent).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+
+from .chat_items import build_chat
+
+NOFACT = ":nofact"  # an arm name ending so runs the chats without their facts
+MLX_LM = "mlx_lm"  # --live mlx_lm: mlx_lm's own cache (make_prompt_cache of the bare model)
+
+
+def parse_arms(text: str) -> list[tuple[str, list[str]]]:
+    """``name=flags;name=flags`` -> [(name, flag list)]."""
+    arms = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, flags = part.partition("=")
+        if not name.strip():
+            raise SystemExit(f"morphkv: error: --live-arms: {part!r} has no name (name=flags)")
+        arms.append((name.strip(), shlex.split(flags)))
+    return arms
+
+
+def user_turns(chat, turns: int, nofact: bool) -> list[str]:
+    msgs = chat.nofact if nofact else chat.messages
+    return [m["content"] for m in msgs if m["role"] == "user"][:turns]
+
+
+def cluster_interval(hits: list[list[bool]], draws: int = 2000, seed: int = 0):
+    """(share, low, high): the share of items right, 95% bootstrap over chats."""
+    hits = [h for h in hits if h]
+    if not hits:
+        return None
+    rng = np.random.default_rng(seed)
+    k = np.array([sum(h) for h in hits])
+    n = np.array([len(h) for h in hits])
+    idx = rng.integers(0, len(hits), (draws, len(hits)))
+    shares = k[idx].sum(1) / n[idx].sum(1)
+    return float(k.sum() / n.sum()), float(np.quantile(shares, 0.025)), float(
+        np.quantile(shares, 0.975))
+
+
+# ---- the plain mlx_lm chat loop ---------------------------------------------------------------
+def mlx_lm_chat(model, tok, flags: list[str], chats, args) -> list[dict]:
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    from ..mlxlm.builder import patch_model, unpatch_model
+    from .chat_items import judge
+
+    unpatch_model(model)
+    if flags != [MLX_LM]:
+        patch_model(model, cache_config(flags))
+    greedy = make_sampler(0.0)
+
+    def say(cache, text: str, max_tokens: int):
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True)
+        start, first, out = time.perf_counter(), None, []
+        for r in stream_generate(model, tok, prompt, max_tokens=max_tokens, sampler=greedy,
+                                 prompt_cache=cache):
+            first = first or time.perf_counter() - start
+            out.append(r.text)
+        return "".join(out), first
+
+    rows = []
+    for chat, nofact in chats:
+        cache = make_prompt_cache(model)
+        firsts = [say(cache, t, args.reply_tokens)[1] for t in user_turns(chat, args.turns, nofact)]
+        answers = [say(copy.deepcopy(cache), q.text, args.answer_tokens)[0]
+                   for q in chat.questions]
+        rows.append(row(chat, answers, firsts, [], judge, cache))
+    unpatch_model(model)
+    return rows
+
+
+def cache_config(flags: list[str]):
+    import argparse
+
+    from ..runtime.cache_flags import add_cache_flags, config_from_flags
+
+    p = argparse.ArgumentParser()
+    add_cache_flags(p, budget=512)
+    return config_from_flags(p.parse_args(flags))
+
+
+def row(chat, answers, firsts, rss, judge, cache=None) -> dict:
+    out = {"chat": chat.index, "answers": answers, "first_token_s": firsts, "rss_mb": rss,
+           "right": [judge(a, q) for a, q in zip(answers, chat.questions, strict=True)],
+           "values": [q.value for q in chat.questions]}
+    if cache is not None and hasattr(cache[0], "pins"):
+        out["pinned"] = cache[0].pins.ranges()
+    return out
+
+
+# ---- morphkv serve with the openai client -----------------------------------------------------
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        line = next((ln for ln in f if ln.startswith("VmRSS:")), "VmRSS: 0 kB")
+    return int(line.split()[1]) / 1024
+
+
+def start_server(model: str, flags: list[str], log) -> tuple[subprocess.Popen, str, str]:
+    port = _port()
+    cmd = [sys.executable, "-m", "morphkv", "serve", "--model", model, "--port", str(port),
+           *flags]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):  # bounded: 5 minutes
+        if proc.poll() is not None:
+            raise SystemExit(f"morphkv: error: the server ({' '.join(cmd)}) exited with "
+                             f"status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                break
+        except OSError:
+            time.sleep(0.5)
+    return proc, url, " ".join(cmd)
+
+
+def served_chat(model_name: str, flags: list[str], chats, args, log) -> list[dict]:
+    import openai
+
+    from .chat_items import judge
+
+    proc, url, _ = start_server(model_name, flags, log)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
+
+        def ask(history, max_tokens):
+            start, first, out = time.perf_counter(), None, []
+            stream = client.chat.completions.create(model="default", messages=history,
+                                                    max_tokens=max_tokens, temperature=0.0,
+                                                    stream=True)
+            for part in stream:
+                if part.choices and part.choices[0].delta.content:
+                    first = first or time.perf_counter() - start
+                    out.append(part.choices[0].delta.content)
+            return "".join(out), first
+
+        rows = []
+        for chat, nofact in chats:
+            history, firsts, rss = [], [], []
+            for text in user_turns(chat, args.turns, nofact):
+                history.append({"role": "user", "content": text})
+                reply, first = ask(history, args.reply_tokens)
+                history.append({"role": "assistant", "content": reply})
+                firsts.append(first)
+                rss.append(_rss_mb(proc.pid))
+            answers = [ask([*history, {"role": "user", "content": q.text}],
+                           args.answer_tokens)[0] for q in chat.questions]
+            rows.append(row(chat, answers, firsts, rss, judge))
+        return rows
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run_live(args) -> dict:
+    """Every arm over the same chats; the result dict (``execute``'s)."""
+    arms = parse_arms(args.live_arms)
+    chats_of = [build_chat(args.split, i, args.seed) for i in range(args.chats)]
+    model = tok = None
+    if args.live == MLX_LM:
+        from .models import load_model
+
+        model, tok = load_model(args.model)
+    result = {"live": args.live, "model": args.model, "split": args.split, "turns": args.turns,
+              "arms": {}}
+    log = open(os.devnull, "w") if not args.verbose else None
+    for name, flags in arms:
+        nofact = name.endswith(NOFACT)
+        chats = [(c, nofact) for c in chats_of]
+        start = time.perf_counter()
+        if args.live == MLX_LM:
+            rows = mlx_lm_chat(model, tok, flags, chats, args)
+        else:
+            rows = served_chat(args.model or "embedded", flags, chats, args, log)
+        hits = [r["right"] for r in rows]
+        firsts = np.array([r["first_token_s"] for r in rows], float)
+        summary = {"flags": flags, "rows": rows, "right": int(sum(map(sum, hits))),
+                   "items": int(sum(map(len, hits))), "interval": cluster_interval(hits),
+                   "first_token_last_over_early": float(np.median(
+                       firsts[:, -1] / np.median(firsts[:, 1:4], axis=1))),
+                   "seconds": time.perf_counter() - start}
+        result["arms"][name] = summary
+        print(f"{name}: {summary['right']}/{summary['items']} facts "
+              f"(interval over {len(rows)} chats: {summary['interval']}), first token last/"
+              f"early turns {summary['first_token_last_over_early']:.2f}x, "
+              f"{summary['seconds']:.0f} s", flush=True)
+    return result
