@@ -163,7 +163,7 @@ def served_chat(model_name: str, flags: list[str], chats, args, log) -> list[dic
 
         def ask(history, max_tokens):
             start, first, out = time.perf_counter(), None, []
-            stream = client.chat.completions.create(model="default", messages=history,
+            stream = client.chat.completions.create(model="default_model", messages=history,
                                                     max_tokens=max_tokens, temperature=0.0,
                                                     stream=True)
             for part in stream:
