@@ -82,7 +82,8 @@ def test_commands_follow_the_cli_contract(tmp_path):
     report.add_arguments(parser)
     args = parser.parse_args(["--results", str(tmp_path.parent), "--docs", str(tmp_path / "docs")])
     assert report.run(args) == 0
-    assert (tmp_path / "docs" / "results.md").read_text().startswith("# Results")
+    assert (tmp_path.parent / "report.md").read_text().startswith("# Results")
+    assert not (tmp_path / "docs" / "results.md").exists()  # the docs keep current figures
 
 
 def test_report_renders_every_committed_figure(tmp_path):

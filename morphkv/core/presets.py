@@ -1,4 +1,4 @@
-"""Named settings: the recommended one (chosen on evidence, see docs/results.md and
+"""Named settings: the recommended one (chosen on evidence, see docs/history.md and
 docs/recall.md) and the paper's.
 
 ``recommended(budget)`` is what ``morphkv generate`` and ``morphkv serve`` use by default:

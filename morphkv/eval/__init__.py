@@ -9,7 +9,7 @@ spec string -> ``KVCacheConfig`` or an mlx_lm cache), ``metrics``, ``texts`` (+ 
 (teacher-forced feeding), ``equal_bytes``; commands: ``fidelity``, ``sweep``, ``recall`` (+
 ``recall_items``, ``recall_natural``, ``recall_report``; data in ``data/recall_*.json``),
 ``chatrecall`` (+ ``chat_items``, ``chat_report``, ``chat_answers``; data in
-``data/chat_*.json``), ``generation``, ``quantized``; ``report`` renders docs/results.md from
+``data/chat_*.json``), ``generation``, ``quantized``; ``report`` renders results/report.md from
 the JSON of every command (quality here, speed in ``morphkv.bench``).
 
 Adding things (one small change each):

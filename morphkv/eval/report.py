@@ -1,4 +1,4 @@
-"""Build docs/results.md from the benchmark JSON files present: tables drawn from the data
+"""Build a results report (``<results>/report.md``) from the benchmark JSON files present: tables drawn from the data
 and notes computed from the numbers.
 
 Each benchmark's JSON is looked for in ``<results>/<name>/`` and then in ``<docs>/figures/``
@@ -329,7 +329,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--results", "results", "benchmark output folder"),
         ("--docs", "docs", "docs folder"),
         ("--copy", False, "copy each benchmark's JSON and PNG into <docs>/figures first"),
-        ("--out", None, "report path (default <docs>/results.md)"),
+        ("--out", None, "report path (default <results>/report.md; the docs keep only "
+                     "current figures)"),
     ])
 
 
@@ -345,7 +346,7 @@ def execute(args: argparse.Namespace) -> str:
         for p in copy_figures(results, docs):
             print("copied", p)
     text = build_report(load_results(results, docs))
-    out = Path(args.out) if args.out else docs / "results.md"
+    out = Path(args.out) if args.out else results / "report.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out}")
