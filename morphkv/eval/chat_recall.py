@@ -163,11 +163,16 @@ def run(args: argparse.Namespace) -> int:
     if args.live:
         from .live import run_live
 
-        result = {"benchmark": NAME, "args": vars(args), "environment": environment(),
-                  "load_average": {"start": os.getloadavg()}, **run_live(args)}
-        result["load_average"]["end"] = os.getloadavg()
-        stem = args.stem or f"{NAME}_live_{args.live}_{args.split}"
-        print(f"wrote {write_json(out_dir(args, NAME) / f'{stem}.json', result)}")
+        path = out_dir(args, NAME) / f"{args.stem or f'{NAME}_live_{args.live}_{args.split}'}.json"
+        head = {"benchmark": NAME, "args": vars(args), "environment": environment(),
+                "load_average": {"start": os.getloadavg()}}
+
+        def save(result):  # after every arm: a stopped run keeps what it measured
+            head["load_average"]["end"] = os.getloadavg()
+            write_json(path, {**head, **result})
+
+        run_live(args, save)
+        print(f"wrote {path}")
         return 0
     try:
         arms = parse(args.arms)

@@ -193,8 +193,8 @@ def served_chat(model_name: str, flags: list[str], chats, args, log) -> list[dic
             proc.kill()
 
 
-def run_live(args) -> dict:
-    """Every arm over the same chats; the result dict (``execute``'s)."""
+def run_live(args, save=lambda result: None) -> dict:
+    """Every arm over the same chats; the result dict, handed to ``save`` after each arm."""
     arms = parse_arms(args.live_arms)
     chats_of = [build_chat(args.split, i, args.seed) for i in range(args.chats)]
     model = tok = None
@@ -225,4 +225,5 @@ def run_live(args) -> dict:
               f"(interval over {len(rows)} chats: {summary['interval']}), first token last/"
               f"early turns {summary['first_token_last_over_early']:.2f}x, "
               f"{summary['seconds']:.0f} s", flush=True)
+        save(result)
     return result

@@ -1,5 +1,5 @@
-"""Build a results report (``<results>/report.md``) from the benchmark JSON files present: tables drawn from the data
-and notes computed from the numbers.
+"""Build a results report (``<results>/report.md``) from the benchmark JSON files present:
+tables drawn from the data and notes computed from the numbers.
 
 Each benchmark's JSON is looked for in ``<results>/<name>/`` and then in ``<docs>/figures/``
 (``SOURCES``); each section is one function in ``SECTIONS`` (``result -> markdown``). A new
