@@ -112,7 +112,7 @@ def _stream_first_token(url, content, max_tokens, out, key):
 def test_on_the_server_a_short_chat_is_answered_during_a_long_prefill():
     pytest.importorskip("openai")
     from morphkv.bench.load_clients import long_text
-    from morphkv.bench.serve import _free_port
+    from morphkv.eval.process import free_port as _free_port
 
     embedded_gguf_path()
     port = _free_port()

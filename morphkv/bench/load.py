@@ -93,10 +93,10 @@ def server_main(argv: list[str]) -> int:
 
 class Server:
     def __init__(self, kind: str, args, out: Path):
+        from ..eval.process import free_port
         from ..runtime.blas import blas_env
-        from .serve import _free_port
 
-        self.kind, self.port = kind, _free_port()
+        self.kind, self.port = kind, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log, self.output = out / f"memory_{kind}.log", out / f"server_{kind}.txt"
         self.log.unlink(missing_ok=True)

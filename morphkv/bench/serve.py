@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ..eval.process import stop_process
+from ..eval.process import free_port, stop_process
 
 PROMPTS = [
     "Write a long story about a lighthouse keeper and a storm.",
@@ -86,19 +85,13 @@ def server_main(argv: list[str]) -> int:
     return serve.serve(args, serve.cache_config(args) if cache == "morphkv" else None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """One server process on loopback, stopped by its process id."""
 
     def __init__(self, cache: str, args, out: Path):
         from ..runtime.blas import blas_env
 
-        self.port, self.log = _free_port(), out / f"memory_{cache}.log"
+        self.port, self.log = free_port(), out / f"memory_{cache}.log"
         self.log.unlink(missing_ok=True)
         flags = [
             "--port",

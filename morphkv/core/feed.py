@@ -96,9 +96,7 @@ class Feed:
         feeds a prompt's last token alone, and its prefill can end in a one-token chunk (so a
         turn's first generated token is pinned too, at times). Called before the update is
         stored (positions may be pinned ahead), so the pins are there before any eviction
-        that could take them."""
-        if C == 1 and not any(self.pin_next):
-            return
+        that could take them. The callers skip it for a plain decode step (no row due)."""
         for i, n in enumerate(counts):
             if n and (C > 1 or self.pin_next[i]):
                 self.pin_range(i, int(firsts[i]), int(firsts[i]) + int(n))  # the cache's

@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import urllib.request
 import numpy as np
 
 from .chat_items import build_chat
+from .process import free_port, stop_process
 
 NOFACT = ":nofact"  # an arm name ending so runs the chats without their facts
 MLX_LM = "mlx_lm"  # --live mlx_lm: mlx_lm's own cache (make_prompt_cache of the bare model)
@@ -122,12 +122,6 @@ def row(chat, answers, firsts, rss, judge, cache=None) -> dict:
 
 
 # ---- morphkv serve with the openai client -----------------------------------------------------
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         line = next((ln for ln in f if ln.startswith("VmRSS:")), "VmRSS: 0 kB")
@@ -135,21 +129,22 @@ def _rss_mb(pid: int) -> float:
 
 
 def start_server(model: str, flags: list[str], log) -> tuple[subprocess.Popen, str, str]:
-    port = _port()
+    port = free_port()
     cmd = [sys.executable, "-m", "morphkv", "serve", "--model", model, "--port", str(port),
            *flags]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):  # bounded: 5 minutes
-        if proc.poll() is not None:
-            raise SystemExit(f"morphkv: error: the server ({' '.join(cmd)}) exited with "
-                             f"status {proc.returncode}")
+    deadline = time.monotonic() + 600
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            status = stop_process(proc)
+            raise SystemExit(f"morphkv: error: the server ({' '.join(cmd)}) did not start "
+                             f"(status {status})")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2):
-                break
+                return proc, url, " ".join(cmd)
         except OSError:
             time.sleep(0.5)
-    return proc, url, " ".join(cmd)
 
 
 def served_chat(model_name: str, flags: list[str], chats, args, log) -> list[dict]:
@@ -186,11 +181,7 @@ def served_chat(model_name: str, flags: list[str], chats, args, log) -> list[dic
             rows.append(row(chat, answers, firsts, rss, judge))
         return rows
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 30)  # by its process id, also when a request failed
 
 
 def run_live(args, save=lambda result: None) -> dict:

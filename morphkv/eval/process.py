@@ -1,4 +1,5 @@
-"""Process and memory helpers: MLX's peak memory, stopping a child process."""
+"""Process and memory helpers: MLX's peak memory, a free loopback port, stopping a child
+process."""
 
 from __future__ import annotations
 
@@ -30,3 +31,12 @@ def stop_process(proc, timeout: float = 20) -> int:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=timeout)
     return proc.returncode
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server a benchmark starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
