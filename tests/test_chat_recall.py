@@ -195,3 +195,41 @@ def test_a_fragment_is_the_values_start_without_its_end(answer, value, ok):
     from morphkv.eval.chat_report import fragment
 
     assert fragment(answer, value) is ok
+
+
+@pytest.mark.slow
+def test_live_serve_runs_chats_through_the_real_server_and_stops_it():
+    """``--live serve``: the real ``morphkv serve`` on 127.0.0.1 and the ``openai`` client,
+    each turn answered live; the server is stopped by its process id afterwards."""
+    import os
+
+    from morphkv.cli.commands import build_parser
+    from morphkv.eval import live
+    from tests.smollm2_fixture import embedded_gguf_path
+
+    pytest.importorskip("openai")
+    embedded_gguf_path()
+    started = []
+    real = live.start_server
+
+    def spy(*a, **kw):
+        started.append(real(*a, **kw))
+        return started[-1]
+
+    live.start_server = spy
+    try:
+        args = build_parser().parse_args(
+            ["eval", "chatrecall", "--live", "serve", "--chats", "1", "--turns", "2",
+             "--reply-tokens", "3", "--answer-tokens", "3", "--live-arms",
+             "memory=--kv-memory 1M"])
+        result = live.run_live(args)
+    finally:
+        live.start_server = real
+    (row,) = result["arms"]["memory"]["rows"]
+    assert len(row["first_token_s"]) == 2 and len(row["rss_mb"]) == 2 and all(row["rss_mb"])
+    assert len(row["answers"]) == len(row["right"]) == 3
+    proc, url, cmd = started[0]
+    assert url.startswith("http://127.0.0.1:") and "--kv-memory" in cmd
+    assert proc.poll() is not None  # stopped
+    with pytest.raises(OSError):
+        os.kill(proc.pid, 0)

@@ -128,10 +128,10 @@ def _rss_mb(pid: int) -> float:
     return int(line.split()[1]) / 1024
 
 
-def start_server(model: str, flags: list[str], log) -> tuple[subprocess.Popen, str, str]:
+def start_server(model: str | None, flags: list[str], log) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "morphkv", "serve", "--model", model, "--port", str(port),
-           *flags]
+    cmd = [sys.executable, "-m", "morphkv", "serve", *(["--model", model] if model else []),
+           "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -147,7 +147,7 @@ def start_server(model: str, flags: list[str], log) -> tuple[subprocess.Popen, s
             time.sleep(0.5)
 
 
-def served_chat(model_name: str, flags: list[str], chats, args, log) -> list[dict]:
+def served_chat(model_name: str | None, flags: list[str], chats, args, log) -> list[dict]:
     import openai
 
     from .chat_items import judge
@@ -203,7 +203,7 @@ def run_live(args, save=lambda result: None) -> dict:
         if args.live == MLX_LM:
             rows = mlx_lm_chat(model, tok, flags, chats, args)
         else:
-            rows = served_chat(args.model or "embedded", flags, chats, args, log)
+            rows = served_chat(args.model, flags, chats, args, log)
         hits = [r["right"] for r in rows]
         firsts = np.array([r["first_token_s"] for r in rows], float)
         summary = {"flags": flags, "rows": rows, "right": int(sum(map(sum, hits))),
