@@ -199,3 +199,50 @@ def test_a_refused_update_pins_nothing():
     with pytest.raises(ValueError):
         cache.update_and_fetch(k, mx.zeros((1, 3, 5, 16)))  # values of another shape
     assert cache.pins.ranges() == [] and cache.pin_next == [0]
+
+
+def _overflowing_pins(pin_rank: str, engine: str, method: str, block: int):
+    """Pinned chat turns twice the budget: each turn 6 tokens whose keys point one way (a
+    template repeated every turn) and, in the first turn only, 2 keys pointing elsewhere (a
+    fact said once). Returns (kept positions, the fact's positions)."""
+    from morphkv import MorphKVCache
+
+    config = KVCacheConfig(method=method, morphkv_block=block, engine=engine, pin_rank=pin_rank,
+                           **{**PINNED, "morphkv_budget": 20})
+    cache = MorphKVCache(config)
+    rng = np.random.default_rng(5)
+    common = rng.standard_normal(16).astype(np.float32)
+    fact = (2, 3)
+    for turn in range(6):
+        keys = common + 0.05 * rng.standard_normal((6, 16)).astype(np.float32)
+        if turn == 0:
+            keys[list(fact)] = rng.standard_normal((2, 16))  # distinctive directions
+        k = mx.array(keys)[None, None]  # (1, 1, 6, 16)
+        cache.update_and_fetch(k, k + 1)
+        for _ in range(3):  # the model's own tokens, one at a time (unpinned)
+            one = mx.array(common + rng.standard_normal(16).astype(np.float32))[None, None, None]
+            cache.update_and_fetch(one, one)
+    return set(cache.kept_positions[0, 0].tolist()), set(fact)
+
+
+@pytest.mark.parametrize(("engine", "method", "block"),
+                         [("host", "streaming_llm", 1), ("mlx", "streaming_llm", 2),
+                          ("host", "keydiff", 1)])
+def test_overflowing_pins_rank_by_key_geometry_with_pin_rank_keydiff(engine, method, block):
+    """``pin_rank="keydiff"``: once pins alone overflow, the pinned key most like the mean
+    goes first, so a fact said once in the oldest turn outlives the repeated template; with
+    ``pin_rank="rule"`` (recency) the oldest pinned go, the fact with them."""
+    kept, fact = _overflowing_pins("keydiff", engine, method, block)
+    assert fact <= kept
+    if method == "streaming_llm":
+        kept_by_age, _ = _overflowing_pins("rule", engine, method, block)
+        assert not fact & kept_by_age
+    for rank in ("keydiff", "keydiff-span"):  # both engines choose alike
+        if method == "streaming_llm":
+            host, _ = _overflowing_pins(rank, "host", method, 2)
+            assert host == _overflowing_pins(rank, "mlx", method, 2)[0]
+
+
+def test_pin_rank_is_validated():
+    with pytest.raises(ValueError, match="pin_rank='age' is unknown"):
+        KVCacheConfig(pin_rank="age").validate()

@@ -11,6 +11,7 @@ from .rules.attention import FUSIONS
 SCORINGS = ("auto", "attention", "proxy")
 ENGINES = ("auto", "mlx", "host")
 PIN_POLICIES = ("none", "prompt")
+PIN_RANKS = ("rule", "keydiff", "keydiff-span")  # how pinned tokens rank among themselves
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,12 @@ class KVCacheConfig:
             may end in a one-token chunk); other tokens the model generates one at a time are
             not. ``"none"``: only what ``pin()`` is given.
             ``recommended(memory=...)`` sets ``"prompt"``.
+        pin_rank: which pinned tokens go first once the pins alone overflow the budget
+            (``morphkv.core.rules.pin_scorer``): ``"rule"``: the rule's own score (recency:
+            the oldest); ``"keydiff"``: key geometry (the pinned key most like the mean key
+            goes: a template's tokens repeated every turn before a name or number said once);
+            ``"keydiff-span"``: that score max-pooled over 5 neighbours, so a word's
+            sub-tokens stay or go together. Unpinned tokens always go before pinned ones.
     """
 
     method: str = "morphkv"
@@ -90,6 +97,7 @@ class KVCacheConfig:
     morphkv_recent_share: float | None = None
     engine: str = "auto"
     pin: str = "none"
+    pin_rank: str = "rule"
 
     @property
     def default_engine(self) -> str:
@@ -193,6 +201,8 @@ class KVCacheConfig:
             raise ValueError(f"engine={self.engine!r} is unknown; valid: {ENGINES}")
         if self.pin not in PIN_POLICIES:
             raise ValueError(f"pin={self.pin!r} is unknown; valid: {PIN_POLICIES}")
+        if self.pin_rank not in PIN_RANKS:
+            raise ValueError(f"pin_rank={self.pin_rank!r} is unknown; valid: {PIN_RANKS}")
         if self.engine == "mlx" and not rule.evicts:
             raise ValueError(f"engine='mlx' runs evictions on the device: method={self.method!r} "
                              "evicts nothing (use engine='auto' or 'host')")

@@ -25,7 +25,7 @@ import numpy as np
 
 from .blocks import running_kind
 from .engine import next_eviction
-from .rules import make_rule
+from .rules import make_rule, pin_scorer
 
 RTOL = 2.0**-9  # two float16 ulps: rows rounded from float32 instead of float64 (+ value norms)
 TOP_BITS = mx.array(0xFFFFFFFF, mx.uint32)  # above every float32's bits (NaN included)
@@ -91,6 +91,7 @@ class DeviceEngine:
 
     def __init__(self, config, B: int, H: int, head_dim: int, real_queries: bool) -> None:
         self.config, self.rule = config, make_rule(config)
+        self.pin_rule = pin_scorer(config)  # ranks pinned tokens among themselves (or None)
         self.B, self.H, self.rows, self.head_dim = B, H, B * H, head_dim
         self.scale = 1.0 / math.sqrt(config.head_dim or head_dim)
         self.block = config.block
@@ -220,15 +221,17 @@ class DeviceEngine:
         unprotected slots. ``keys``: the stored keys (R, n, D) float, for proxy windows."""
         c, n = self.config, self.slots
         self._keys = keys
+        pos = self.stored_positions
+        pinned = self.pins.device(pos) if self.pins else None
         try:
             scores = self.rule.score(self).astype(mx.float32)
+            if pinned is not None and self.pin_rule is not None:
+                scores = mx.where(pinned, self.pin_rule.score(self).astype(mx.float32), scores)
         finally:
             self._keys = None
         norms = None if self.value_norms is None else self.value_norms[:, :n]
         bounds = mx.array([c.n_sink, self.seen - 1 - c.recent], mx.int32)
-        pos = self.stored_positions
-        if self.pins:
-            pinned = self.pins.device(pos)
+        if pinned is not None:
             return _lowest(self.block, norms is not None, True)(scores, norms, pos, bounds, pinned)
         return _lowest(self.block, norms is not None, False)(scores, norms, pos, bounds)
 

@@ -33,7 +33,7 @@ from .config import KVCacheConfig
 from .host_blas import one_blas_thread
 from .pins import host_select
 from .rows import causal_rows, proxy_rows
-from .rules import make_rule
+from .rules import make_rule, pin_scorer
 
 TOP = float(np.finfo(np.float64).max)
 NO_NORMS = np.zeros((0, 0), np.float16)
@@ -64,6 +64,7 @@ class Engine:
     def __init__(self, config: KVCacheConfig, rows: int, head_dim: int, real_queries: bool) -> None:
         self.config = config
         self.rule = make_rule(config)
+        self.pin_rule = pin_scorer(config)  # ranks pinned tokens among themselves (or None)
         self.rows = rows
         self.head_dim = head_dim
         self.scale = 1.0 / math.sqrt(config.head_dim or head_dim)  # the hook sets the model's
@@ -379,8 +380,11 @@ class Engine:
         out = np.empty((self.rows, self.block), np.int64)
         last = self.seen - 1 - c.recent
         bits = norms.view(np.uint16)
-        if self.pins:  # pinned slots go last (core.pins)
-            host_select(scores, bits, positions, c.n_sink, last, self.block, self.pins, out)
+        if self.pins:  # pinned slots go last (core.pins), ranked by pin_rule if one
+            rule = self.pin_rule
+            ranked = None if rule is None else lambda: np.asarray(rule.score(self), np.float64)
+            host_select(scores, bits, positions, c.n_sink, last, self.block, self.pins, out,
+                        ranked)
             return out
         # protected: the sinks and the last ``recent`` positions; scores times the value norms
         kernels.select(scores, bits, positions, c.n_sink, last, self.block, out)

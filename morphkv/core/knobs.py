@@ -30,6 +30,7 @@ FIELDS = {  # a knob's name -> the KVCacheConfig field that holds it
     "recent_share": "morphkv_recent_share",
     "engine": "engine",
     "pin": "pin",
+    "pin_rank": "pin_rank",
 }
 OLD = {"n_sink": "sinks", "bits": "kv_bits", "memory": "kv_memory"}  # older spellings
 NAMES = {field: name for name, field in FIELDS.items()}

@@ -114,18 +114,23 @@ class Pins:
         return ((p >= starts) & (p < ends)).any(axis=-1)
 
 
-def host_select(scores, norm_bits, positions, n_sink: int, last: int, block: int, pins, out):
+def host_select(scores, norm_bits, positions, n_sink: int, last: int, block: int, pins, out,
+                ranked=None):
     """``kernels.select`` with pinned slots last: pinned -> inf; a row left with fewer than
-    ``block`` unpinned candidates evicts all of them and its lowest pinned ones."""
+    ``block`` unpinned candidates evicts all of them and its lowest pinned ones, by
+    ``ranked()`` (the pinned tokens' own scores, ``KVCacheConfig.pin_rank``; read only then)
+    or else by ``scores``."""
     pinned = pins.host(positions)
     free = (positions >= n_sink) & (positions <= last) & ~pinned
     select(np.where(pinned, np.inf, scores), norm_bits, positions, n_sink, last, block, out)
-    for r in np.nonzero(free.sum(axis=1) < block)[0]:
+    short = np.nonzero(free.sum(axis=1) < block)[0]
+    pinned_scores = ranked() if ranked is not None and short.size else scores
+    for r in short:
         mine = np.nonzero(free[r])[0]
         rest = np.empty((1, block - mine.size), np.int64)
         bits = norm_bits[r : r + 1] if norm_bits.size else norm_bits
-        select(np.where(pinned[r], scores[r], np.inf)[None], bits, positions[r : r + 1], n_sink,
-               last, block - mine.size, rest)
+        select(np.where(pinned[r], pinned_scores[r], np.inf)[None], bits, positions[r : r + 1],
+               n_sink, last, block - mine.size, rest)
         out[r] = np.concatenate([mine, rest[0]])
 
 

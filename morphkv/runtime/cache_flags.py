@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.config import ENGINES, PIN_POLICIES, SCORINGS, KVCacheConfig
+from ..core.config import ENGINES, PIN_POLICIES, PIN_RANKS, SCORINGS, KVCacheConfig
 from ..core.knobs import FIELDS, flag
 from ..core.presets import PRESETS
 from ..core.rules import METHODS
@@ -66,6 +66,10 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                 "every prefilled token (prompts, chat turns, server requests), not the model's "
                 "own generated tokens; none: nothing (default: the preset's: prompt with "
                 "--kv-memory, else none)."),
+    "pin_rank": dict(choices=list(PIN_RANKS), help="Which pinned tokens go first once pins "
+                     "alone overflow the budget: rule (its own score; recency: the oldest), "
+                     "keydiff (the key most like the mean key), keydiff-span (that, pooled "
+                     "over 5 neighbours) (default: the preset's)."),
     "kv_bits": dict(type=int, choices=(4, 8), help="Store keys and values quantized to 4 or 8 "
                     "bits (default: as they arrive, unquantized)."),
     "kv_group_size": dict(type=int, choices=(32, 64, 128), help="Quantization group size with "

@@ -58,5 +58,19 @@ def make_rule(config) -> Rule:
     return pooled if pooled.kernel > 1 else rule
 
 
+PIN_SPAN = 5  # keydiff-span: neighbours a pinned token's key score is pooled over
+
+
+def pin_scorer(config) -> Rule | None:
+    """What ranks pinned tokens among themselves once they must go (``pin_rank``): None for
+    the rule's own score, else a key-geometry rule (``KeyDiff``, span-pooled for
+    ``"keydiff-span"``). It needs only the stored keys, so it works beside any rule."""
+    rank = getattr(config, "pin_rank", "rule")
+    if rank == "rule":
+        return None
+    return Pooled(KeyDiff(), PIN_SPAN) if rank == "keydiff-span" else KeyDiff()
+
+
 __all__ = ["METHODS", "Array", "Cumulative", "Full", "KeyDiff", "Peak", "Pooled", "Random",
-           "Recency", "Rule", "SlidingWindow", "Tova", "WindowAttention", "make_rule"]
+           "Recency", "Rule", "SlidingWindow", "Tova", "WindowAttention", "make_rule",
+           "pin_scorer"]
