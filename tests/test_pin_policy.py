@@ -81,10 +81,13 @@ def test_plain_mlx_lm_chat_loop_pins_every_turn_and_pins_overflow_by_the_rule():
     assert not (kept - pinned) - set(range(start - 6, start))  # unpinned: the newest reply
 
 
-@pytest.mark.parametrize("block", [1, 4])
-@pytest.mark.parametrize("method", ["streaming_llm", "morphkv", "h2o"])
-def test_batch_rows_pin_per_row_and_equal_single_runs(method, block):
-    model = model_for(method, block=block)
+@pytest.mark.parametrize(("method", "block", "pin_rank"),
+                         [(m, b, "rule") for m in ("streaming_llm", "morphkv", "h2o")
+                          for b in (1, 4)]
+                         + [("streaming_llm", 1, "keydiff"), ("morphkv", 4, "keydiff-span")])
+def test_batch_rows_pin_per_row_and_equal_single_runs(method, block, pin_rank):
+    """(a 30-token prompt overflows the 16-token budget: pinned tokens rank by pin_rank)"""
+    model = model_for(method, block=block, pin_rank=pin_rank)
     prompts, max_tokens = prompts_of([5, 30, 12]), [20, 9, 25]
     res = batch_generate(model, _Tok(), prompts, max_tokens=max_tokens, prefill_step_size=STEP,
                          return_prompt_caches=True, return_token_ids=True)

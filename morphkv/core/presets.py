@@ -34,6 +34,10 @@ MEMORY_BITS = 8  # storage precision of recommended(memory=...)
 # every prompt itself (KVCacheConfig.pin), so every entry point (mlx_lm's generate, chat loop,
 # batch_generate, server) runs it as evaluated, with no morphkv.pin call
 MEMORY_PIN = "prompt"
+# once the pinned prompts alone overflow, the pinned token whose key is most like the mean key
+# goes first (KeyDiff among the pinned): chosen by the fixed rule of docs/recall.md on tune
+# chats through mlx_lm.chat's loop (keydiff 4/9, keydiff-span 2/9, the rule's recency 0/9)
+MEMORY_PIN_RANK = "keydiff"
 BLOCK = 16  # recommended: evict 16 tokens every 16 (no window ring; docs/engine.md, issue 26)
 
 
@@ -50,7 +54,9 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     ``MEMORY_METHOD`` (recency: 4 sinks, the oldest other token goes, per token), which holds
     no selection state, so every byte is a token; it pins every prompt (``pin="prompt"``: the
     tokens of each prefill, a chat's user turns with their template tokens, are evicted after
-    the model's own), so plain mlx_lm calls keep the user's words with no ``morphkv.pin``.
+    the model's own), so plain mlx_lm calls keep the user's words with no ``morphkv.pin``; once the pinned tokens
+    alone overflow, KeyDiff ranks them (``pin_rank="keydiff"``: a template repeated every turn
+    goes before a word said once).
     Chosen by a fixed rule on tune chats and texts (issue 33; docs/recall.md).
     ``recommended(budget)`` evicts in blocks of ``BLOCK`` tokens: once full, every 16th token
     evicts 16 at once (between evictions the cache holds ``budget - 15`` to ``budget``
@@ -70,7 +76,8 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     )
     if memory is not None:  # the KVCacheConfig defaults but for these
         fields = dict(method=MEMORY_METHOD, morphkv_budget=0, kv_memory=memory,
-                      kv_bits=MEMORY_BITS, morphkv_n_sink=N_SINK, pin=MEMORY_PIN)
+                      kv_bits=MEMORY_BITS, morphkv_n_sink=N_SINK, pin=MEMORY_PIN,
+                      pin_rank=MEMORY_PIN_RANK)
     fields.update(overrides)
     return KVCacheConfig(**fields).validate(resolved=memory is None)
 
