@@ -226,6 +226,8 @@ def test_live_serve_runs_chats_through_the_real_server_and_stops_it():
     finally:
         live.start_server = real
     (row,) = result["arms"]["memory"]["rows"]
+    assert row["chat"] == 0
+    assert [c.index for c in live.held_out_chats(args.split, 2, 1, args.seed)] == [2]  # --first
     assert len(row["first_token_s"]) == 2 and len(row["rss_mb"]) == 2 and all(row["rss_mb"])
     assert len(row["answers"]) == len(row["right"]) == 3
     proc, url, cmd = started[0]

@@ -184,10 +184,15 @@ def served_chat(model_name: str | None, flags: list[str], chats, args, log) -> l
         stop_process(proc, 30)  # by its process id, also when a request failed
 
 
+def held_out_chats(split: str, first: int, count: int, seed: int) -> list:
+    """Chats ``first`` .. ``first + count - 1`` of ``split`` (``--first``, ``--chats``)."""
+    return [build_chat(split, i, seed) for i in range(first, first + count)]
+
+
 def run_live(args, save=lambda result: None) -> dict:
     """Every arm over the same chats; the result dict, handed to ``save`` after each arm."""
     arms = parse_arms(args.live_arms)
-    chats_of = [build_chat(args.split, i, args.seed) for i in range(args.chats)]
+    chats_of = held_out_chats(args.split, args.first, args.chats, args.seed)
     model = tok = None
     if args.live == MLX_LM:
         from .models import load_model

@@ -142,6 +142,8 @@ def describe(config: KVCacheConfig) -> str:
         text += f" {config.kv_bits}-bit (groups of {config.kv_group_size})"
     if config.pin != "none":
         text += f" pin={config.pin}"
+        if config.pin_rank != "rule":
+            text += f" pin-rank={config.pin_rank}"
     return text
 
 
