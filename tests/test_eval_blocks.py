@@ -1,4 +1,5 @@
-"""``morphkv eval blocks``: recall and KL per eviction block, on a tiny random-weight llama
+"""``morphkv eval fidelity --mode blocks``: recall and KL per eviction block, on a tiny
+random-weight llama
 (fast) and on the embedded model (slow)."""
 
 from __future__ import annotations
