@@ -106,7 +106,7 @@ def test_bad_flags_are_one_line_errors(tmp_path):
         B.settings(_args("--split", "tune", "--items-from", str(bad)))
     with pytest.raises(SystemExit, match="answered none"):
         B.settings(_args("--split", "test", "--items-from", str(bad)))
-    with pytest.raises(SystemExit, match="not a bench overhead"):
+    with pytest.raises(SystemExit, match="not a bench speed --mode overhead"):
         R.read_speed(str(bad), "recommended", [1])
 
 

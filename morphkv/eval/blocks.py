@@ -219,7 +219,8 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     if model is None:
         model, tokenizer = load_model(args.model)
     if tokenizer is None:
-        raise SystemExit("morphkv: error: eval blocks needs a model with a tokenizer")
+        raise SystemExit("morphkv: error: eval fidelity --mode blocks needs a model with a "
+                         "tokenizer")
     start, load = time.perf_counter(), os.getloadavg()
     specs = {f"block {b}": s for b, s in block_specs(args.setting, blocks).items()}
     held = {label: held_bound(model, recall.parse_arms(s)[0].spec, args.budget, 2 * b + 16)

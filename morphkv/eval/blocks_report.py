@@ -130,8 +130,8 @@ def read_speed(path: str, setting: str, blocks: list[int]) -> dict:
         budget = int(data["args"]["budget"])
         contexts = data.get("by_context") or {str(data["args"]["prompt_tokens"]): data["median"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"morphkv: error: --speed {path}: not a bench overhead JSON ({e})") \
-            from None
+        raise SystemExit(f"morphkv: error: --speed {path}: not a bench speed --mode overhead "
+                         f"JSON ({e})") from None
     own = PRESETS[setting](budget).block
     out: dict[str, dict] = {}
     for block in blocks:
