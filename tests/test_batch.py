@@ -328,7 +328,8 @@ def test_decode_step_is_the_same_graph_for_any_number_of_rows():
 
 
 def test_bench_batch_quick(tmp_path):
-    """``morphkv bench batch --quick`` measures every arm, layer and model, and saves JSON."""
+    """``morphkv bench speed --mode batch --quick`` measures every arm, layer and model, and saves
+    JSON."""
     import argparse
     import json
 

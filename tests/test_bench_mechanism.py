@@ -97,7 +97,7 @@ def test_report_renders_every_committed_figure(tmp_path):
     text = report.build_report(found)
     for name in found:
         assert name in text
-    assert "`morphkv bench layer`" in text and "`morphkv eval fidelity`" in text
+    assert "`morphkv bench speed --mode layer`" in text and "`morphkv eval fidelity`" in text
 
 
 def test_missing_matplotlib_is_one_line_before_any_work(tmp_path, monkeypatch):

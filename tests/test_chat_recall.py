@@ -96,7 +96,7 @@ def test_smoke_run_on_the_embedded_model(tmp_path, monkeypatch):
     pair = load_embedded()  # the module's one load of the model
     monkeypatch.setattr(chat_recall, "load_model", lambda name: pair)
 
-    rc = main(["eval", "chatrecall", "--split", "tune", "--chats", "1", "--budget", "32",
+    rc = main(["eval", "recall", "--split", "tune", "--chats", "1", "--budget", "32",
                "--min-distance", "3", "--max-tokens", "3", "--arms",
                "kvcache,nofact,streaming_llm,recommended:memory=f16,recommended:memory=f16+pin",
                "--out", str(tmp_path),
@@ -183,7 +183,7 @@ def test_the_report_section_names_the_command_and_the_table():
               "summary": summarize(chats, ["kvcache", "h2o@64"]),
               "load_average": {"start": [3.0, 2, 1], "end": [4.0, 2, 1]}}
     text = section(result)
-    assert "morphkv eval chatrecall --model qwen2.5-0.5b --split test --chats 1" in text
+    assert "morphkv eval recall --model qwen2.5-0.5b --split test --chats 1" in text
     assert '--arms "kvcache,h2o@64"' in text and "`h2o@64`" in text and "3.0" in text
 
 
@@ -219,7 +219,7 @@ def test_live_serve_runs_chats_through_the_real_server_and_stops_it():
     live.start_server = spy
     try:
         args = build_parser().parse_args(
-            ["eval", "chatrecall", "--live", "serve", "--chats", "1", "--turns", "2",
+            ["eval", "recall", "--live", "serve", "--chats", "1", "--turns", "2",
              "--reply-tokens", "3", "--answer-tokens", "3", "--live-arms",
              "memory=--kv-memory 1M"])
         result = live.run_live(args)

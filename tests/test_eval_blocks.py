@@ -1,4 +1,5 @@
-"""``morphkv eval blocks``: recall and KL per eviction block, on a tiny random-weight llama
+"""``morphkv eval fidelity --mode blocks``: recall and KL per eviction block, on a tiny
+random-weight llama
 (fast) and on the embedded model (slow)."""
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def test_bad_flags_are_one_line_errors(tmp_path):
         B.settings(_args("--split", "tune", "--items-from", str(bad)))
     with pytest.raises(SystemExit, match="answered none"):
         B.settings(_args("--split", "test", "--items-from", str(bad)))
-    with pytest.raises(SystemExit, match="not a bench overhead"):
+    with pytest.raises(SystemExit, match="not a bench speed --mode overhead"):
         R.read_speed(str(bad), "recommended", [1])
 
 

@@ -1,5 +1,5 @@
 """Evaluation at equal bytes: memory arms (``memory=f16`` / a size) resolved for the model,
-natural-chat recall items, and ``morphkv eval bytes``."""
+natural-chat recall items, and ``morphkv eval fidelity --mode bytes``."""
 
 from __future__ import annotations
 

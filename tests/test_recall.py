@@ -1,4 +1,5 @@
-"""``morphkv eval recall``: arm specs, scoring, items, intervals, retention, and smoke runs on the
+"""``morphkv eval recall --data longchat``: arm specs, scoring, items, intervals, retention, and
+smoke runs on the
 embedded model (answers and the prefill-only screen)."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The mixed-length level of ``morphkv bench load``: N requests from C concurrent clients.
+"""The mixed-length level of ``morphkv bench serve --scenario load``: N requests from C concurrent
+clients.
 
 Request ``k`` of the level (clients take the next ``k`` as they become free) is: the one 8k-token
 prompt (non-streamed) at k = 3, a 2k-token prompt (streamed: its time to first token is

@@ -1,4 +1,4 @@
-"""Summary and figure of ``morphkv bench load`` (see ``morphkv.bench.load``)."""
+"""Summary and figure of ``morphkv bench serve --scenario load`` (see ``morphkv.bench.load``)."""
 
 from __future__ import annotations
 

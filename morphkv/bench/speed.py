@@ -6,7 +6,7 @@ Decode is measured teacher-forced: a short prompt is prefilled, then real text (
 ``--every`` tokens each arm records tokens/s over the last block, the median ms/token, MLX
 active and peak memory (peak reset once per arm) and the stored KV bytes (the caches'
 ``nbytes``). How the arms are driven: ``length.py``. ``--micro`` runs the per-layer grid of
-``morphkv bench layer`` instead (kept for compatibility).
+``morphkv bench speed --mode layer`` instead (kept for compatibility).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         ("--chunk", 256, "chunk size for --sample"),
         ("--in-process", False, "run the arms in this process, one after another"),
         ("--quick", False, "tiny run for tests/CI"),
-        ("--micro", False, "the per-layer grid instead (same as `morphkv bench layer --grid`)"),
+        ("--micro", False, "the per-layer grid instead (same as "
+         "`morphkv bench speed --mode layer --grid`)"),
         ("--repeats", 0, "micro: timed repeats (0: auto)"),
         ("--out", "results/speed", "output directory"),
         ("--no-plot", False, "skip the PNG plots"),
@@ -168,7 +169,7 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     result. ``model`` (and ``tokenizer``) may be passed in to skip loading."""
     if getattr(args, "worker", None):
         return {"exit": worker_main(args)}
-    if args.micro:  # the per-layer grid: morphkv bench layer --grid
+    if args.micro:  # the per-layer grid: morphkv bench speed --mode layer --grid
         from . import layer
 
         grid = argparse.ArgumentParser()

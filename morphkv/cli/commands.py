@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 
 from ..runtime.program import INTERRUPTED, invoked_as_program
@@ -20,25 +21,60 @@ COMMANDS: list[tuple[str, str]] = [
     ("chat", "morphkv.cli.chat"),
     ("bench mechanism", "morphkv.bench.mechanism"),
     ("bench speed", "morphkv.bench.speed"),
-    ("bench layer", "morphkv.bench.layer"),
-    ("bench overhead", "morphkv.bench.overhead"),
-    ("bench kernels", "morphkv.bench.kernels"),
     ("bench blas", "morphkv.bench.blas"),
     ("bench serve", "morphkv.bench.serve"),
-    ("bench chat", "morphkv.bench.chat"),
-    ("bench load", "morphkv.bench.load"),
-    ("bench fair", "morphkv.bench.fair"),
-    ("bench batch", "morphkv.bench.batch_step"),
+    ("eval recall", "morphkv.eval.chat_recall"),
     ("eval fidelity", "morphkv.eval.fidelity"),
     ("eval generation", "morphkv.eval.generation"),
-    ("eval sweep", "morphkv.eval.sweep"),
-    ("eval recall", "morphkv.eval.recall"),
-    ("eval chatrecall", "morphkv.eval.chat_recall"),
-    ("eval quantized", "morphkv.eval.quantized"),
-    ("eval bytes", "morphkv.eval.bytes"),
-    ("eval blocks", "morphkv.eval.blocks"),
     ("report", "morphkv.eval.report"),
 ]
+
+# a command with modes: its mode option and, per mode, the module that measures it (the
+# first is the default: the module named in COMMANDS); each mode keeps its own options
+MODES: dict[str, tuple[str, str, dict[str, str]]] = {
+    "eval recall": ("--data", "Does a bounded cache remember what was said: recall per arm", {
+        "chats": "morphkv.eval.chat_recall",  # facts said in chats, asked at the end
+        "longchat": "morphkv.eval.recall",  # one fact early in a long chat
+        "blocks": "morphkv.eval.blocks",  # recall and KL per eviction block
+    }),
+    "eval fidelity": ("--mode", "KL and NLL to the full cache on texts, per arm and budget", {
+        "texts": "morphkv.eval.fidelity",
+        "sweep": "morphkv.eval.sweep",
+        "quantized": "morphkv.eval.quantized",
+        "bytes": "morphkv.eval.bytes",
+        "blocks": "morphkv.eval.blocks",
+    }),
+    "bench speed": ("--mode", "Speed in the model and per layer, against mlx_lm's caches", {
+        "length": "morphkv.bench.speed",
+        "overhead": "morphkv.bench.overhead",
+        "layer": "morphkv.bench.layer",
+        "kernels": "morphkv.bench.kernels",
+        "batch": "morphkv.bench.batch_step",
+    }),
+    "bench serve": ("--scenario", "morphkv serve against mlx_lm's server: throughput, load, "
+                    "faults, fairness, long chats", {
+        "throughput": "morphkv.bench.serve",
+        "load": "morphkv.bench.load",
+        "chat": "morphkv.bench.chat",
+        "fair": "morphkv.bench.fair",
+    }),
+}
+
+# old names (one release): one line naming the new command line, exit status 2, nothing run
+MOVED: dict[str, str] = {
+    "eval chatrecall": "eval recall",
+    "eval sweep": "eval fidelity --mode sweep",
+    "eval quantized": "eval fidelity --mode quantized",
+    "eval bytes": "eval fidelity --mode bytes",
+    "eval blocks": "eval fidelity --mode blocks",
+    "bench overhead": "bench speed --mode overhead",
+    "bench layer": "bench speed --mode layer",
+    "bench kernels": "bench speed --mode kernels",
+    "bench batch": "bench speed --mode batch",
+    "bench load": "bench serve --scenario load",
+    "bench chat": "bench serve --scenario chat",
+    "bench fair": "bench serve --scenario fair",
+}
 
 
 # optional dependencies (pyproject's extras): a missing one is one line naming the extra
@@ -65,7 +101,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with every usage error as one line (and exit status 2)."""
+    """argparse, with every usage error as one line (and exit status 2). A command with modes
+    (``MODES``) hands its arguments to the parser of the mode they name (``modes``)."""
+
+    modes: tuple[str, dict[str, argparse.ArgumentParser]] | None = None
 
     def __init__(self, *a, **kw):
         kw.setdefault("formatter_class", HelpFormatter)
@@ -73,6 +112,45 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+    def _mode_parser(self, args: list[str]) -> argparse.ArgumentParser:
+        option, parsers = self.modes
+        mode = next(iter(parsers))
+        for i, word in enumerate(args):
+            if word == "--":
+                break
+            if word == option and i + 1 < len(args):
+                mode = args[i + 1]
+            elif word.startswith(option + "="):
+                mode = word.split("=", 1)[1]
+        return parsers.get(mode, parsers[next(iter(parsers))])  # an unknown one: its error
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self.modes is None:
+            return super().parse_known_args(args, namespace)
+        args = list(sys.argv[1:] if args is None else args)
+        return self._mode_parser(args).parse_known_args(args, namespace)
+
+    def format_help(self):
+        return super().format_help() if self.modes is None else self._mode_parser([]).format_help()
+
+
+class Moved(Parser):
+    """An old command name: takes any arguments; its ``_run`` names the new command line."""
+
+    def __init__(self, *a, new: str = "", **kw):
+        super().__init__(*a, **kw)
+        self.new = new
+
+    def parse_known_args(self, args=None, namespace=None):
+        words = " ".join(shlex.quote(w) for w in (sys.argv[1:] if args is None else args))
+        line = f"{self.prog}: renamed: run `morphkv {self.new}{' ' + words if words else ''}`"
+
+        def run(_args) -> int:
+            print(line, file=sys.stderr)
+            return 2
+
+        return argparse.Namespace(_run=run), []
 
 
 class ListCommands:
@@ -98,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups: dict[str, tuple[argparse._SubParsersAction, list[str]]] = {}
     for name, module_name in COMMANDS:
         module = importlib.import_module(module_name)
-        help_text = _help_of(module)
+        help_text = MODES[name][1] if name in MODES else _help_of(module)
         *group, leaf = name.split()
         target = sub
         if group:  # "bench speed": a subcommand of the "bench" group
@@ -116,10 +194,36 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             top_names.append(leaf)
         p = target.add_parser(leaf, help=help_text, description=help_text)
-        module.add_arguments(p)
-        p.set_defaults(_run=getattr(module, "run", None) or _measurement(module.execute))
+        if name in MODES:
+            _add_modes(p, MODES[name][0], MODES[name][2])
+        else:
+            _add_command(p, module)
+    for name, new in MOVED.items():
+        group, leaf = name.split()
+        gsub = groups[group][0]
+        gsub._name_parser_map[leaf] = Moved(prog=f"morphkv {name}", new=new)
     parser.set_defaults(_run=ListCommands(parser, top_names))
     return parser
+
+
+def _add_command(p: argparse.ArgumentParser, module) -> None:
+    module.add_arguments(p)
+    p.set_defaults(_run=getattr(module, "run", None) or _measurement(module.execute))
+
+
+def _add_modes(p: Parser, option: str, modes: dict[str, str]) -> None:
+    """One parser per mode, each with the mode option and that mode's module's options."""
+    listed = ", ".join(modes)
+    parsers = {}
+    for mode, module_name in modes.items():
+        module = importlib.import_module(module_name)
+        child = Parser(prog=p.prog, description=f"{option} {mode}: {_help_of(module)}.")
+        child.add_argument(option, choices=list(modes), default=next(iter(modes)),
+                           help=f"what to measure: {listed}; each has its own options "
+                           f"({p.prog} {option} NAME --help) (default: {next(iter(modes))})")
+        _add_command(child, module)
+        parsers[mode] = child
+    p.modes = (option, parsers)
 
 
 def _measurement(execute):

@@ -1,9 +1,11 @@
-"""``morphkv eval blocks``: quality per eviction block: natural-chat recall and KL to full cache.
+"""``morphkv eval fidelity --mode blocks``: quality per eviction block: natural-chat recall and KL
+to full cache.
 
 For one setting (``recommended`` by default, or ``paper``) at one budget, every block of
 ``--blocks`` (arms ``<setting>:block=N``) is measured on the SAME items and texts of one split:
 
-- recall (``morphkv eval recall --set natural``'s items and runner): a fact said in passing in
+- recall (``morphkv eval recall --data longchat --set natural``'s items and runner): a fact said in
+passing in
   the first turns of a chat, asked 3-6 budgets later; counted over the items the full cache
   answers, with a 95% Wilson interval, and per block the items lost / gained against block 1;
 - teacher-forced KL(full || arm) (``runner.Feeder``, exact chunks): per position from the first
@@ -17,7 +19,7 @@ bytes = every byte a cache can hold, storage + selection state + pending queries
 Texts: ``tune`` = Python's language reference prose (``pydoc_data``), conversation 0, the
 model's continuation of ``CONTINUATION_PROMPT``; ``test`` = standard-library docstrings (the test
 items' distractor source), conversations 1 and 2, the continuation of another prompt.
-``--speed`` joins decode/prefill ratios from a ``morphkv bench overhead`` JSON (arms
+``--speed`` joins decode/prefill ratios from a ``morphkv bench speed --mode overhead`` JSON (arms
 ``<setting>:block=N``) into the table; the choice (``blocks_report.choose``) is the cheapest
 block whose recall and KL lie inside block 1's 95% intervals.
 """
@@ -169,7 +171,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--draws", 2000, "bootstrap draws"),
         ("--no-recall", False, "KL only"),
         ("--no-kl", False, "recall only"),
-        ("--speed", None, "a `morphkv bench overhead` JSON with arms <setting>:block=N: "
+        ("--speed", None, "a `morphkv bench speed --mode overhead` JSON with arms "
+         "<setting>:block=N: "
          "decode/prefill ratios joined into the table"),
         ("--model", None, "model (default: the embedded SmolLM2)"),
         ("--out", None, "output folder (default results/blocks)"),
@@ -216,7 +219,8 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     if model is None:
         model, tokenizer = load_model(args.model)
     if tokenizer is None:
-        raise SystemExit("morphkv: error: eval blocks needs a model with a tokenizer")
+        raise SystemExit("morphkv: error: eval fidelity --mode blocks needs a model with a "
+                         "tokenizer")
     start, load = time.perf_counter(), os.getloadavg()
     specs = {f"block {b}": s for b, s in block_specs(args.setting, blocks).items()}
     held = {label: held_bound(model, recall.parse_arms(s)[0].spec, args.budget, 2 * b + 16)

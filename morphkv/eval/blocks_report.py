@@ -1,4 +1,5 @@
-"""Summaries of ``morphkv eval blocks`` (``morphkv.eval.blocks``): the KL bootstrap, one row per
+"""Summaries of ``morphkv eval fidelity --mode blocks`` (``morphkv.eval.blocks``): the KL
+bootstrap, one row per
 arm, the choice of block, the speed join, the table and the plot."""
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def choose(table_rows: list[dict]) -> dict:
 
 def read_speed(path: str, setting: str, blocks: list[int]) -> dict:
     """Per ``block N`` label: decode and prefill (wall and CPU) over ``rotating`` per context,
-    from a ``morphkv bench overhead`` JSON (arm ``<setting>:block=N``, or the bare setting
+    from a ``morphkv bench speed --mode overhead`` JSON (arm ``<setting>:block=N``, or the bare
+    setting
     when its own block at that JSON's budget is N)."""
     from ..core.presets import PRESETS
 
@@ -128,8 +130,8 @@ def read_speed(path: str, setting: str, blocks: list[int]) -> dict:
         budget = int(data["args"]["budget"])
         contexts = data.get("by_context") or {str(data["args"]["prompt_tokens"]): data["median"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"morphkv: error: --speed {path}: not a bench overhead JSON ({e})") \
-            from None
+        raise SystemExit(f"morphkv: error: --speed {path}: not a bench speed --mode overhead "
+                         f"JSON ({e})") from None
     own = PRESETS[setting](budget).block
     out: dict[str, dict] = {}
     for block in blocks:

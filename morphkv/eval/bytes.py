@@ -1,4 +1,5 @@
-"""``morphkv eval bytes``: fidelity at equal bytes: KL to the unquantized full cache.
+"""``morphkv eval fidelity --mode bytes``: fidelity at equal bytes: KL to the unquantized full
+cache.
 
 Every arm is an arm spec (``morphkv.eval.arms``: any ``KVCacheConfig`` field passes through,
 ``morphkv_block`` included); ``memory=f16`` gives an arm the bytes of a float16 cache of the

@@ -1,4 +1,4 @@
-"""``morphkv eval chatrecall``: does a bounded cache remember what was said in a chat?
+"""``morphkv eval recall``: does a bounded cache remember what was said in a chat?
 
 Chats (``chat_items``): model-written assistant turns, three facts said in passing, one of them
 updated later, each asked in a new turn at the end with a question worded unlike its statement,
@@ -16,9 +16,9 @@ tokens) instead of ``--budget``, on the same chats: the chats are cut by ``--min
 budgets of ``--budget``, so one run measures several sizes on the same items (statement
 distance / size differs, the distance plot shows it).
 
-    morphkv eval chatrecall --model qwen2.5-0.5b --split test --chats 14
-    morphkv eval chatrecall --model qwen2.5-0.5b --arms "kvcache,nofact,h2o@64,h2o@256"
-    morphkv eval chatrecall --model qwen2.5-0.5b --arms "kvcache,recommended:memory=f16+pin@64"
+    morphkv eval recall --model qwen2.5-0.5b --split test --chats 14
+    morphkv eval recall --model qwen2.5-0.5b --arms "kvcache,nofact,h2o@64,h2o@256"
+    morphkv eval recall --model qwen2.5-0.5b --arms "kvcache,recommended:memory=f16+pin@64"
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             if arm is not None and not arm.is_baseline:
                 arm.config(arm_budget(label, args.budget), n_sink=args.n_sink)
     except ValueError as e:
-        print(f"morphkv eval chatrecall: error: {e}", file=sys.stderr)
+        print(f"morphkv eval recall: error: {e}", file=sys.stderr)
         return 2
     model, tok = load_model(args.model)
     folder = out_dir(args, NAME)
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="morphkv eval chatrecall", description=__doc__)
+    parser = argparse.ArgumentParser(prog="morphkv eval recall", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -1,4 +1,4 @@
-"""Summaries, tables and plots of ``morphkv eval chatrecall`` (``morphkv.eval.chat_recall``)."""
+"""Summaries, tables and plots of ``morphkv eval recall`` (``morphkv.eval.chat_recall``)."""
 
 from __future__ import annotations
 
@@ -181,19 +181,19 @@ def section(result: dict) -> str:
     args = result.get("args", {})
     flags = [f"--{k.replace('_', '-')} {args[k]}" for k in ("model", "split", "chats", "budget")
              if args.get(k) is not None]
-    command = f"morphkv eval chatrecall {' '.join(flags)} --arms \"{args.get('arms', '')}\""
+    command = f"morphkv eval recall {' '.join(flags)} --arms \"{args.get('arms', '')}\""
     load = result.get("load_average", {})
     note = (f"Load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end."
             if load else "")
     chats = result.get("chats")
     labels = list(dict.fromkeys(k for c in chats or [] for k in c["arms"]))
     body = table(summarize(chats, labels) if chats else result["summary"])
-    return "\n".join(["## Conversation memory (`morphkv eval chatrecall`)", "", f"`{command}`",
+    return "\n".join(["## Conversation memory (`morphkv eval recall`)", "", f"`{command}`",
                       "", body, "", note, ""])
 
 
 def main(argv=None) -> int:
-    """Redraw the table and both PNGs of a ``morphkv eval chatrecall`` JSON (a partial one
+    """Redraw the table and both PNGs of a ``morphkv eval recall`` JSON (a partial one
     too: the run saves it after every chat)."""
     import argparse
     import json

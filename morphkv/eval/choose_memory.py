@@ -1,6 +1,7 @@
 """The rule that picks ``recommended(memory=...)``'s setting, fixed before any test run.
 
-Inputs: a ``morphkv eval bytes`` result on the TUNE texts (KL to the full cache per text, every
+Inputs: a ``morphkv eval fidelity --mode bytes`` result on the TUNE texts (KL to the full cache per
+text, every
 candidate next to StreamingLLM at 8 bits in the same bytes and StreamingLLM of the same tokens
 in the model's dtype, i.e. what ``RotatingKVCache(tokens, keep=4)`` keeps) and a ``morphkv eval
 chatrecall --split tune`` result with the same candidates. The rule:

@@ -1,4 +1,5 @@
-"""``morphkv eval recall``: recall of a fact stated early in a long chat, per arm and budget.
+"""``morphkv eval recall --data longchat``: recall of a fact stated early in a long chat, per arm
+and budget.
 
 Items (``morphkv.eval.recall_items``) are chats whose first turn states a fact, followed by
 distractor turns and the question. Every arm (an arm spec of ``morphkv.eval.arms``: any
@@ -222,12 +223,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("morphkv eval recall needs matplotlib: pip install matplotlib", file=sys.stderr)
+        print("morphkv eval recall --data longchat needs matplotlib: pip install matplotlib",
+              file=sys.stderr)
         return 2
     try:
         arms, budgets = _settings(args)
     except ValueError as e:
-        print(f"morphkv eval recall: error: {e}", file=sys.stderr)
+        print(f"morphkv eval recall --data longchat: error: {e}", file=sys.stderr)
         return 2
     model, tok = load_model(args.model)
     start, load = time.perf_counter(), os.getloadavg()

@@ -1,4 +1,5 @@
-"""Summaries, tables and plots of ``morphkv eval recall`` (``morphkv.eval.recall``)."""
+"""Summaries, tables and plots of ``morphkv eval recall --data longchat``
+(``morphkv.eval.recall``)."""
 
 from __future__ import annotations
 
@@ -170,6 +171,6 @@ def section(result: dict) -> str:
              if k in ("arms", "budgets", "distance", "items", "split", "seed") and v is not None]
     if args.get("screen"):
         flags.append("--screen")
-    command = "morphkv eval recall " + " ".join(flags)
-    return "\n".join(["## Recall of an early fact (`morphkv eval recall`)", "",
+    command = "morphkv eval recall --data longchat " + " ".join(flags)
+    return "\n".join(["## Recall of an early fact (`morphkv eval recall --data longchat`)", "",
                       f"`{command}`", "", result["table"], ""])

@@ -221,7 +221,8 @@ def layer_section(result: dict) -> str:
              "update once full, side by side with mlx_lm's RotatingKVCache of the same size, "
              f"and one {result.get('chunk', 2048)}-token update into an empty cache.")
     table = markdown_table(cols, [[r[c] for c in cols] for r in rows])
-    return _section("Per-layer update cost (`morphkv bench layer`)", intro, [table, ""], [])
+    return _section("Per-layer update cost (`morphkv bench speed --mode layer`)", intro,
+                    [table, ""], [])
 
 
 def overhead_section(result: dict) -> str:
@@ -234,7 +235,7 @@ def overhead_section(result: dict) -> str:
     intro = (f"SmolLM2-135M, a {a['prompt_tokens']}-token prompt in chunks of "
              f"{a['prefill_step']}, then {a['decode']} greedy steps; budget {a['budget']}; "
              f"{a['repeats']} interleaved repeats, medians.")
-    title = "What the cache costs in the model (`morphkv bench overhead`)"
+    title = "What the cache costs in the model (`morphkv bench speed --mode overhead`)"
     return _section(title, intro, [markdown_table(headers, rows), ""], [])
 
 

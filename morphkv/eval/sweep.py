@@ -139,13 +139,15 @@ def section(result: dict) -> str:
                      f"{wins}.")
     texts = ", ".join(f"{k} {v}" for k, v in s["texts"].items())
     intro = (
-        f"`morphkv eval sweep --split {s['split']}`: teacher-forced KL(full || arm) per token past "
+        f"`morphkv eval fidelity --mode sweep --split {s['split']}`: teacher-forced "
+        "KL(full || arm) per token past "
         f"the budget on the {s['split']} texts ({texts} tokens), as a ratio to StreamingLLM's at "
         "the same budget"
         + (f"; at equal total bytes (every arm sized to StreamingLLM's bytes: {sized})"
            if s.get("equal_bytes") else "") + "."
     )
     body = [ratio_table, "", "KL per text:", "", kl_table, ""]
-    lines = [f"## Sweep, {s['split']} texts (`morphkv eval sweep`)", "", intro, "", *body]
+    lines = [f"## Sweep, {s['split']} texts (`morphkv eval fidelity --mode sweep`)", "", intro, "",
+             *body]
     lines += ["Notes (computed from the numbers):", "", *notes, ""]
     return "\n".join(lines)

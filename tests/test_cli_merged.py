@@ -1,0 +1,73 @@
+"""One command per question (issue 44): every mode of a merged command parses with its own
+options, and every old name prints the new command line and exits 2 without running anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from morphkv.cli.commands import COMMANDS, MODES, MOVED, build_parser, main
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return build_parser()
+
+
+def test_at_most_ten_measuring_commands():
+    measuring = [n for n, _ in COMMANDS if n.split()[0] in ("eval", "bench")]
+    assert len(measuring) <= 10, measuring
+    assert not set(MOVED) & {n for n, _ in COMMANDS}
+
+
+@pytest.mark.parametrize("name,mode", [(n, m) for n, (_, _, ms) in MODES.items() for m in ms])
+def test_every_mode_parses_with_its_own_module(parser, name, mode):
+    option, _, modes = MODES[name]
+    args = parser.parse_args([*name.split(), option, mode])
+    assert getattr(args, option.lstrip("-")) == mode
+    runner = args._run  # the mode's module's run, or its execute wrapped
+    module = __import__(modes[mode], fromlist=["x"])
+    own = getattr(module, "run", None)
+    assert runner is own or (own is None and runner.__closure__[0].cell_contents is
+                             module.execute)
+
+
+def test_the_default_mode_is_the_first(parser):
+    for name, (option, _, modes) in MODES.items():
+        args = parser.parse_args(name.split())
+        assert getattr(args, option.lstrip("-")) == next(iter(modes))
+
+
+def test_a_mode_keeps_its_options_and_rejects_the_others(parser, capsys):
+    assert parser.parse_args(["bench", "speed", "--mode", "layer", "--grid"]).grid is True
+    assert parser.parse_args(["eval", "recall", "--data=blocks", "--no-kl"]).no_kl is True
+    with pytest.raises(SystemExit) as stop:  # --grid is bench speed --mode layer's, not length's
+        parser.parse_args(["bench", "speed", "--grid"])
+    assert stop.value.code == 2
+    with pytest.raises(SystemExit) as stop:
+        parser.parse_args(["bench", "serve", "--scenario", "nope"])
+    assert stop.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_mode_help_lists_the_modes(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["eval", "fidelity", "--mode", "bytes", "--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0 and "--mode bytes:" in out
+    assert all(m in out for m in MODES["eval fidelity"][2])
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_name_names_the_new_command_and_exits_2(old, capsys, monkeypatch):
+    def ran(*a, **kw):
+        raise AssertionError("an old name ran something")
+
+    import morphkv.eval.models as models
+
+    monkeypatch.setattr(models, "load_model", ran)
+    assert main([*old.split(), "--quick", "--out", "x y"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and not captured.out, captured
+    assert f"`morphkv {MOVED[old]} --quick --out 'x y'`" in lines[0]
+    new = MOVED[old].split()
+    assert callable(build_parser().parse_args(new)._run)  # the named command exists
