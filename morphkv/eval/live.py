@@ -1,6 +1,6 @@
 """Live conversations: the chat runs through the entry point a user runs, replies generated.
 
-``morphkv eval chatrecall --live serve`` starts ``morphkv serve`` with each arm's cache flags
+``morphkv eval recall --live serve`` starts ``morphkv serve`` with each arm's cache flags
 and talks to it with the official ``openai`` client as chat apps do (the whole history resent
 every turn, replies streamed); ``--live mlx_lm`` is mlx_lm's own chat loop after
 ``patch_model`` (one prompt cache, each turn templates only its new message, as
