@@ -1,8 +1,9 @@
 """Speed and load: the ``morphkv bench`` commands.
 
-``speed`` (+ ``length``), ``layer``, ``overhead``, ``blas``, ``mechanism`` (synthetic
-retention), ``chat`` (a long conversation through ``morphkv.chat``), ``serve`` and ``load``
-(+ ``load_clients``, ``load_report``: the server against mlx_lm's under load and faults).
+``bench speed`` (``--mode``: ``speed`` (+ ``length``), ``overhead``, ``layer``, ``kernels``,
+``batch_step``), ``bench serve`` (``--scenario``: ``serve``, ``load`` (+ ``load_clients``,
+``load_mixed``, ``load_report``), ``chat``, ``fair``), ``blas``, ``mechanism`` (synthetic
+retention); the modes are listed in ``morphkv.cli.commands.MODES``.
 They share ``morphkv.eval``'s parts (arms, texts, util, plots); nothing there imports this
 package.
 """

@@ -6,15 +6,16 @@ Parts (dependencies point down the list): ``progress``, ``flags`` (command-line 
 ``tiny_llama``, ``greedy_tokens``), ``process`` (peak memory, stopping a child), ``arms`` (a
 spec string -> ``KVCacheConfig`` or an mlx_lm cache), ``metrics``, ``texts`` (+ its data in
 ``data/texts.json``), ``plots`` (+ ``plt``, ``require_matplotlib``), ``runner``
-(teacher-forced feeding), ``equal_bytes``; commands: ``fidelity``, ``sweep``, ``recall`` (+
-``recall_items``, ``recall_natural``, ``recall_report``; data in ``data/recall_*.json``),
-``chatrecall`` (+ ``chat_items``, ``chat_report``, ``chat_answers``; data in
-``data/chat_*.json``), ``generation``, ``quantized``; ``report`` renders results/report.md from
-the JSON of every command (quality here, speed in ``morphkv.bench``).
+(teacher-forced feeding), ``equal_bytes``; commands (modes in ``morphkv.cli.commands.MODES``):
+``eval recall --data`` chats (``chat_recall`` + ``chat_items``, ``chat_report``,
+``chat_answers``; data in ``data/chat_*.json``), longchat (``recall`` + ``recall_items``,
+``recall_natural``, ``recall_report``; data in ``data/recall_*.json``), blocks (``blocks``);
+``eval fidelity --mode`` texts (``fidelity``), sweep, quantized, bytes, blocks;
+``generation``; ``report`` renders results/report.md from the JSON of every command.
 
 Adding things (one small change each):
 - a command: a module with ``add_arguments(parser)`` and ``execute(args) -> figures`` (or
-  ``run(args)``), one line in ``morphkv.cli.commands.COMMANDS``, and for the report one entry in
+  ``run(args)``), one line in ``morphkv.cli.commands.MODES`` (a mode of a merged command), and for the report one entry in
   ``report.SOURCES`` and one in ``report.SECTIONS``. A sweep is ``fidelity.run_fidelity`` over
   ``arms.grid_specs(...)``; a recall task scores answers with ``models.greedy_tokens``.
 - a knob or quantized storage: nothing here; an arm names any ``KVCacheConfig`` field
