@@ -107,8 +107,8 @@ class KVCacheConfig:
         cache used alone: per-token proxy rows and evictions cost more MLX ops than the host
         engine's compiled kernels), for ``full``, and for the per-token rule (block 1: about 40
         small MLX ops per token; in the model 2.4x / 3.8x RotatingKVCache's prefill at 1k / 4k
-        against the host's 1.4x / 1.6x, ``morphkv bench overhead``) unless a memory size asks
-        for the bound only the MLX engine keeps inside a prefill."""
+        against the host's 1.4x / 1.6x, ``morphkv bench speed --mode overhead``) unless a
+        memory size asks for the bound only the MLX engine keeps inside a prefill."""
         if not self.rule.evicts or self.scoring != "attention":
             return "host"
         if self.morphkv_block == 1 and self.kv_memory is None:

@@ -7,7 +7,8 @@ budget is always kept: on self-generated text recency is what matters), value-we
 (a token whose value vector is small adds little to the output) and persistence: a token's
 score is ``max(window mean, PEAK x the largest attention it ever received)``, so a fact the
 conversation attended to strongly once is not evicted as soon as the talk moves on (chosen on
-the tune items and texts of ``morphkv eval recall`` / ``morphkv eval sweep``, docs/recall.md).
+the tune items and texts of ``morphkv eval recall --data longchat`` / ``morphkv eval fidelity
+--mode sweep``, docs/recall.md).
 ``paper(budget)`` is the rule as published (recent region = query window), evicting in blocks
 of 8 as the paper's coarse variant did (``morphkv_block=1`` for its per-token rule).
 """
