@@ -55,9 +55,9 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     ``MEMORY_METHOD`` (recency: 4 sinks, the oldest other token goes, per token), which holds
     no selection state, so every byte is a token; it pins every prompt (``pin="prompt"``: the
     tokens of each prefill, a chat's user turns with their template tokens, are evicted after
-    the model's own), so plain mlx_lm calls keep the user's words with no ``morphkv.pin``; once the pinned tokens
-    alone overflow, KeyDiff ranks them (``pin_rank="keydiff"``: a template repeated every turn
-    goes before a word said once).
+    the model's own), so plain mlx_lm calls keep the user's words with no ``morphkv.pin``;
+    once the pinned tokens alone overflow, KeyDiff ranks them (``pin_rank="keydiff"``: a
+    template repeated every turn goes before a word said once).
     Chosen by a fixed rule on tune chats and texts (issue 33; docs/recall.md).
     ``recommended(budget)`` evicts in blocks of ``BLOCK`` tokens: once full, every 16th token
     evicts 16 at once (between evictions the cache holds ``budget - 15`` to ``budget``
