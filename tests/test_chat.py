@@ -222,8 +222,8 @@ def test_bench_chat_quick(tmp_path, capsys):
     from smollm2_fixture import embedded_gguf_path
 
     embedded_gguf_path()
-    assert main(["bench", "serve", "--scenario", "chat", "--quick", "--turns", "4", "--timing-repeats", "1",
-                 "--out", str(tmp_path)]) == 0
+    assert main(["bench", "serve", "--scenario", "chat", "--quick", "--turns", "4",
+                 "--timing-repeats", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "chat_quick.json").read_text())
     morph, full = result["summary"]["morphkv"], result["summary"]["kvcache"]
     assert morph["budget_reached_turn"] is not None

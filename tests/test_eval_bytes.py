@@ -82,7 +82,8 @@ def test_eval_bytes_writes_kl_at_equal_bytes(tmp_path, capsys, monkeypatch):
     pair = load_embedded()  # the module's one load of the model
     monkeypatch.setattr(equal_bytes_command, "load_model", lambda name: pair)
     out = tmp_path / "bytes"
-    argv = ["eval", "fidelity", "--mode", "bytes", "--split", "tune", "--tokens", "32", "--prose-tokens", "160",
+    argv = ["eval", "fidelity", "--mode", "bytes", "--split", "tune", "--tokens", "32",
+            "--prose-tokens", "160",
             "--continuation-tokens", "60", "--conversation-tokens", "160", "--arms",
             "streaming_llm:memory=f16:bits=8,recommended:memory=f16,recommended:memory=f16+pin",
             "--out", str(out)]

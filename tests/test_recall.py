@@ -14,6 +14,8 @@ from morphkv.eval import recall as R
 from morphkv.eval import recall_items as I
 from morphkv.eval.recall_report import wilson
 
+LONGCHAT = ["eval", "recall", "--data", "longchat"]  # the long-chat fact recall (was eval recall)
+
 
 @pytest.fixture
 def one_load(monkeypatch):
@@ -60,12 +62,13 @@ def test_bad_arm_specs_are_named(spec, words):
 
 def test_bad_settings_fail_before_any_work(tmp_path, capsys):
     out = tmp_path / "r"
-    argv = ["eval", "recall", "--data", "longchat", "--arms", "morphkv:window=60", "--budgets", "64", "--out", str(out)]
+    argv = [*LONGCHAT, "--arms", "morphkv:window=60", "--budgets", "64", "--out",
+            str(out)]
     assert main(argv) == 2
     assert "morphkv_budget must exceed" in capsys.readouterr().err
-    assert main(["eval", "recall", "--data", "longchat", "--arms", "h2o:colour=1", "--out", str(out)]) == 2
+    assert main([*LONGCHAT, "--arms", "h2o:colour=1", "--out", str(out)]) == 2
     assert "'colour'" in capsys.readouterr().err
-    assert main(["eval", "recall", "--data", "longchat", "--arms", "peak:pool=2", "--out", str(out)]) == 2
+    assert main([*LONGCHAT, "--arms", "peak:pool=2", "--out", str(out)]) == 2
     assert "odd int" in capsys.readouterr().err
     assert not out.exists()
 
@@ -138,7 +141,7 @@ def test_items_are_deterministic_split_apart_and_long_enough():
 @pytest.mark.slow
 def test_quick_run_writes_table_json_and_png(tmp_path, capsys, one_load):
     out = tmp_path / "recall"
-    assert main(["eval", "recall", "--data", "longchat", "--quick", "--quiet", "--out", str(out)]) == 0
+    assert main([*LONGCHAT, "--quick", "--quiet", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| streaming_llm |" in printed and "budget 32" in printed and "95% CI" in printed
     result = json.loads((out / "recall.json").read_text())
@@ -164,7 +167,7 @@ def test_quick_run_writes_table_json_and_png(tmp_path, capsys, one_load):
 @pytest.mark.slow
 def test_screen_is_prefill_only_and_counts_every_item(tmp_path, capsys, one_load):
     out = tmp_path / "screen"
-    argv = ["eval", "recall", "--data", "longchat", "--screen", "--quiet", "--items", "2", "--budgets", "32",
+    argv = [*LONGCHAT, "--screen", "--quiet", "--items", "2", "--budgets", "32",
             "--distance", "48", "--arms", "streaming_llm,peak:window=1:recent=8", "--out", str(out)]
     assert main(argv) == 0
     assert "retention by layer" in capsys.readouterr().out

@@ -15,9 +15,10 @@ spec string -> ``KVCacheConfig`` or an mlx_lm cache), ``metrics``, ``texts`` (+ 
 
 Adding things (one small change each):
 - a command: a module with ``add_arguments(parser)`` and ``execute(args) -> figures`` (or
-  ``run(args)``), one line in ``morphkv.cli.commands.MODES`` (a mode of a merged command), and for the report one entry in
-  ``report.SOURCES`` and one in ``report.SECTIONS``. A sweep is ``fidelity.run_fidelity`` over
-  ``arms.grid_specs(...)``; a recall task scores answers with ``models.greedy_tokens``.
+  ``run(args)``), one line in ``morphkv.cli.commands.MODES`` (a mode of a merged command),
+  and for the report one entry in ``report.SOURCES`` and one in ``report.SECTIONS``. A sweep
+  is ``fidelity.run_fidelity`` over ``arms.grid_specs(...)``; a recall task scores answers
+  with ``models.greedy_tokens``.
 - a knob or quantized storage: nothing here; an arm names any ``KVCacheConfig`` field
   (``morphkv:window=8:recent=64``, ``morphkv:bits=8``) and ``--equal-bytes`` measures its bytes.
 - mlx_lm's own quantized cache as a reference: one entry in ``arms.BASELINES``.
