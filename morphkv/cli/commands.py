@@ -34,6 +34,8 @@ COMMANDS: list[tuple[str, str]] = [
 MODES: dict[str, tuple[str, str, dict[str, str]]] = {
     "eval recall": ("--data", "Does a bounded cache remember what was said: recall per arm", {
         "chats": "morphkv.eval.chat_recall",  # facts said in chats, asked at the end
+        "said": "morphkv.eval.said_recall",  # names the model invented and user facts, one chat
+        "answers": "morphkv.eval.answers",  # identifiers re-used in long answers the model wrote
         "longchat": "morphkv.eval.recall",  # one fact early in a long chat
         "blocks": "morphkv.eval.blocks",  # recall and KL per eviction block
     }),

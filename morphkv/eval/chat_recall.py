@@ -159,7 +159,11 @@ def parse(text: str) -> list[tuple[str, Arm | None]]:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, build=None, report=None) -> int:
+    """``build(model, tok, split, index, seed)`` makes a chat (default ``build_chat``);
+    ``report(chats, labels)`` gives (summary, table) (default ``summarize`` / ``table``)."""
+    build = build or (lambda model, tok, split, index, seed: build_chat(split, index, seed))
+    report = report or (lambda chats, labels: (summarize(chats, labels), None))
     if args.live:
         from .live import run_live
 
@@ -189,13 +193,13 @@ def run(args: argparse.Namespace) -> int:
     bar = Progress(args.chats * len(arms), NAME, args.quiet, every=5.0)
     result = {"benchmark": NAME, "args": vars(args), "environment": environment(), "chats": []}
     for index in range(args.first, args.first + args.chats):
-        chat = build_chat(args.split, index, args.seed)
+        chat = build(model, tok, args.split, index, args.seed)
         result["chats"].append(run_chat(model, tok, chat, arms, args, bar))
-        result["summary"] = summarize(result["chats"], [label for label, _ in arms])
+        result["summary"], text = report(result["chats"], [label for label, _ in arms])
         result["seconds"] = time.perf_counter() - start
         result["load_average"] = {"start": load, "end": os.getloadavg()}
         write_json(folder / f"{stem}.json", result)  # partial results as we go
-    result["table"] = table(result["summary"])
+    result["table"] = text or table(result["summary"])
     print(result["table"])
     write_json(folder / f"{stem}.json", result)
     plot(result["summary"], folder / f"{stem}.png")

@@ -1,0 +1,218 @@
+"""``morphkv eval recall --data answers``: does a bounded cache keep what the model itself wrote?
+
+Long single answers (``data/answer_prompts.json``: one instruction asking for a long Python
+module, code that defines names and uses them again far later). The model writes each answer
+once with the full cache (greedy, repetition penalty 1.1; saved as ``answers_texts_*.json`` in
+the output folder and reused). Every arm then reads prompt + answer back as generation feeds
+it: the prompt as one prefill (``+pin``: pinned, as ``pin="prompt"`` pins a prefill), the
+answer after it in exact chunks (through the attention hook a chunk keeps what one token at a
+time keeps), all arms in lockstep with the full cache, one chunk at a time.
+
+Measured where the answer re-uses a rare token it wrote far back (a **re-mention**): the
+written token is identifier-like (3+ letters or digits, not a Python keyword or builtin), it
+occurred at most ``RARE`` times before, first more than two arm sizes back, and not in the last
+half size. There: top-1 agreement with the full cache, the written token's NLL; over every
+answer token: KL to the full cache. Intervals are a 95% bootstrap over texts. An arm
+``spec@N`` runs at N tokens (``memory=f16``: the float16 bytes of N tokens) and its
+re-mentions are those of N.
+
+    morphkv eval recall --data answers --model qwen2.5-0.5b --split tune \\
+        --arms "recommended:memory=f16+pin@128,h2o:memory=f16:bits=8+pin@128"
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import json
+import keyword
+import os
+import re
+import time
+
+from ..core.pins import pin
+from .arms import Arm, unpinned
+from .chat_recall import arm_budget
+from .live import cluster_interval
+from .models import load_model
+from .output import environment, markdown_table, out_dir, write_json
+
+DATA_FILE = "answer_prompts.json"
+RARE = 3  # a re-mention's token occurred at most this many times before
+PENALTY = 1.1  # the writer's repetition penalty (greedy Qwen2.5-Coder loops without it)
+COMMON = set(keyword.kwlist) | set(dir(builtins)) | {"self", "cls", "def", "return"}
+WORD = re.compile(r"\s?([A-Za-z_][A-Za-z0-9_]{2,}|[0-9]{3,})")
+
+
+def prompts(split: str) -> list[str]:
+    from .chat_items import DATA
+
+    data = json.loads((DATA / DATA_FILE).read_text())
+    if split not in data:
+        raise SystemExit(f"morphkv: error: data/{DATA_FILE} has no {split!r} split (yet)")
+    return data[split]
+
+
+def write_texts(model, tok, split: str, length: int, path) -> list[dict]:
+    """Each prompt's answer by the full cache (kept in ``path``; missing ones are written)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    done = json.loads(path.read_text())["texts"] if path.exists() else []
+    done = [t for t in done if t["length"] == length]
+    for i, text in enumerate(prompts(split)):
+        if any(t["index"] == i for t in done):
+            continue
+        ids = list(tok.apply_chat_template([{"role": "user", "content": text}],
+                                           add_generation_prompt=True))
+        out, start = [], time.perf_counter()
+        for token, _ in generate_step(mx.array(ids), model, prompt_cache=make_prompt_cache(model),
+                                      sampler=make_sampler(0.0), max_tokens=length,
+                                      logits_processors=make_logits_processors(
+                                          repetition_penalty=PENALTY)):
+            out.append(int(token))
+            if int(token) in set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id]):
+                break
+        done.append({"index": i, "length": length, "prompt_ids": ids, "answer_ids": out,
+                     "seconds": time.perf_counter() - start})
+        write_json(path, {"split": split, "penalty": PENALTY, "texts": done})
+        print(f"text {i}: {len(out)} tokens written in {time.perf_counter() - start:.0f} s",
+              flush=True)
+    return sorted(done, key=lambda t: t["index"])
+
+
+def rementions(tok, ids: list[int], start: int, size: int) -> list[int]:
+    """Positions p >= ``start`` whose token re-mentions a rare one (module docstring)."""
+    first, count, out = {}, {}, []
+    for p, t in enumerate(ids):
+        if p >= start and t in first and count[t] <= RARE and p - first[t] > 2 * size \
+                and t not in ids[max(0, p - size // 2) : p]:
+            m = WORD.fullmatch(tok.decode([t]))
+            if m and m.group(1) not in COMMON:
+                out.append(p)
+        first.setdefault(t, p)
+        count[t] = count.get(t, 0) + 1
+    return out
+
+
+def _log_probs(logits):
+    import mlx.core as mx
+
+    z = logits[0].astype(mx.float32)
+    return z - mx.logsumexp(z, axis=-1, keepdims=True)
+
+
+def read_back(model, text: dict, arms, chunk: int) -> dict:
+    """Every arm (label, Arm, size) and the full cache over one text, chunk by chunk: per
+    arm, per answer position, (KL, agreement with the full cache's top-1, written-token top-1,
+    NLL of the written token)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ids, n0 = text["prompt_ids"] + text["answer_ids"], len(text["prompt_ids"])
+    full = make_prompt_cache(model)
+    caches = {}
+    for label, arm, size in arms:
+        caches[label] = arm.caches(model, size)
+        if unpinned(label.rsplit("@", 1)[0])[1]:
+            pin(caches[label], range(n0))
+    x = mx.array(ids)[None]
+    stats = {label: [] for label in caches}
+    cuts = [0, n0, *range(n0 + chunk, len(ids), chunk), len(ids)]
+    for s, e in zip(cuts[:-1], cuts[1:], strict=True):
+        ref = _log_probs(model(x[:, s:e], cache=full))
+        lo = max(s, n0 - 1) - s  # rows predicting an answer token
+        ref, targets = ref[lo : e - s - (e == len(ids))], x[0, s + lo + 1 : e + 1]
+        top = ref.argmax(axis=-1)
+        for label, c in caches.items():
+            lp = _log_probs(model(x[:, s:e], cache=c))
+            lp = lp[lo : lo + ref.shape[0]]
+            kl = (mx.exp(ref) * (ref - lp)).sum(axis=-1)
+            arg = lp.argmax(axis=-1)
+            nll = -mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+            mx.eval(kl, arg, nll)
+            stats[label] += list(zip(kl.tolist(), (arg == top).tolist(),
+                                     (arg == targets).tolist(), nll.tolist(), strict=True))
+    return {label: {"kl": [r[0] for r in rows], "agree": [r[1] for r in rows],
+                    "written": [r[2] for r in rows], "nll": [r[3] for r in rows],
+                    "nbytes": int(sum(c.nbytes for c in caches[label]))}
+            for label, rows in stats.items()}
+
+
+def summarize(texts: list[dict], labels: list[str]) -> dict:
+    """Per arm: re-mention agreement / written-token top-1 (bootstrap over texts), their mean
+    NLL, mean KL over every answer token, positions and texts counted."""
+    out = {}
+    for label in labels:
+        rows = [t["arms"][label] for t in texts]
+        at = [[r["agree"][i] for i in r["remention"]] for r in rows]
+        wr = [[r["written"][i] for i in r["remention"]] for r in rows]
+        nll = [r["nll"][i] for r in rows for i in r["remention"]]
+        kl = [k for r in rows for k in r["kl"]]
+        out[label] = {"remention_agree": cluster_interval(at), "remention_written":
+                      cluster_interval(wr), "remention_nll": sum(nll) / len(nll) if nll else None,
+                      "rementions": len(nll), "texts": len(rows),
+                      "kl": sum(kl) / len(kl) if kl else None,
+                      "mib": max(r["nbytes"] for r in rows) / 2**20}
+    return out
+
+
+def table(summary: dict) -> str:
+    def cell(v):
+        return "-" if v is None else f"{100 * v[0]:.0f}% [{100 * v[1]:.0f}, {100 * v[2]:.0f}]"
+
+    return markdown_table(
+        ["arm", "MiB held", "re-mentions", "agree with full (top-1)", "written token top-1",
+         "NLL", "KL, every token"],
+        [[lbl, f"{s['mib']:.2f}", s["rementions"], cell(s["remention_agree"]),
+          cell(s["remention_written"]), f"{s['remention_nll']:.3f}" if s["remention_nll"]
+          is not None else "-", f"{s['kl']:.4f}"] for lbl, s in summary.items()])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", default=None, help="model (default: the embedded SmolLM2)")
+    add("--split", choices=("tune", "test"), default="tune")
+    add("--arms", default="kvcache@128,recommended:memory=f16+pin@128",
+        help="comma-separated arm specs, each spec[+pin][@tokens] (morphkv.eval.arms)")
+    add("--texts", type=int, default=6, help="answers (prompts of the split) to use")
+    add("--length", type=int, default=1024, help="tokens the full cache writes per answer")
+    add("--chunk", type=int, default=256, help="read-back chunk (exact either way)")
+    add("--out", default=None, help="output folder (default results/answers)")
+    add("--stem", default=None, help="output file stem (default answers_<split>)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        arms = [(s, Arm.parse(unpinned(s.rsplit("@", 1)[0])[0]), arm_budget(s, 128))
+                for s in filter(None, (a.strip() for a in args.arms.split(",")))]
+    except ValueError as e:
+        raise SystemExit(f"morphkv eval recall: error: --arms: {e}") from None
+    model, tok = load_model(args.model)
+    folder = out_dir(args, "answers")
+    name = re.sub(r"[^A-Za-z0-9.]+", "-", args.model or "smollm2")
+    texts = write_texts(model, tok, args.split, args.length,
+                        folder / f"answers_texts_{args.split}_{name}.json")[: args.texts]
+    stem, start = args.stem or f"answers_{args.split}", time.perf_counter()
+    result = {"benchmark": "answers", "args": vars(args), "environment": environment(),
+              "load_average": {"start": os.getloadavg()}, "texts": []}
+    for t in texts:
+        rec = {"index": t["index"], "answer_tokens": len(t["answer_ids"]), "arms": {}}
+        for label, stats in read_back(model, t, arms, args.chunk).items():
+            size = arm_budget(label, 128)
+            stats["remention"] = [p - len(t["prompt_ids"]) for p in rementions(
+                tok, t["prompt_ids"] + t["answer_ids"], len(t["prompt_ids"]), size)]
+            rec["arms"][label] = stats
+        result["texts"].append(rec)
+        result["summary"] = summarize(result["texts"], [a[0] for a in arms])
+        result["seconds"] = time.perf_counter() - start
+        result["load_average"]["end"] = os.getloadavg()
+        write_json(folder / f"{stem}.json", result)
+        print(f"text {t['index']}: read back by {len(arms)} arms", flush=True)
+    result["table"] = table(result["summary"])
+    print(result["table"])
+    write_json(folder / f"{stem}.json", result)
+    print(f"wrote {folder / f'{stem}.json'}")
+    return 0
