@@ -45,6 +45,7 @@ MODES: dict[str, tuple[str, str, dict[str, str]]] = {
         "quantized": "morphkv.eval.quantized",
         "bytes": "morphkv.eval.bytes",
         "blocks": "morphkv.eval.blocks",
+        "state": "morphkv.eval.state_bytes",  # bytes a slot: K/V and selection state, per rule
     }),
     "bench speed": ("--mode", "Speed in the model and per layer, against mlx_lm's caches", {
         "length": "morphkv.bench.speed",

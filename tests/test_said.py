@@ -1,0 +1,127 @@
+"""The model-said evaluations: names the model invented in a chat (``--data said``) and re-used
+identifiers in long answers (``--data answers``): the data's splits, the name extraction, the
+re-mention rule, the choosing rule, and smoke runs on the embedded model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from morphkv.eval import answers as A
+from morphkv.eval import said_items as S
+from morphkv.eval.choose_said import CANDIDATES, choose
+
+
+@pytest.mark.parametrize(("reply", "name"), [
+    ('Your robot name is "Echo', "Echo"), ("**Sea Breeze**", "Sea Breeze"),
+    ("The Whispering Pages", "Whispering Pages"), ("Name: Frostheim.", "Frostheim"),
+    ("\u201cBook Nook\u201d is a great name!", "Book Nook"), ("", ""),
+])
+def test_the_invented_name_is_taken_from_the_reply(reply, name):
+    assert S.name_of(reply) == name
+
+
+def test_splits_share_no_kind_ask_or_question():
+    data = json.loads((S.DATA / "said.json").read_text())
+    prompts = json.loads((S.DATA / A.DATA_FILE).read_text())
+    for split in ("tune", "test"):
+        if split not in data:  # the test split is written after the choice
+            continue
+        assert len({k["kind"] for k in data[split]}) == len(data[split]) >= S.INVENTIONS
+    if "test" in data:
+        for field in ("kind", "ask", "question"):
+            assert not {k[field] for k in data["tune"]} & {k[field] for k in data["test"]}
+    if "test" in prompts:
+        assert not set(prompts["tune"]) & set(prompts["test"])
+
+
+class Words:
+    """A vocabulary of whole words: ``rementions`` only decodes one token at a time."""
+
+    VOCAB = {1: " warehouse", 2: " x", 3: " for", 4: " 12345", 5: " ab", 6: " self"}
+
+    def decode(self, ids):
+        return "".join(self.VOCAB[i] for i in ids)
+
+
+@pytest.mark.parametrize(("token", "counted"), [
+    (1, True), (4, True),  # an identifier, a number
+    (3, False), (6, False), (5, False),  # a keyword, self, too short
+])
+def test_a_remention_is_a_rare_word_first_written_far_back_and_not_recent(token, counted):
+    tok, size = Words(), 4  # far back: more than 8 positions; recent: the last 2
+    ids = [token] + [2] * 10 + [token]
+    assert A.rementions(tok, ids, 0, size) == ([11] if counted else [])
+    assert A.rementions(tok, [token] + [2] * 7 + [token], 0, size) == []  # 8 back: not far
+    assert A.rementions(tok, [token] * 5 + [2] * 10 + [token], 0, size) == []  # not rare
+    assert A.rementions(tok, ids, 12, size) == []  # before the answer's start
+
+
+def test_rementions_on_a_real_tokenizer():
+    from smollm2_fixture import load_embedded
+
+    _, tok = load_embedded()
+    filler = tok.encode(" 1 2 3 4 5 6 7 8 9 0" * 3, add_special_tokens=False)
+    name = tok.encode(" warehouse_inventory", add_special_tokens=False)
+    ids = name + filler + name + name
+    at = len(name) + len(filler)
+    found = A.rementions(tok, ids, 0, 8)
+    assert at in found  # far back (> 16), not in the last 4
+    assert at + len(name) not in found  # said again right after: in the last 4
+    assert A.rementions(tok, ids, 0, 64) == []  # not more than 128 back
+
+
+def test_the_rule_keeps_recency_unless_another_beats_it_by_the_margin_within_the_kl_guard():
+    names = list(CANDIDATES)
+    base = {"model": 0.5, "user": 0.8, "answers": 0.6, "kl": 0.2}
+    m = {n: dict(base) for n in names}
+    assert choose(m)[0] == names[0]  # ties: recency
+    m[names[1]].update(model=0.6)  # +0.033 mean: under the margin
+    assert choose(m)[0] == names[0]
+    m[names[2]].update(model=0.8)  # +0.1: wins
+    assert choose(m)[0] == names[2]
+    m[names[2]].update(kl=0.3)  # but its KL is 1.5x recency's: out
+    assert choose(m)[0] == names[0]
+
+
+def test_answers_smoke_on_the_embedded_model(tmp_path, monkeypatch):
+    from smollm2_fixture import load_embedded
+
+    from morphkv.cli import main
+
+    pair = load_embedded()
+    monkeypatch.setattr(A, "load_model", lambda name: pair)
+    rc = main(["eval", "recall", "--data", "answers", "--texts", "1", "--length", "80",
+               "--chunk", "16", "--arms", "kvcache@16,recommended:memory=f16+pin@16,h2o@16",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    s = json.loads((tmp_path / "answers_tune.json").read_text())["summary"]
+    assert s["kvcache@16"]["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference reads itself
+    assert s["kvcache@16"]["rementions"] == s["h2o@16"]["rementions"]
+    assert s["h2o@16"]["kl"] > 0
+    assert s["recommended:memory=f16+pin@16"]["mib"] < s["kvcache@16"]["mib"]
+    texts = json.loads((tmp_path / "answers_texts_tune_smollm2.json").read_text())["texts"]
+    assert len(texts[0]["answer_ids"]) <= 80
+
+
+def test_said_smoke_on_the_embedded_model(tmp_path, monkeypatch):
+    from smollm2_fixture import load_embedded
+
+    from morphkv.cli import main
+    from morphkv.eval import chat_recall
+
+    pair = load_embedded()
+    monkeypatch.setattr(chat_recall, "load_model", lambda name: pair)
+    rc = main(["eval", "recall", "--data", "said", "--chats", "1", "--budget", "16",
+               "--min-distance", "1", "--max-tokens", "4", "--arms",
+               "kvcache,nofact,recommended:memory=f16+pin", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    result = json.loads((tmp_path / "said_tune_16.json").read_text())
+    chat = result["chats"][0]
+    kinds = [q["kind"] for q in chat["questions"]]
+    assert sum(k.startswith(S.MODEL) for k in kinds) >= 1 and len(kinds) >= 4
+    said = result["summary"]["_said"]
+    assert said["kvcache"]["asked"] == {"model": sum(k.startswith(S.MODEL) for k in kinds),
+                                        "user": 3}
+    assert "model-said" in result["table"]
