@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..eval import plots
+
 
 def _at(memory: list, t: float) -> tuple | None:
     """The last memory sample at or before time ``t``."""
@@ -74,12 +76,8 @@ def summarize(results: dict, args) -> dict:
 
 
 def plot(results: dict, args, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.4))
+    fig, axes = plots.panels(4, 5, 4.4)
+    axes = axes[0]
     names = None
     for i, (kind, r) in enumerate(results.items()):
         phases = {k: v for k, v in r["phases"].items() if k != "probe"}
@@ -104,17 +102,12 @@ def plot(results: dict, args, path: Path) -> None:
         axes[3].axhline(limit / 2**20, color="red", ls=":", label="--prompt-cache-bytes")
     for ax in axes[:2]:
         ax.set_xticks(range(len(names or [])), names or [], rotation=20)
-    titles = [("phase", "completion tokens/s"), ("phase", "request latency (s)"),
-              ("seconds since start", "server memory (MiB)"),
-              ("seconds", "prompt cache (MiB, sum of nbytes)")]
-    for ax, (x, y) in zip(axes, titles, strict=True):
-        ax.set_xlabel(x)
-        ax.set_ylabel(y)
-        ax.legend(fontsize=7)
+    plots.labelled(axes, [("phase", "completion tokens/s"), ("phase", "request latency (s)"),
+                          ("seconds since start", "server memory (MiB)"),
+                          ("seconds", "prompt cache (MiB, sum of nbytes)")], 7)
     fig.suptitle(f"morphkv serve (budget {args.budget}) vs mlx_lm server (default cache): "
                  f"load and faults, max_tokens {args.max_tokens}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plots.save(fig, path, 110)
 
 
 def markdown(report: dict) -> str:

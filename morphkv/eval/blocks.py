@@ -41,7 +41,7 @@ from .flags import add_flags, csv_ints
 from .metrics import held_bytes
 from .models import load_model
 from .output import environment, out_dir, write_json
-from .runner import Feeder, reference_logprobs
+from .runner import position_kl, reference_logprobs
 from .texts import split_texts
 
 NAME = "blocks"
@@ -69,14 +69,8 @@ def held_bound(model, arm, budget: int, extra: int) -> tuple[int, int]:
 def kl_positions(model, arm, tokens: list[int], ref: mx.array, budget: int, first: int,
                  chunk: int = 256) -> np.ndarray:
     """KL(full || arm) at every position ``first``..end-2 (the last has no target)."""
-    cfg = arm.config(budget, model, n_sink=N_SINK)
-    out = []
-    for s, lp, _ in Feeder("chunked", chunk).run(model, [cfg], tokens, first - 1):
-        lo, hi = max(s, first), min(s + lp.shape[1], len(tokens) - 1)
-        if hi > lo:
-            r = ref[lo:hi]
-            out.append(np.array((mx.exp(r) * (r - lp[0, lo - s : hi - s])).sum(axis=-1)))
-    return np.concatenate(out) if out else np.zeros(0)
+    caches = arm.caches(model, budget, N_SINK)
+    return position_kl(model, caches, tokens, ref, first, first - 1, chunk)[0]
 
 
 def stdlib_prose(tokenizer, n_tokens: int) -> list[int]:

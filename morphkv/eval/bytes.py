@@ -25,8 +25,6 @@ import argparse
 import os
 import time
 
-import mlx.core as mx
-
 from ..core.pins import pin
 from ..mlxlm.turns import user_positions
 from .arms import check_specs, parse_arms, unpinned
@@ -35,7 +33,7 @@ from .metrics import held_bytes
 from .models import load_model
 from .output import environment, markdown_table, out_dir, write_json
 from .plots import plt
-from .runner import reference_logprobs
+from .runner import position_kl, reference_logprobs
 from .texts import CONVERSATIONS, split_texts
 
 NAME = "bytes"
@@ -50,21 +48,9 @@ def kl_of(model, arm, tokens: list[int], ref, budget: int, first: int, pins=None
     caches = arm.caches(model, budget, 4)
     if pins is not None:
         pin(caches, pins)
-    ids = mx.array([int(t) for t in tokens])[None]
-    kl, n, pos = 0.0, 0, 0
-    while pos < len(tokens) - 1:
-        step = first if pos == 0 else CHUNK  # no eviction before ``first``: one chunk
-        logits = model(ids[:, pos : pos + step], cache=caches)[0].astype(mx.float32)
-        lo, hi = max(pos, first), min(pos + step, len(tokens) - 1)
-        if hi > lo:
-            lp = logits[lo - pos : hi - pos]
-            lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-            r = ref[lo:hi]
-            kl += float((mx.exp(r) * (r - lp)).sum())
-            n += hi - lo
-        pos += step
+    kl = position_kl(model, caches, tokens, ref, first, first, CHUNK)[0]
     budgets = [c.config.budget for c in caches if hasattr(c, "config")]
-    return {"kl": kl / max(n, 1), "positions": n,
+    return {"kl": float(kl.sum()) / max(kl.size, 1), "positions": int(kl.size),
             "nbytes": int(sum(held_bytes(c) for c in caches)),
             "tokens": max(budgets) if budgets else budget}
 

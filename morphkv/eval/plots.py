@@ -104,3 +104,10 @@ def panels(n: int, width: float = 5.5, height: float = 4.5, rows: int = 1):
 
 def save(fig, path, dpi: int = 80) -> str:
     return _save(fig, path, dpi)
+
+
+def labelled(axes, labels: list[tuple[str, str]], fontsize=None) -> None:
+    """x and y labels, and a legend, on each panel."""
+    for ax, (x, y) in zip(axes, labels, strict=True):
+        ax.set(xlabel=x, ylabel=y)
+        ax.legend(fontsize=fontsize)

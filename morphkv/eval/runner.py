@@ -199,3 +199,22 @@ def _evaluate_group(model, tokens, ref_lp, cfgs, feeder, bar):
         res.update(kv_bytes(per_arm[b] if per_arm else []))
         out.append(res)
     return out
+
+
+def position_kl(model, caches, tokens: list[int], ref: mx.array, first: int, prefill: int,
+                chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Per position ``first``..end-2 (the last has no target): KL(full || caches) and top-1
+    agreement, teacher-forced: ``prefill`` tokens in one piece, then chunks of ``chunk``."""
+    ids = mx.array([int(t) for t in tokens])[None]
+    kl, agree, pos = [], [], 0
+    while pos < len(tokens) - 1:
+        step = prefill if pos == 0 and prefill > 0 else chunk
+        logits = model(ids[:, pos : pos + step], cache=caches)[0].astype(mx.float32)
+        lo, hi = max(pos, first), min(pos + step, len(tokens) - 1)
+        if hi > lo:
+            lp = logits[lo - pos : hi - pos]
+            lp, r = lp - mx.logsumexp(lp, axis=-1, keepdims=True), ref[lo:hi]
+            kl.append(np.array((mx.exp(r) * (r - lp)).sum(axis=-1)))
+            agree.append(np.array(lp.argmax(-1) == r.argmax(-1)))
+        pos += step
+    return (np.concatenate(kl), np.concatenate(agree)) if kl else (np.zeros(0), np.zeros(0))
