@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..eval import plots
 from ..eval.flags import add_flags
-from ..eval.output import environment, markdown_table, out_dir, write_json
+from ..eval.output import environment, finish, markdown_table
 from ..eval.progress import Progress
 
 NAME = "chat"
@@ -236,9 +236,6 @@ def run(args: argparse.Namespace) -> int:
     result = {"benchmark": NAME, "args": vars(args), "config": config.to_json(), "rows": rows,
               "summary": summary, "timing": timing, "resume": resume, "environment": environment(),
               "load_avg_before_after": [load_before, os.getloadavg()]}
-    folder = out_dir(args, NAME)
-    name = f"{NAME}{'_quick' if args.quick else ''}"
-    write_json(folder / f"{name}.json", result)
     print(table(summary))
     for arm, t in timing.items():
         a, b = t["after_turn"][0], t["after_turn"][-1]
@@ -250,7 +247,6 @@ def run(args: argparse.Namespace) -> int:
               f"{resume['load_s']:.3f} s, {resume['file_bytes'] / 2**20:.2f} MiB; resumed "
               f"next reply identical: {resume['same_next_reply']}")
     print(f"load average (1 min) before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}")
-    if not args.no_plot:
-        plot(rows, args.budget, folder / f"{name}.png")
-    print(f"wrote {folder}/{name}.json")
+    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}",
+           lambda path: plot(rows, args.budget, path))
     return 0

@@ -27,7 +27,7 @@ import mlx.core as mx
 from ..eval import plots
 from ..eval.arms import Arm
 from ..eval.flags import add_flags
-from ..eval.output import environment, markdown_table, out_dir, write_json
+from ..eval.output import environment, finish, markdown_table
 from ..eval.plots import require_matplotlib
 from ..eval.progress import Progress
 from ..mlxlm.hooks import attention_step, queries_by_hand
@@ -273,10 +273,7 @@ def execute(args: argparse.Namespace) -> dict:
           "chunk_ms: one chunk into an empty cache; "
           "engine_pct: selection state / kept K+V bytes; total_vs_rotating: all bytes held / "
           "a RotatingKVCache of the same budget")
-    print(markdown_table(list(COLUMNS), [[r[c] for c in COLUMNS] for r in rows]))
-    folder = out_dir(args, NAME)
-    path = write_json(folder / f"{NAME}{'_quick' if args.quick else ''}.json", result)
-    if not args.no_plot:
-        plot(result, folder / f"{NAME}.png")
-    print(f"wrote {path}")
+    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}",
+           lambda path: plot(result, path),
+           markdown_table(list(COLUMNS), [[r[c] for c in COLUMNS] for r in rows]), png=NAME)
     return result

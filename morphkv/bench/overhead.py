@@ -25,7 +25,7 @@ from ..eval import plots
 from ..eval.arms import parse_arms
 from ..eval.flags import add_flags
 from ..eval.models import RANDOM_TINY, load_model
-from ..eval.output import environment, markdown_table, out_dir, write_json
+from ..eval.output import environment, finish, markdown_table
 from ..eval.plots import require_matplotlib
 from ..eval.progress import Progress
 from ..eval.texts import PROSE_TOPICS, prose_text
@@ -133,17 +133,17 @@ def run(args: argparse.Namespace) -> int:
     result = {"benchmark": NAME, "args": vars(args), "runs": all_runs[first],
               "median": by_context[first], "by_context": by_context}
     result["environment"] = environment()
-    folder = out_dir(args, NAME)
-    write_json(folder / f"{NAME}{'_quick' if args.quick else ''}.json", result)
     from ..eval.report import overhead_section  # the same table the report shows
 
     print(overhead_section(result))
-    print(context_table(by_context))
-    if not args.no_plot:
+
+    def plot(path):
         median = by_context[first]
         fig, axes = plots.panels(2, 5, 4)
         for ax, key in zip(axes[0], ("prefill_s", "decode_ms"), strict=True):
             plots.grouped_bars(ax, list(median), {key: [m[key] for m in median.values()]}, key)
-        plots.save(fig, folder / f"{NAME}.png")
-    print(f"wrote {folder}/{NAME}.json")
+        plots.save(fig, path)
+
+    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}", plot,
+           context_table(by_context), png=NAME)
     return 0

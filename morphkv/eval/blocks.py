@@ -40,7 +40,7 @@ from . import recall
 from .flags import add_flags, csv_ints
 from .metrics import held_bytes
 from .models import load_model
-from .output import environment, out_dir, write_json
+from .output import environment, finish
 from .runner import position_kl, reference_logprobs
 from .texts import split_texts
 
@@ -236,10 +236,6 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     result["table"] = R.table(result)
     result.update(environment=environment(), seconds=time.perf_counter() - start,
                   load_average={"start": load, "end": os.getloadavg()})
-    print(result["table"])
-    folder = out_dir(args, NAME)
     stem = args.stem or f"{NAME}_{args.split}" + ("" if args.budget == 128 else f"_{args.budget}")
-    write_json(folder / f"{stem}.json", result)
-    R.plot(result, folder / f"{stem}.png")
-    print(f"wrote {folder / f'{stem}.json'} and {folder / f'{stem}.png'}")
+    finish(args, NAME, result, stem, lambda path: R.plot(result, path), result["table"])
     return result

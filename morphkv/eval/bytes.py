@@ -27,12 +27,12 @@ import time
 
 from ..core.pins import pin
 from ..mlxlm.turns import user_positions
+from . import plots
 from .arms import check_specs, parse_arms, unpinned
 from .flags import add_flags, csv_ints
 from .metrics import held_bytes
 from .models import load_model
-from .output import environment, markdown_table, out_dir, write_json
-from .plots import plt
+from .output import environment, finish, markdown_table
 from .runner import position_kl, reference_logprobs
 from .texts import CONVERSATIONS, split_texts
 
@@ -109,12 +109,8 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
               "seconds": time.perf_counter() - start,
               "load_average": {"start": load, "end": os.getloadavg()}}
     result["table"] = table(summary, list(texts))
-    print(result["table"])
-    folder = out_dir(args, NAME)
-    stem = args.stem or f"{NAME}_{args.split}"
-    write_json(folder / f"{stem}.json", result)
-    plot(summary, folder / f"{stem}.png")
-    print(f"wrote {folder / f'{stem}.json'} and {folder / f'{stem}.png'}")
+    finish(args, NAME, result, args.stem or f"{NAME}_{args.split}",
+           lambda path: plot(summary, path), result["table"])
     return result
 
 
@@ -154,16 +150,13 @@ def table(summary: list[dict], texts: list[str]) -> str:
 
 def plot(summary: list[dict], path) -> None:
     """Mean KL against bytes held, one point per arm and token count."""
-    pyplot = plt()
-    fig, ax = pyplot.subplots(figsize=(7.5, 4.5))
+    fig, ax = plots.panels(1, 7.5, 4.5)
+    ax = ax[0, 0]
     for arm in dict.fromkeys(s["arm"] for s in summary):
         pts = sorted((s["mib"], s["mean_kl"]) for s in summary if s["arm"] == arm)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arm)
-    ax.set_xlabel("bytes held over all layers (MiB, storage + selection state)")
-    ax.set_ylabel("mean KL(full || arm), nats/token")
-    ax.set_yscale("log")
+    ax.set(xlabel="bytes held over all layers (MiB, storage + selection state)",
+           ylabel="mean KL(full || arm), nats/token", yscale="log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    pyplot.close(fig)
+    plots.save(fig, path, 120)

@@ -20,7 +20,7 @@ from ..core.config import KVCacheConfig
 from ..mlxlm.builder import KVCacheBuilder
 from .flags import add_flags
 from .models import load_model
-from .output import markdown_table, out_dir, write_json
+from .output import finish, markdown_table
 from .plots import require_matplotlib
 from .runner import position_kl, reference_logprobs
 from .texts import conversation_tokens, prose_documents
@@ -88,10 +88,9 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
                              budget=budget, kl=kl, top1=top1, positions=n))
             print(f"{text} {method} {bits or 'float'} x{budget or 'all'}: KL {kl:.4f}", flush=True)
     result = {"benchmark": NAME, "bytes_budget": B, "rows": rows}
-    folder = out_dir(args, NAME)
-    write_json(folder / f"{NAME}{'_quick' if args.quick else ''}.json", result)
     print("KL: mean KL(full || arm) over the same positions for every arm (lower is better)")
     headers = ["text", "method", "bits", "budget", "kl", "top1"]
-    print(markdown_table(headers, [[r[h] if r[h] is not None else "-" for h in headers]
-                                   for r in rows]))
+    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}",
+           table=markdown_table(headers, [[r[h] if r[h] is not None else "-" for h in headers]
+                                          for r in rows]))
     return result

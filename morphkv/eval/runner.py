@@ -59,10 +59,8 @@ class StackedCache:
         return self.caches[0].offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        outs = [
-            c.update_and_fetch(keys[i : i + 1], values[i : i + 1])
-            for i, c in enumerate(self.caches)
-        ]
+        outs = [c.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+                for i, c in enumerate(self.caches)]
         L = max(k.shape[2] for k, _ in outs)
 
         def pad(x):
@@ -71,10 +69,7 @@ class StackedCache:
                 return x
             return mx.concatenate([x, mx.zeros((*x.shape[:2], extra, x.shape[3]), x.dtype)], 2)
 
-        return (
-            mx.concatenate([pad(k) for k, _ in outs]),
-            mx.concatenate([pad(v) for _, v in outs]),
-        )
+        return mx.concatenate([pad(k) for k, _ in outs]), mx.concatenate([pad(v) for _, v in outs])
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         lens = np.array([_kept(c) + N for c in self.caches])
@@ -184,18 +179,10 @@ def _evaluate_group(model, tokens, ref_lp, cfgs, feeder, bar):
     for b in range(len(cfgs)):
         kl, ag, nm, nf, n = sums[b]
         n = max(n, 1)
-        res = {
-            "kl": kl / n,
-            "top1": ag / n,
-            "ppl_ratio": math.exp((nm - nf) / n),
-            "nll": nm / n,
-            "nll_full": nf / n,
-            "positions": int(n),
-            "peak_memory": peak,
-            "arms_in_pass": len(cfgs),
-            "tokens_per_s": fed / elapsed if elapsed > 0 else float("nan"),
-            "seconds": elapsed,
-        }
+        res = {"kl": kl / n, "top1": ag / n, "ppl_ratio": math.exp((nm - nf) / n), "nll": nm / n,
+               "nll_full": nf / n, "positions": int(n), "peak_memory": peak,
+               "arms_in_pass": len(cfgs), "seconds": elapsed,
+               "tokens_per_s": fed / elapsed if elapsed > 0 else float("nan")}
         res.update(kv_bytes(per_arm[b] if per_arm else []))
         out.append(res)
     return out

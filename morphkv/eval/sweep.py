@@ -21,7 +21,7 @@ from .arms import check_specs, grid_specs
 from .fidelity import run_fidelity
 from .flags import add_flags
 from .models import load_model
-from .output import markdown_table, out_dir, write_json
+from .output import finish, markdown_table
 from .plots import require_matplotlib
 from .runner import Feeder
 from .texts import split_texts
@@ -95,21 +95,20 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     result["benchmark"] = NAME
     result["settings"].update(split=args.split, quick=bool(args.quick), model=args.model)
     result["ratios"] = table = ratios(result["rows"])
-    folder = out_dir(args, NAME)
-    stem = f"{NAME}_{args.split}{'_quick' if args.quick else ''}"
-    write_json(folder / f"{stem}.json", result)
-    names = sorted(texts)
     print(f"KL(full || arm) / KL(full || {BASELINE}) per text, same budget (lower is better; "
           "mean_ratio: mean over texts; worst_ratio: the largest)")
-    headers = ["arm", "budget", *names, "mean_ratio", "worst_ratio"]
-    print(markdown_table(headers, [[e.get(h, float("nan")) for h in headers] for e in table]))
-    fig, axes = plots.panels(1, 9, 5)
-    labels = [f"{e['arm']} b{e['budget']}" for e in table]
-    plots.grouped_bars(axes[0, 0], labels, {"mean ratio": [e["mean_ratio"] for e in table],
-                                            "worst ratio": [e["worst_ratio"] for e in table]},
-                       f"KL / {BASELINE}'s ({args.split} texts)")
-    plots.save(fig, folder / f"{stem}.png")
-    print(f"wrote {folder}/{stem}.json and {stem}.png")
+    headers = ["arm", "budget", *sorted(texts), "mean_ratio", "worst_ratio"]
+
+    def plot(path):
+        fig, axes = plots.panels(1, 9, 5)
+        labels = [f"{e['arm']} b{e['budget']}" for e in table]
+        plots.grouped_bars(axes[0, 0], labels, {"mean ratio": [e["mean_ratio"] for e in table],
+                                                "worst ratio": [e["worst_ratio"] for e in table]},
+                           f"KL / {BASELINE}'s ({args.split} texts)")
+        plots.save(fig, path)
+
+    finish(args, NAME, result, f"{NAME}_{args.split}{'_quick' if args.quick else ''}", plot,
+           markdown_table(headers, [[e.get(h, float("nan")) for h in headers] for e in table]))
     return result
 
 
