@@ -18,14 +18,13 @@ import argparse
 import json
 import os
 import statistics
-import threading
 import time
 from pathlib import Path
 
 from ..eval import plots
 from .load import server_flags
 from .load_clients import QUESTIONS, long_text
-from .servers import Server, settings_of, stream_chat, write_report
+from .servers import Server, in_threads, settings_of, stream_chat, write_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,16 +64,11 @@ def _at_once(jobs: list[tuple[float, callable]]) -> list[dict]:
     """Run each job (delay seconds, function) in its own thread; the results in job order."""
     results: list = [None] * len(jobs)
 
-    def work(i, delay, fn):
-        time.sleep(delay)
-        results[i] = fn()
+    def work(i):
+        time.sleep(jobs[i][0])
+        results[i] = jobs[i][1]()
 
-    threads = [threading.Thread(target=work, args=(i, d, f), daemon=True)
-               for i, (d, f) in enumerate(jobs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=1800)
+    in_threads(work, range(len(jobs)), 1800)
     return results
 
 

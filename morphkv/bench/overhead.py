@@ -53,12 +53,8 @@ def run_arm(arm, model, prompt: mx.array, args) -> dict[str, float]:
         mx.eval(token)
         times.append(time.perf_counter() - start)
         cpus.append(time.process_time() - cpu)
-    return {
-        "prefill_s": prefill,
-        "decode_ms": statistics.median(times) * 1e3,
-        "prefill_cpu_s": prefill_cpu,
-        "decode_cpu_ms": statistics.median(cpus) * 1e3,
-    }
+    return {"prefill_s": prefill, "decode_ms": statistics.median(times) * 1e3,
+            "prefill_cpu_s": prefill_cpu, "decode_cpu_ms": statistics.median(cpus) * 1e3}
 
 
 def context_table(by_context: dict) -> str:
@@ -123,10 +119,8 @@ def run(args: argparse.Namespace) -> int:
                 r = runs[name][-1]
                 bar.update(1, f"{context} {name}: prefill {r['prefill_s']:.2f} s, decode "
                               f"{r['decode_ms']:.1f} ms")
-        by_context[context] = {
-            name: {k: statistics.median(r[k] for r in rs) for k in KEYS}
-            for name, rs in runs.items()
-        }
+        by_context[context] = {name: {k: statistics.median(r[k] for r in rs) for k in KEYS}
+                               for name, rs in runs.items()}
         all_runs[context] = runs
     first = contexts[0]
     args.prompt_tokens = first

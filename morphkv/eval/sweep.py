@@ -57,6 +57,11 @@ def ratios(rows: list[dict]) -> list[dict]:
     return sorted(table.values(), key=lambda e: (e["budget"], e["mean_ratio"]))
 
 
+def ratio_table(table: list[dict], texts: list[str]) -> str:
+    headers = ["arm", "budget", *texts, "mean_ratio", "worst_ratio"]
+    return markdown_table(headers, [[e.get(h, float("nan")) for h in headers] for e in table])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--split", "tune", "tune: texts for choosing; heldout: texts for reporting",
@@ -97,7 +102,6 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     result["ratios"] = table = ratios(result["rows"])
     print(f"KL(full || arm) / KL(full || {BASELINE}) per text, same budget (lower is better; "
           "mean_ratio: mean over texts; worst_ratio: the largest)")
-    headers = ["arm", "budget", *sorted(texts), "mean_ratio", "worst_ratio"]
 
     def plot(path):
         fig, axes = plots.panels(1, 9, 5)
@@ -108,7 +112,7 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
         plots.save(fig, path)
 
     finish(args, NAME, result, f"{NAME}_{args.split}{'_quick' if args.quick else ''}", plot,
-           markdown_table(headers, [[e.get(h, float("nan")) for h in headers] for e in table]))
+           ratio_table(table, sorted(texts)))
     return result
 
 
@@ -118,9 +122,6 @@ def section(result: dict) -> str:
 
     s, table = result["settings"], result["ratios"]
     names = sorted({k for e in table for k in e} - {"arm", "budget", "mean_ratio", "worst_ratio"})
-    headers = ["arm", "budget", *names, "mean_ratio", "worst_ratio"]
-    cells = [[e.get(h, float("nan")) for h in headers] for e in table]
-    ratio_table = markdown_table(headers, cells)
     rows = [{**r, "kl_at": f"{r['text']}"} for r in result["rows"]]
     kl_table = markdown_table(*pivot(rows, ["arm", "budget"], "kl_at", "kl"))
     sized = ", ".join(
@@ -145,7 +146,7 @@ def section(result: dict) -> str:
         + (f"; at equal total bytes (every arm sized to StreamingLLM's bytes: {sized})"
            if s.get("equal_bytes") else "") + "."
     )
-    body = [ratio_table, "", "KL per text:", "", kl_table, ""]
+    body = [ratio_table(table, names), "", "KL per text:", "", kl_table, ""]
     lines = [f"## Sweep, {s['split']} texts (`morphkv eval fidelity --mode sweep`)", "", intro, "",
              *body]
     lines += ["Notes (computed from the numbers):", "", *notes, ""]
