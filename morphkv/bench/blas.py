@@ -17,7 +17,7 @@ import sys
 import time
 
 from ..eval import plots
-from ..eval.flags import add_flags
+from ..eval.flags import add_flags, standard
 from ..eval.models import RANDOM_TINY, load_model
 from ..eval.output import environment, finish, markdown_table
 from ..eval.plots import require_matplotlib
@@ -86,8 +86,7 @@ def run_child(env: dict, args: argparse.Namespace) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--tokens", 32, "tokens to generate"),
-        ("--model", None, "model (default: the embedded SmolLM2)"),
-        ("--out", None, "output folder (default results/blas)"),
+        *standard(NAME, "model", "out"),
         ("--quick", False, "tiny run on a random-weight model for tests/CI"),
     ])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

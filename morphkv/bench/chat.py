@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from ..eval import plots
-from ..eval.flags import add_flags
+from ..eval.flags import add_flags, standard
 from ..eval.output import environment, finish, markdown_table
 from ..eval.progress import Progress
 
@@ -35,7 +35,7 @@ QUICK = {"turns": 8, "budget": 64, "user_tokens": 24, "reply_tokens": 8}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
-        ("--model", None, "model (default: the embedded SmolLM2)"),
+        *standard(NAME, "model", "out", "no_plot"),
         ("--preset", "recommended", "morphkv preset"),
         ("--budget", DEFAULTS["budget"], "tokens kept per KV head"),
         ("--turns", DEFAULTS["turns"], "user turns"),
@@ -43,8 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--reply-tokens", DEFAULTS["reply_tokens"], "tokens per reply (end of turn masked)"),
         ("--timing-repeats", 3, "interleaved re-runs of turn 5 and the last turn, timed"),
         ("--arms", ["morphkv", "kvcache"], "morphkv and/or kvcache (mlx_lm's default cache)"),
-        ("--out", None, "output folder (default results/chat)"),
-        ("--no-plot", False, "skip the PNG"),
         ("--quick", False, "a short run (8 turns, budget 64, short messages) for tests/CI"),
     ])
 

@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from ..eval import plots
 from ..eval.arms import Arm
-from ..eval.flags import add_flags
+from ..eval.flags import add_flags, standard
 from ..eval.output import environment, finish, markdown_table
 from ..eval.plots import require_matplotlib
 from ..eval.progress import Progress
@@ -216,9 +216,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--dtype", "float16", "keys/values dtype: float16, float32 or bfloat16"),
         ("--grid", False, "morphkv over budgets x windows, the other methods at budget 512"),
         ("--quick", False, "tiny run for tests/CI"),
-        ("--out", None, "output folder (default results/layer)"),
-        ("--no-plot", False, "skip the PNG"),
-        ("--quiet", False, "no progress lines"),
+        *standard(NAME, "out", "quiet", "no_plot"),
     ])
 
 

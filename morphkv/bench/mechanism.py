@@ -44,7 +44,7 @@ import numpy as np
 
 from ..eval import plots
 from ..eval.arms import Arm, check_specs
-from ..eval.flags import add_flags
+from ..eval.flags import add_flags, standard
 from ..eval.output import environment, finish, markdown_table, pivot
 from ..eval.plots import require_matplotlib
 from ..eval.progress import Progress
@@ -215,14 +215,13 @@ def plot(result: dict, path) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--quick", False, "tiny smoke grid (seconds)"),
-        ("--out", None, "output folder (default results/mechanism)"),
+        *standard(NAME, "out", "quiet"),
         ("--scenarios", list(SCENARIOS), "scenarios"),
         ("--lengths", [256, 512], "stream lengths"),
         ("--budgets", [32, 64], "budgets"),
         ("--windows", [1, 8, 32], "protected recent windows"),
         ("--arms", list(ARMS), "arm names or arm specs"),
         ("--seeds", 5, "seeds per grid point"),
-        ("--quiet", False, "no progress lines"),
     ])
 
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 from ..core.warm import warm_up
 from ..eval import plots
 from ..eval.arms import parse_arms
-from ..eval.flags import add_flags
+from ..eval.flags import add_flags, standard
 from ..eval.models import RANDOM_TINY, load_model
 from ..eval.output import environment, finish, markdown_table
 from ..eval.plots import require_matplotlib
@@ -77,7 +77,7 @@ def context_table(by_context: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
-        ("--model", None, "model (default: the embedded SmolLM2)"),
+        *standard(NAME, "model", "out", "no_plot"),
         ("--budget", 512, "tokens kept per KV head"),
         ("--prompt-tokens", 2048, "prompt length"),
         ("--contexts", [0], "prompt lengths to measure in turn, e.g. 1024,4096,8192 (0: "
@@ -87,8 +87,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--repeats", 2, "interleaved repeats"),
         ("--arms", ["kvcache", "rotating", "morphkv", "proxy"], "kvcache, rotating, morphkv "
          "(real queries), proxy (keys as queries), or arm specs"),
-        ("--out", None, "output folder (default results/overhead)"),
-        ("--no-plot", False, "skip the PNG"),
         ("--quick", False, "tiny run on a random-weight model for tests/CI"),
     ])
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from . import blocks_report as R
 from . import recall
-from .flags import add_flags, csv_ints
+from .flags import add_flags, csv_ints, standard
 from .metrics import held_bytes
 from .models import load_model
 from .output import environment, finish
@@ -168,10 +168,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--speed", None, "a `morphkv bench speed --mode overhead` JSON with arms "
          "<setting>:block=N: "
          "decode/prefill ratios joined into the table"),
-        ("--model", None, "model (default: the embedded SmolLM2)"),
-        ("--out", None, "output folder (default results/blocks)"),
+        *standard(NAME, "model", "out", "quiet"),
         ("--stem", None, "output file stem (default blocks_<split>, _<budget> unless 128)"),
-        ("--quiet", False, "no progress lines"),
     ])
 
 

@@ -29,7 +29,7 @@ from ..core.pins import pin
 from ..mlxlm.turns import user_positions
 from . import plots
 from .arms import check_specs, parse_arms, unpinned
-from .flags import add_flags, csv_ints
+from .flags import add_flags, csv_ints, standard
 from .metrics import held_bytes
 from .models import load_model
 from .output import environment, finish, markdown_table
@@ -65,8 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--prose-tokens", 1024, "tokens of the prose text"),
         ("--continuation-tokens", 600, "tokens of the model's own continuation"),
         ("--conversation-tokens", 0, "cut each conversation to its first N tokens (0: whole)"),
-        ("--model", None, "model (default: the embedded SmolLM2)"),
-        ("--out", None, "output folder (default results/bytes)"),
+        *standard(NAME, "model", "out"),
         ("--stem", None, "output file stem (default bytes_<split>)"),
     ])
 

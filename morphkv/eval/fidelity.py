@@ -21,7 +21,7 @@ import mlx.core as mx
 from . import plots
 from .arms import Arm, check_specs, parse_arms
 from .equal_bytes import equal_byte_budgets
-from .flags import add_flags
+from .flags import add_flags, standard
 from .models import load_model
 from .output import environment, finish, markdown_table, out_dir, pivot, write_json
 from .plots import require_matplotlib
@@ -133,8 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--quick", False, "tiny smoke run (seconds)"),
         ("--full", False, "wide run: 2 prose documents of 3,000 tokens, all conversations, the "
          "model's own 1,000-token continuation, budgets 64-512 (hours on a 2-core CPU)"),
-        ("--out", None, "output folder (default results/fidelity)"),
-        ("--model", None, "mlx_lm model path/repo or .gguf (default: the embedded SmolLM2)"),
+        *standard(NAME, "model", "out", "quiet"),
         ("--budgets", [64, 128, 256], "budgets in tokens per KV head"),
         ("--arms", list(DEFAULT_ARMS), "arm specs: method[:fusion][:window][:attn] or "
          "method:field=value:... for any KVCacheConfig field, e.g. morphkv:window=32:attn"),
@@ -151,7 +150,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          ["auto", "stacked", "step", "chunked"]),
         ("--chunk", 256, "chunk size of the chunked feed"),
         ("--no-full-arm", False, "skip the full-cache check arm"),
-        ("--quiet", False, "no progress lines"),
     ])
 
 

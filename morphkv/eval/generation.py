@@ -18,7 +18,7 @@ import mlx.core as mx
 from . import plots
 from .arms import check_specs, parse_arms
 from .fidelity import ARM_DEFAULTS, N_SINK
-from .flags import add_flags, csv_ints
+from .flags import add_flags, csv_ints, standard
 from .metrics import distinct, kv_bytes, repetition_rate
 from .models import load_model
 from .output import environment, finish, markdown_table
@@ -118,14 +118,12 @@ def summary(result: dict) -> tuple[list[str], list[list]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--quick", False, "tiny smoke run (seconds)"),
-        ("--out", None, "output folder (default results/generation)"),
-        ("--model", None, "mlx_lm model or .gguf (default: the embedded SmolLM2)"),
+        *standard(NAME, "model", "out", "quiet"),
         ("--budgets", [128, 256], "budgets in tokens per KV head"),
         ("--arms", list(DEFAULT_ARMS), "arm specs as in eval fidelity; full: mlx_lm's KVCache"),
         ("--max-tokens", 1000, "tokens to generate per answer"),
         ("--prompts", None, "indices into the prompt set, comma separated (default all)"),
         ("--n-sink", N_SINK, "protected first tokens"),
-        ("--quiet", False, "no progress lines"),
     ])
 
 

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from ..core.config import KVCacheConfig
 from ..mlxlm.builder import KVCacheBuilder
-from .flags import add_flags
+from .flags import add_flags, standard
 from .models import load_model
 from .output import finish, markdown_table
 from .plots import require_matplotlib
@@ -64,9 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--bytes-budget", 128, "the float16 budget whose bytes every arm gets"),
         ("--prose-tokens", 1024, "tokens of the prose text"),
-        ("--model", None, "model (default: the embedded SmolLM2)"),
+        *standard(NAME, "model", "out"),
         ("--quick", False, "tiny smoke run"),
-        ("--out", None, "output folder (default results/quantized)"),
     ])
 
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 from . import plots
 from .arms import check_specs, grid_specs
 from .fidelity import run_fidelity
-from .flags import add_flags
+from .flags import add_flags, standard
 from .models import load_model
 from .output import finish, markdown_table
 from .plots import require_matplotlib
@@ -74,10 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--equal-bytes", False, "every arm at the budget where it holds StreamingLLM's bytes"),
         ("--prose-tokens", 1024, "tokens of the prose text"),
         ("--continuation-tokens", 600, "tokens of the model's own continuation"),
-        ("--model", None, "mlx_lm model path/repo or .gguf (default: the embedded SmolLM2)"),
+        *standard(NAME, "model", "out", "quiet"),
         ("--quick", False, "tiny smoke run (seconds)"),
-        ("--out", None, "output folder (default results/sweep)"),
-        ("--quiet", False, "no progress lines"),
     ])
 
 
