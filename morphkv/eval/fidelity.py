@@ -34,11 +34,10 @@ N_SINK = 4
 ARM_DEFAULTS = dict(window=8, fusion="mean", scoring="proxy")  # what a bare method means here
 DEFAULT_ARMS = ("streaming_llm", "random", "h2o", "tova", "morphkv:mean:8", "morphkv:mean:32",
                 "h2o:attn", "tova:attn", "morphkv:mean:8:attn", "morphkv:mean:32:attn")
-METRICS = {
-    "kl": "mean KL(full || method), nats/token",
-    "top1": "top-1 agreement with the full cache",
-    "ppl_ratio": "perplexity ratio (method / full)",
-}
+METRICS = {"kl": "Mean KL(full || method), nats/token (lower is better)",
+           "top1": "Top-1 agreement with the full cache",
+           "ppl_ratio": "Perplexity ratio, method / full"}
+MIB_KEYS = {"kv_bytes_kept": "kept", "kv_bytes_held": "held"}
 
 
 def arms_of(specs) -> list[Arm]:
@@ -117,15 +116,20 @@ def summary(result: dict, metric: str = "kl") -> tuple[list[str], list[list]]:
     return ["arm"] + [f"budget {b}" for b in budgets], body
 
 
-def tables(result: dict) -> str:
-    parts = [f"### {t}\n\n" + markdown_table(*summary(result, m)) for m, t in METRICS.items()]
-    rows = [r for r in result["rows"] if r["budget"] is not None]
-    per_text = pivot(rows, ["text", "arm"], "budget", "kl")
-    parts.append("### KL per text\n\n" + markdown_table(*per_text))
-    held = [{**r, "MiB": r["kv_bytes_held"] / 2**20} for r in result["rows"]]
-    parts.append("### MiB the caches hold (storage and selection state, all layers)\n\n"
-                 + markdown_table(*pivot(held, ["text", "arm"], "budget", "MiB")))
-    return "\n\n".join(parts)
+def tables(result: dict) -> list[str]:
+    """The tables of the command and of the report's section: the metrics per arm and budget,
+    KL per text, the MiB the caches keep and hold at the end of the first text."""
+    body, rows = [], result["rows"]
+    for metric, label in METRICS.items():
+        body += [f"### {label}", "", markdown_table(*summary(result, metric)), ""]
+    scored = [r for r in rows if r["budget"] is not None]
+    body += ["### KL per text", "", markdown_table(*pivot(scored, ["text", "arm"], "budget", "kl"))]
+    first = [{**r, "budget": r["budget"] or "-"} for r in rows if r["text"] == rows[0]["text"]]
+    mib = [{**r, "KV": w, "MiB": r[k] / 2**20}
+           for r in first for k, w in MIB_KEYS.items() if k in r]
+    return body + ["", f"KV MiB at the end of {rows[0]['text']} (all layers; kept: the keys and "
+                   "values kept; held: everything the caches hold, storage and selection state):",
+                   "", markdown_table(*pivot(mib, ["arm", "KV"], "budget", "MiB")), ""]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -196,6 +200,6 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     result["settings"].update(quick=bool(args.quick), model=model_name)
     for note in result["notes"] + result["skipped"]:
         print("note:", note, file=sys.stderr)
-    finish(args, NAME, result, table=tables(result),
+    finish(args, NAME, result, table="\n".join(tables(result)),
            plot=lambda path: plots.by_budget(result, summary, path))
     return result
