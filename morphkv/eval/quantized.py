@@ -55,9 +55,9 @@ def kl_of(model, tokens, ref, method, budget, bits, first) -> tuple[float, float
         prefill = 256
     else:
         caches, prefill = KVCacheBuilder.for_model(model, config(method, budget, bits)), first - 1
-    kl, agree = position_kl(model, caches, tokens, ref, first, prefill, 256)
+    kl, agree, total = position_kl(model, caches, tokens, ref, first, prefill, 256)
     n = max(kl.size, 1)
-    return float(kl.sum()) / n, float(agree.sum()) / n, int(kl.size)
+    return total / n, float(agree.sum()) / n, int(kl.size)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -189,11 +189,12 @@ def _evaluate_group(model, tokens, ref_lp, cfgs, feeder, bar):
 
 
 def position_kl(model, caches, tokens: list[int], ref: mx.array, first: int, prefill: int,
-                chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
+                chunk: int = 256) -> tuple[np.ndarray, np.ndarray, float]:
     """Per position ``first``..end-2 (the last has no target): KL(full || caches) and top-1
-    agreement, teacher-forced: ``prefill`` tokens in one piece, then chunks of ``chunk``."""
+    agreement, teacher-forced: ``prefill`` tokens in one piece, then chunks of ``chunk``; and
+    the KL summed chunk by chunk (as the commands always summed it)."""
     ids = mx.array([int(t) for t in tokens])[None]
-    kl, agree, pos = [], [], 0
+    kl, agree, pos, total = [], [], 0, 0.0
     while pos < len(tokens) - 1:
         step = prefill if pos == 0 and prefill > 0 else chunk
         logits = model(ids[:, pos : pos + step], cache=caches)[0].astype(mx.float32)
@@ -201,7 +202,11 @@ def position_kl(model, caches, tokens: list[int], ref: mx.array, first: int, pre
         if hi > lo:
             lp = logits[lo - pos : hi - pos]
             lp, r = lp - mx.logsumexp(lp, axis=-1, keepdims=True), ref[lo:hi]
-            kl.append(np.array((mx.exp(r) * (r - lp)).sum(axis=-1)))
+            each = mx.exp(r) * (r - lp)
+            kl.append(np.array(each.sum(axis=-1)))
             agree.append(np.array(lp.argmax(-1) == r.argmax(-1)))
+            total += float(each.sum())
         pos += step
-    return (np.concatenate(kl), np.concatenate(agree)) if kl else (np.zeros(0), np.zeros(0))
+    if not kl:
+        return np.zeros(0), np.zeros(0), 0.0
+    return np.concatenate(kl), np.concatenate(agree), total
