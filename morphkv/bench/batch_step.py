@@ -20,6 +20,7 @@ Arms: ``kvcache`` (``BatchKVCache``), ``rotating`` (``BatchRotatingKVCache(budge
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -28,7 +29,7 @@ import numpy as np
 
 from ..eval.flags import add_flags
 from ..eval.models import RANDOM_TINY, load_model
-from ..eval.output import environment, markdown_table, out_dir, write_json
+from ..eval.output import environment, finish, markdown_table
 
 NAME = "batch"
 H, G, D = 3, 3, 64  # KV heads, query heads per KV head, head dim (SmolLM2-135M)
@@ -171,11 +172,7 @@ def run(args: argparse.Namespace) -> int:
                          s / arms.get("rotating", float("nan"))])
     table = markdown_table(["part", "arm", "ms/step (mean of a run; median of repeats)",
                             "vs kvcache", "vs rotating"], rows)
-    print(table)
-    import os
-
     result = {"benchmark": NAME, "args": vars(args), "runs_s": runs, "median_s": median,
               "load_average": os.getloadavg(), "environment": environment()}
-    path = write_json(out_dir(args, NAME) / "batch.json", result)
-    print(f"wrote {path}")
+    finish(args, NAME, result, table=table)
     return 0

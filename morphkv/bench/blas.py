@@ -17,9 +17,9 @@ import sys
 import time
 
 from ..eval import plots
-from ..eval.flags import add_flags
+from ..eval.flags import add_flags, standard
 from ..eval.models import RANDOM_TINY, load_model
-from ..eval.output import environment, markdown_table, out_dir, write_json
+from ..eval.output import environment, finish, markdown_table
 from ..eval.plots import require_matplotlib
 
 NAME = "blas"
@@ -86,8 +86,7 @@ def run_child(env: dict, args: argparse.Namespace) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--tokens", 32, "tokens to generate"),
-        ("--model", None, "model (default: the embedded SmolLM2)"),
-        ("--out", None, "output folder (default results/blas)"),
+        *standard(NAME, "model", "out"),
         ("--quick", False, "tiny run on a random-weight model for tests/CI"),
     ])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -112,23 +111,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"OpenBLAS: {lib}; timing without, then with the preload ...", flush=True)
     off, on = run_child(env_off, args), run_child(blas_env(enable=True), args)
     speedup = {s: (on[k] / off[k] if up else off[k] / on[k]) for k, s, up in MEASURES.values()}
-    result = {
-        "benchmark": NAME,
-        "blas_library": lib,
-        "without_preload": off,
-        "with_preload": on,
-        "speedup": speedup,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "environment": environment(),
-    }
+    result = {"benchmark": NAME, "blas_library": lib, "without_preload": off,
+              "with_preload": on, "speedup": speedup,
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "environment": environment()}
     rows = [[label, off[k], on[k], speedup[s]] for label, (k, s, _) in MEASURES.items()]
-    print(markdown_table(["", "reference BLAS", "OpenBLAS", "speed-up"], rows))
-    folder = out_dir(args, NAME)
-    path = write_json(folder / f"{NAME}{'_quick' if args.quick else ''}.json", result)
-    fig, axes = plots.panels(1, 6, 4)
-    plots.grouped_bars(axes[0, 0], list(speedup), {"speed-up": list(speedup.values())}, lib)
-    plots.save(fig, folder / f"{NAME}.png")
-    print(f"wrote {path} and {NAME}.png")
+
+    def plot(path):
+        fig, axes = plots.panels(1, 6, 4)
+        plots.grouped_bars(axes[0, 0], list(speedup), {"speed-up": list(speedup.values())}, lib)
+        plots.save(fig, path)
+
+    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}", plot,
+           markdown_table(["", "reference BLAS", "OpenBLAS", "speed-up"], rows), png=NAME)
     return 0
 
 

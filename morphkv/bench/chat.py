@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from ..eval import plots
-from ..eval.flags import add_flags
-from ..eval.output import environment, markdown_table, out_dir, write_json
+from ..eval.flags import add_flags, standard
+from ..eval.output import environment, finish, markdown_table
 from ..eval.progress import Progress
 
 NAME = "chat"
@@ -35,7 +35,7 @@ QUICK = {"turns": 8, "budget": 64, "user_tokens": 24, "reply_tokens": 8}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
-        ("--model", None, "model (default: the embedded SmolLM2)"),
+        *standard(NAME, "model", "out", "no_plot"),
         ("--preset", "recommended", "morphkv preset"),
         ("--budget", DEFAULTS["budget"], "tokens kept per KV head"),
         ("--turns", DEFAULTS["turns"], "user turns"),
@@ -43,8 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--reply-tokens", DEFAULTS["reply_tokens"], "tokens per reply (end of turn masked)"),
         ("--timing-repeats", 3, "interleaved re-runs of turn 5 and the last turn, timed"),
         ("--arms", ["morphkv", "kvcache"], "morphkv and/or kvcache (mlx_lm's default cache)"),
-        ("--out", None, "output folder (default results/chat)"),
-        ("--no-plot", False, "skip the PNG"),
         ("--quick", False, "a short run (8 turns, budget 64, short messages) for tests/CI"),
     ])
 
@@ -236,9 +234,6 @@ def run(args: argparse.Namespace) -> int:
     result = {"benchmark": NAME, "args": vars(args), "config": config.to_json(), "rows": rows,
               "summary": summary, "timing": timing, "resume": resume, "environment": environment(),
               "load_avg_before_after": [load_before, os.getloadavg()]}
-    folder = out_dir(args, NAME)
-    name = f"{NAME}{'_quick' if args.quick else ''}"
-    write_json(folder / f"{name}.json", result)
     print(table(summary))
     for arm, t in timing.items():
         a, b = t["after_turn"][0], t["after_turn"][-1]
@@ -250,7 +245,6 @@ def run(args: argparse.Namespace) -> int:
               f"{resume['load_s']:.3f} s, {resume['file_bytes'] / 2**20:.2f} MiB; resumed "
               f"next reply identical: {resume['same_next_reply']}")
     print(f"load average (1 min) before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}")
-    if not args.no_plot:
-        plot(rows, args.budget, folder / f"{name}.png")
-    print(f"wrote {folder}/{name}.json")
+    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}",
+           lambda path: plot(rows, args.budget, path))
     return 0

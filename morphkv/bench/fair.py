@@ -18,11 +18,13 @@ import argparse
 import json
 import os
 import statistics
-import threading
 import time
 from pathlib import Path
 
+from ..eval import plots
+from .load import server_flags
 from .load_clients import QUESTIONS, long_text
+from .servers import Server, in_threads, settings_of, stream_chat, write_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,17 +49,12 @@ _counter = iter(range(10**9))
 def _streamed(client, content: str, max_tokens: int, kind: str) -> dict:
     n = next(_counter)
     t0 = time.perf_counter()
-    ttft, tokens = None, 0
     try:
-        stream = client.chat.completions.create(
-            model="default_model", max_tokens=max_tokens, temperature=0.0, stream=True,
-            messages=[{"role": "user", "content": f"Request {n}. {content}"}])
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
-                tokens += 1
+        r = stream_chat(client, [{"role": "user", "content": f"Request {n}. {content}"}],
+                        max_tokens, temperature=0.0)
+        ttft = None if r["first"] is None else r["first"] - t0
         return {"kind": kind, "ok": True, "ttft_s": ttft, "total_s": time.perf_counter() - t0,
-                "tokens": tokens}
+                "tokens": r["chunks"]}
     except Exception as e:  # recorded, the run goes on
         return {"kind": kind, "ok": False, "error": f"{type(e).__name__}: {e}"[:200],
                 "total_s": time.perf_counter() - t0}
@@ -67,16 +64,11 @@ def _at_once(jobs: list[tuple[float, callable]]) -> list[dict]:
     """Run each job (delay seconds, function) in its own thread; the results in job order."""
     results: list = [None] * len(jobs)
 
-    def work(i, delay, fn):
-        time.sleep(delay)
-        results[i] = fn()
+    def work(i):
+        time.sleep(jobs[i][0])
+        results[i] = jobs[i][1]()
 
-    threads = [threading.Thread(target=work, args=(i, d, f), daemon=True)
-               for i, (d, f) in enumerate(jobs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=1800)
+    in_threads(work, range(len(jobs)), 1800)
     return results
 
 
@@ -126,36 +118,24 @@ def summarize(runs: dict, args) -> dict:
 
 
 def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
-    import openai
-
-    from .load import Server
-
     flags = args.cache_flags
     if kind == "morphkv-mlx_lm":
         flags = f"{flags} --batching mlx_lm --prefill-step-size 2048"
-    server_args = argparse.Namespace(budget=args.budget, max_tokens=args.max_tokens,
-                                     prompt_cache_bytes=args.prompt_cache_bytes,
-                                     model=args.model, cache_flags=flags)
-    server = Server("mlx_lm" if kind == "mlx_lm" else "morphkv", server_args, out)
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=1200,
-                           max_retries=0)
+    server_kind = "mlx_lm" if kind == "mlx_lm" else "morphkv"
+    server = Server(server_kind, server_flags(server_kind, args, flags), out)
+    client = server.client(1200)
     try:
         runs = scenarios(client, args, long_prompt)
     finally:
         status = server.stop()
-    text = server.output.read_text()
     return {"runs": runs, "summary": summarize(runs, args), "exit_status": status,
-            "startup": [x for x in text.splitlines() if x.startswith("morphkv serve:")],
-            "tracebacks_in_log": text.count("Traceback")}
+            "startup": server.startup(),
+            "tracebacks_in_log": server.output.read_text().count("Traceback")}
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plots.panels(2, 5.5, 4)
+    axes = axes[0]
     names = list(results)
     for ax, key, title in ((axes[0], "short_ttft_max_s", "short chats: slowest first token (s)"),
                            (axes[1], "long_total_s", "long prompt: total time (s)")):
@@ -169,8 +149,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xticks([i + 0.2 for i in range(len(names))], names)
         ax.set_title(title)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plots.save(fig, path, 110)
 
 
 def run(args) -> int:
@@ -185,9 +164,8 @@ def run(args) -> int:
         results[kind] = bench_server(kind, args, out, long_prompt)
         loads.append(os.getloadavg())
         print(json.dumps({kind: results[kind]["summary"]}, indent=1), flush=True)
-    report = {"settings": vars(args), "load_average": loads, "results": results}
+    report = {"settings": settings_of(args), "load_average": loads, "results": results}
     name = "serve_fair_quick" if args.quick else "serve_fair"
-    (out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
-    plot(results, out / f"{name}.png")
+    write_report(out, name, report, lambda path: plot(results, path))
     print(f"wrote {out / name}.json and .png (load averages {loads})")
     return 0

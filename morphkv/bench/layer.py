@@ -26,18 +26,16 @@ import mlx.core as mx
 
 from ..eval import plots
 from ..eval.arms import Arm
-from ..eval.flags import add_flags
-from ..eval.output import environment, markdown_table, out_dir, write_json
+from ..eval.flags import add_flags, standard
+from ..eval.output import environment, finish, markdown_table
 from ..eval.plots import require_matplotlib
 from ..eval.progress import Progress
 from ..mlxlm.hooks import attention_step, queries_by_hand
 
 NAME = "layer"
 B, H, D = 1, 4, 64
-COLUMNS = (
-    "method", "budget", "window", "decode_us", "rotating_us", "decode_ratio", "python_us",
-    "mlx_us", "reads_us", "engine_us", "chunk_ms", "engine_pct", "total_vs_rotating",
-)
+COLUMNS = ("method", "budget", "window", "decode_us", "rotating_us", "decode_ratio", "python_us",
+           "mlx_us", "reads_us", "engine_us", "chunk_ms", "engine_pct", "total_vs_rotating")
 PARTS = ("python", "mlx", "reads", "engine")
 DTYPES = {"float16": mx.float16, "float32": mx.float32, "bfloat16": mx.bfloat16}
 
@@ -111,14 +109,10 @@ def make_cache(spec: str, budget: int, window: int = 8, n_sink: int = 4, groups:
 def memory(cache, rotating) -> dict:
     """Bytes once full: storage, engine, kept K+V (all KV heads) and the ratios."""
     kept = cache.morphkv_kept_bytes * B * H
-    return {
-        "storage_bytes": cache.storage_nbytes,
-        "engine_bytes": cache.engine_nbytes,
-        "kept_kv_bytes": kept,
-        "rotating_bytes": rotating.nbytes,
-        "engine_pct": 100.0 * cache.engine_nbytes / kept,
-        "total_vs_rotating": cache.nbytes / rotating.nbytes,
-    }
+    return {"storage_bytes": cache.storage_nbytes, "engine_bytes": cache.engine_nbytes,
+            "kept_kv_bytes": kept, "rotating_bytes": rotating.nbytes,
+            "engine_pct": 100.0 * cache.engine_nbytes / kept,
+            "total_vs_rotating": cache.nbytes / rotating.nbytes}
 
 
 def _at(x, start: int, end: int):
@@ -138,10 +132,8 @@ def decode_costs(spec: str, budget: int, window: int, repeats: int, k, v, q) -> 
     median over ``repeats`` blocks): the arm and a RotatingKVCache of the same size,
     interleaved token by token; and both caches' bytes."""
     groups = 0 if q is None else q.shape[1] // H
-    caches = {
-        "arm": make_cache(spec, budget, window, groups=groups),
-        "rotating": make_cache("rotating", budget),
-    }
+    caches = {"arm": make_cache(spec, budget, window, groups=groups),
+              "rotating": make_cache("rotating", budget)}
     warm = budget + 16
     for cache in caches.values():
         timed_update(cache, k[:, :, :warm], v[:, :, :warm], _at(q, 0, warm))
@@ -161,9 +153,8 @@ def decode_costs(spec: str, budget: int, window: int, repeats: int, k, v, q) -> 
         for t in range(first + steps, first + 2 * steps):
             parts.append(timed_parts(arm, *_token(k, v, q, t)))
     out = {name: statistics.median(per_block(ts, block)) for name, ts in times.items()}
-    out["parts"] = {
-        p: statistics.median(per_block([x[p] for x in parts], block)) for p in PARTS
-    } if parts else {}
+    out["parts"] = {p: statistics.median(per_block([x[p] for x in parts], block))
+                    for p in PARTS} if parts else {}
     if hasattr(caches["arm"], "engine_nbytes"):
         out["memory"] = memory(caches["arm"], caches["rotating"])
     return out
@@ -180,22 +171,14 @@ def measure(spec: str, budget: int, window: int, args, k, v, q) -> dict:
     n = args.chunk
     chunk = statistics.median(
         timed_update(make_cache(spec, budget, window, groups=groups), k[:, :, :n], v[:, :, :n],
-                     _at(q, 0, n))
-        for _ in range(args.chunk_repeats)
-    )
-    return {
-        "method": spec,
-        "budget": budget,
-        "window": Arm.parse(spec, window=window).window,  # the spec's own window wins
-        "decode_us": d["arm"] * 1e6,
-        "rotating_us": d["rotating"] * 1e6,
-        "decode_ratio": d["arm"] / d["rotating"],
-        **{f"{p}_us": d["parts"].get(p, float("nan")) * 1e6 for p in PARTS},
-        "chunk_tokens": args.chunk,
-        "chunk_ms": chunk * 1e3,
-        "groups": groups,
-        **d.get("memory", {"engine_pct": float("nan"), "total_vs_rotating": float("nan")}),
-    }
+                     _at(q, 0, n)) for _ in range(args.chunk_repeats))
+    return {"method": spec, "budget": budget,
+            "window": Arm.parse(spec, window=window).window,  # the spec's own window wins
+            "decode_us": d["arm"] * 1e6, "rotating_us": d["rotating"] * 1e6,
+            "decode_ratio": d["arm"] / d["rotating"],
+            **{f"{p}_us": d["parts"].get(p, float("nan")) * 1e6 for p in PARTS},
+            "chunk_tokens": args.chunk, "chunk_ms": chunk * 1e3, "groups": groups,
+            **d.get("memory", {"engine_pct": float("nan"), "total_vs_rotating": float("nan")})}
 
 
 def cases(args) -> list[tuple[str, int, int]]:
@@ -233,9 +216,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--dtype", "float16", "keys/values dtype: float16, float32 or bfloat16"),
         ("--grid", False, "morphkv over budgets x windows, the other methods at budget 512"),
         ("--quick", False, "tiny run for tests/CI"),
-        ("--out", None, "output folder (default results/layer)"),
-        ("--no-plot", False, "skip the PNG"),
-        ("--quiet", False, "no progress lines"),
+        *standard(NAME, "out", "quiet", "no_plot"),
     ])
 
 
@@ -273,10 +254,7 @@ def execute(args: argparse.Namespace) -> dict:
           "chunk_ms: one chunk into an empty cache; "
           "engine_pct: selection state / kept K+V bytes; total_vs_rotating: all bytes held / "
           "a RotatingKVCache of the same budget")
-    print(markdown_table(list(COLUMNS), [[r[c] for c in COLUMNS] for r in rows]))
-    folder = out_dir(args, NAME)
-    path = write_json(folder / f"{NAME}{'_quick' if args.quick else ''}.json", result)
-    if not args.no_plot:
-        plot(result, folder / f"{NAME}.png")
-    print(f"wrote {path}")
+    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}",
+           lambda path: plot(result, path),
+           markdown_table(list(COLUMNS), [[r[c] for c in COLUMNS] for r in rows]), png=NAME)
     return result

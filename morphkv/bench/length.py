@@ -24,17 +24,8 @@ from ..eval.progress import Progress
 from ..eval.texts import topic_tokens
 
 FULL = {"full": "kvcache"}  # here ``full`` is mlx_lm's KVCache
-WORKER_FLAGS = (
-    "tokens",
-    "every",
-    "budget",
-    "window",
-    "n_sink",
-    "scoring",
-    "prompt_tokens",
-    "sample",
-    "chunk",
-)
+WORKER_FLAGS = ("tokens", "every", "budget", "window", "n_sink", "scoring", "prompt_tokens",
+                "sample", "chunk")
 
 
 def arm_of(spec: str, args: argparse.Namespace):
@@ -86,25 +77,21 @@ class ArmRunner:
     def _record(self, times: list[float]) -> dict:
         mx = self.mx
         kept = getattr(self.caches[0], "tokens_kept", None)
-        return {
-            "position": self.pos,
-            "timed_tokens": len(times),
-            "tokens_per_s": len(times) / sum(times),
-            "ms_per_token_median": 1e3 * float(np.median(times)),
-            "ms_per_token_mean": 1e3 * float(np.mean(times)),
-            "active_bytes": int(mx.get_active_memory()),
-            "peak_bytes": int(mx.get_peak_memory()),
-            "kv_bytes": int(sum(c.nbytes for c in self.caches)),
-            "tokens_kept_layer0": int(kept if kept is not None else self.caches[0].size()),
-        }
+        return {"position": self.pos, "timed_tokens": len(times),
+                "tokens_per_s": len(times) / sum(times),
+                "ms_per_token_median": 1e3 * float(np.median(times)),
+                "ms_per_token_mean": 1e3 * float(np.mean(times)),
+                "active_bytes": int(mx.get_active_memory()),
+                "peak_bytes": int(mx.get_peak_memory()),
+                "kv_bytes": int(sum(c.nbytes for c in self.caches)),
+                "tokens_kept_layer0": int(kept if kept is not None else self.caches[0].size())}
 
 
 def worker_main(args: argparse.Namespace) -> int:
     """Serve one arm over stdin/stdout JSON lines: {"until": n} -> {"records": [...]}."""
     model, tokenizer = load_model(args.model)
-    runner = ArmRunner(
-        model, args.worker, topic_tokens(tokenizer, args.tokens + 1, _vocab_size(model)), args
-    )
+    runner = ArmRunner(model, args.worker,
+                       topic_tokens(tokenizer, args.tokens + 1, _vocab_size(model)), args)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         msg = json.loads(line)
@@ -123,9 +110,8 @@ class Worker:
             argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
         argv += ["--model", str(args.model)] if args.model is not None else []
         self.arm = arm
-        self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy()
-        )
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=os.environ.copy())
         self._expect("ready")
 
     def _expect(self, key: str) -> dict:

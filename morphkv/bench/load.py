@@ -21,18 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from ..eval.process import stop_process
-from .load_clients import PROBE_BAD, User, in_threads, long_text, raw_post
+from .load_clients import PROBE_BAD, User, long_text, raw_post
 from .load_mixed import MixedUser, by_class, drive_mixed
+from .servers import Server, in_threads, loadavg, model_flag, settings_of, write_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,96 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--mixed-seconds", type=float, default=3600, help="Time limit of the mixed level.")
     a("--out", default="results/serve_load", help="Output directory.")
     a("--quick", action="store_true", help="A minutes-scale smoke run.")
-
-
-# ---- the server side (a child process) ----------------------------------------------------
-def server_main(argv: list[str]) -> int:
-    """Child: ``<memory log> <morphkv|mlx_lm> [morphkv serve flags]``."""
-    import mlx.core as mx
-
-    from ..server import app as serve
-    from ..server.run import _rss_bytes
-
-    log_path, kind, *flags = argv
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-    args = parser.parse_args(flags)
-
-    def sample():
-        with open(log_path, "a") as f:
-            while True:
-                f.write(f"{time.time():.3f} {_rss_bytes()} {mx.get_active_memory()} "
-                        f"{mx.get_peak_memory()}\n")
-                f.flush()
-                time.sleep(0.25)
-
-    threading.Thread(target=sample, daemon=True).start()
-    if kind == "morphkv":
-        return serve.serve(args, serve.cache_config(args))
-    import mlx_lm.server
-
-    served = serve.load_served(args, None)  # mlx_lm's default cache
-    print(serve.startup_line(served, None, None), flush=True)
-    provider_class = serve._provider_class()
-    provider_class.served = served
-    mlx_lm.server.run(args.host, args.port, provider_class(serve.server_args(args, served)))
-    return 0
-
-
-class Server:
-    def __init__(self, kind: str, args, out: Path):
-        from ..eval.process import free_port
-        from ..runtime.blas import blas_env
-
-        self.kind, self.port = kind, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log, self.output = out / f"memory_{kind}.log", out / f"server_{kind}.txt"
-        self.log.unlink(missing_ok=True)
-        flags = ["--port", str(self.port), "--log-level", "WARNING", "--budget", str(args.budget),
-                 "--max-tokens", str(args.max_tokens), "--prompt-cache-bytes",
-                 args.prompt_cache_bytes] + (["--model", args.model] if args.model else [])
-        if kind == "morphkv":
-            flags += args.cache_flags.split()
-        else:  # mlx_lm's server as it is: its own prefill step (morphkv serve's default: 256)
-            flags += ["--prefill-step-size", "2048"]
-        code = ("import sys; from morphkv.bench.load import server_main; "
-                "sys.exit(server_main(sys.argv[1:]))")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, str(self.log), kind, *flags],
-                                     stdout=self.output.open("w"), stderr=subprocess.STDOUT,
-                                     env=blas_env(dict(os.environ)))
-        deadline = time.monotonic() + 600
-        while not self.healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{kind} server did not start:\n{self.output.read_text()}")
-            time.sleep(0.5)
-
-    def health(self) -> int | None:
-        """/health's status (None: no answer)."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
-        except OSError:
-            return None
-
-    def healthy(self) -> bool:
-        return self.health() == 200
-
-    def prompt_cache_bytes(self) -> int | None:
-        try:
-            with urllib.request.urlopen(f"{self.url}/morphkv/stats", timeout=5) as r:
-                return json.load(r)["prompt_cache_bytes"]
-        except (OSError, ValueError, KeyError):
-            return None
-
-    def memory(self) -> list[tuple[float, int, int, int]]:
-        rows = [x.split() for x in self.log.read_text().splitlines() if x.strip()]
-        return [(float(t), int(r), int(a), int(p)) for t, r, a, p in rows]
-
-    def stop(self) -> int | None:
-        return stop_process(self.proc, 30)
 
 
 # ---- the load -------------------------------------------------------------------------------
@@ -196,7 +101,7 @@ def figures(records: list[dict], wall: float, budget: int | None = None) -> dict
     return out
 
 
-def probe(server: Server) -> list[dict]:
+def probe(server) -> list[dict]:
     rows = []
     for name, body, headers in PROBE_BAD:
         t0 = time.perf_counter()
@@ -207,14 +112,19 @@ def probe(server: Server) -> list[dict]:
     return rows
 
 
-def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
-    import openai
+def server_flags(kind: str, args, cache_flags: str) -> list[str]:
+    """The flags both servers get; the morphkv one also ``cache_flags``."""
+    flags = ["--budget", str(args.budget), "--max-tokens", str(args.max_tokens),
+             "--prompt-cache-bytes", args.prompt_cache_bytes, *model_flag(args)]
+    if kind == "morphkv":
+        return flags + cache_flags.split()
+    return flags + ["--prefill-step-size", "2048"]  # mlx_lm's server as it is: its own step
 
-    server = Server(kind, args, out)
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=180,
-                           max_retries=0)
-    patient = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=1200,
-                            max_retries=0)  # the mixed level's 8k prompt
+
+def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
+    server = Server(kind, server_flags(kind, args, args.cache_flags), out)
+    client = server.client(180)
+    patient = server.client(1200)  # the mixed level's 8k prompt
     cache_samples, done = [], threading.Event()
 
     def sample_cache():
@@ -250,7 +160,7 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
             f = phases[f"load_{n}"]
             print(f"  {kind} load x{n}: {f['requests']} requests, {f['tokens_per_s']:.1f} tok/s,"
                   f" p95 {f['p95_s']}, failed {f['failed_good']}, 5xx {f['responses_5xx']}, "
-                  f"bad 4xx {f['bad_4xx']}/{f['bad']}, {_loadavg()}", flush=True)
+                  f"bad 4xx {f['bad_4xx']}/{f['bad']}, {loadavg()}", flush=True)
         if args.mixed:
             records, wall = drive_mixed(mixed(top), args.mixed, args.mixed_seconds,
                                         with_8k=not args.quick, label=f"{kind} mixed x{top}")
@@ -260,7 +170,7 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
             f = phases[f"mixed_{top}"]
             print(f"  {kind} mixed x{top}: {f['requests']} requests, failed {f['failed_good']},"
                   f" 5xx {f['responses_5xx']}, bad 4xx {f['bad_4xx']}/{f['bad']}, "
-                  f"{_loadavg()}", flush=True)
+                  f"{loadavg()}", flush=True)
         phases["conversations_8"] = figures(
             *drive(mk(8), args.turns, args.level_seconds, ["turn"]), args.budget)
         marks["end"] = time.time()
@@ -270,13 +180,8 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
         status = server.stop()
     text = server.output.read_text()
     return {"phases": phases, "marks": marks, "memory": server.memory(),
-            "prompt_cache": cache_samples, "exit_status": status,
-            "startup": [x for x in text.splitlines() if x.startswith("morphkv serve:")],
+            "prompt_cache": cache_samples, "exit_status": status, "startup": server.startup(),
             "tracebacks_in_log": text.count("Traceback"), "log_lines": len(text.splitlines())}
-
-
-def _loadavg() -> str:
-    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def run(args) -> int:
@@ -290,18 +195,16 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     long_prompt = long_text(10 * args.budget)
-    results, loads = {}, [_loadavg()]
+    results, loads = {}, [loadavg()]
     for kind in args.servers.split(","):
         print(f"{kind} server ...", flush=True)
         results[kind] = bench_server(kind, args, out, long_prompt)
-        loads.append(_loadavg())
+        loads.append(loadavg())
     summary = summarize(results, args)
-    settings = {k: v for k, v in vars(args).items() if not callable(v)}
-    report = {"settings": settings, "load_average": loads, "summary": summary,
+    report = {"settings": settings_of(args), "load_average": loads, "summary": summary,
               "results": results}
     name = "serve_load_quick" if args.quick else "serve_load"
-    (out / f"{name}.json").write_text(json.dumps(report, indent=2))
-    plot(results, args, out / f"{name}.png")
+    write_report(out, name, report, lambda path: plot(results, args, path))
     print(json.dumps(summary, indent=2))
     print(f"wrote {out / name}.json and .png ({', '.join(loads)})")
     return 0

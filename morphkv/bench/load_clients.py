@@ -11,6 +11,8 @@ import http.client
 import json
 import time
 
+from .servers import stream_chat
+
 QUESTIONS = [
     "Name a color.",
     "What is two plus two?",
@@ -50,18 +52,6 @@ PROBE_BAD = SAFE_BAD + [  # sent once, after the load, one at a time
     ("top_k above the vocabulary", json.dumps({"messages": [{"role": "user", "content": "Hi"}],
                                                "max_tokens": 2, "top_k": 10**7}).encode(), None),
 ]
-
-
-def in_threads(work, users: list, timeout: float) -> None:
-    """``work(user)`` for every user, each in its own thread; waits (at most ``timeout`` s
-    each) for all."""
-    import threading
-
-    threads = [threading.Thread(target=work, args=(u,), daemon=True) for u in users]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=timeout)
 
 
 def long_text(tokens: int) -> str:
@@ -118,80 +108,54 @@ class User:
         kind = script[(self.i + n) % len(script)]
         return getattr(self, f"_{kind}")(n)
 
-    def _chat(self, n: int) -> dict:
+    def ask(self, kind: str, content: str | None = None, stream: bool = False, drop=False,
+            **kw) -> dict:
+        """One request of ``kind`` (a chat of ``content``, or ``kw`` as they are), recorded."""
         t0 = time.perf_counter()
+        kw.setdefault("max_tokens", self.max_tokens)
+        if content is not None:
+            kw["messages"] = [{"role": "user", "content": content}]
         try:
-            r = self.client.chat.completions.create(
-                model="default_model", max_tokens=self.max_tokens,
-                messages=[{"role": "user", "content": QUESTIONS[(self.i + n) % len(QUESTIONS)]}])
-            return _record("chat", t0, tokens=r.usage.completion_tokens,
+            if stream:
+                r = stream_chat(self.client, drop=drop, **kw)
+                first = r["first"]
+                return _record(kind, t0, tokens=r["tokens"], prompt_tokens=r["prompt_tokens"],
+                               ttft_s=None if first is None else first - t0)
+            create = self.client.completions if "prompt" in kw else self.client.chat.completions
+            r = create.create(model="default_model", **kw)
+            if "messages" in kw and content is None:  # a turn of the conversation
+                self.messages.append({"role": "assistant",
+                                      "content": r.choices[0].message.content})
+            return _record(kind, t0, tokens=r.usage.completion_tokens,
                            prompt_tokens=r.usage.prompt_tokens)
         except Exception as e:  # recorded
-            return _failed("chat", t0, e)
+            if kind == "turn":
+                self.messages.pop()
+            return _failed(kind, t0, e)
+
+    def _chat(self, n: int) -> dict:
+        return self.ask("chat", QUESTIONS[(self.i + n) % len(QUESTIONS)])
 
     def _stream(self, n: int, drop: bool = False) -> dict:
-        kind = "drop" if drop else "stream"
-        t0 = time.perf_counter()
-        try:
-            stream = self.client.chat.completions.create(
-                model="default_model", max_tokens=self.max_tokens * (8 if drop else 1),
-                stream=True, stream_options={"include_usage": True},
-                messages=[{"role": "user", "content": "Write a story about " +
-                           TOPICS[(self.i + n) % len(TOPICS)] + "."}])
-            first, tokens, prompt = None, 0, 0
-            for chunk in stream:
-                if first is None and chunk.choices and chunk.choices[0].delta.content:
-                    first = time.perf_counter()
-                    if drop:
-                        stream.close()
-                        break
-                if chunk.usage is not None:
-                    tokens, prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
-            return _record(kind, t0, tokens=tokens, prompt_tokens=prompt,
-                           ttft_s=None if first is None else first - t0)
-        except Exception as e:  # recorded
-            return _failed(kind, t0, e)
+        story = "Write a story about " + TOPICS[(self.i + n) % len(TOPICS)] + "."
+        return self.ask("drop" if drop else "stream", story, stream=True, drop=drop,
+                        max_tokens=self.max_tokens * (8 if drop else 1))
 
     def _drop(self, n: int) -> dict:
         return self._stream(n, drop=True)
 
     def _completion(self, n: int) -> dict:
-        t0 = time.perf_counter()
-        try:
-            r = self.client.completions.create(
-                model="default_model", max_tokens=self.max_tokens,
-                prompt=f"The {TOPICS[(self.i + n) % len(TOPICS)]} is")
-            return _record("completion", t0, tokens=r.usage.completion_tokens,
-                           prompt_tokens=r.usage.prompt_tokens)
-        except Exception as e:  # recorded
-            return _failed("completion", t0, e)
+        return self.ask("completion", prompt=f"The {TOPICS[(self.i + n) % len(TOPICS)]} is")
 
     def _long(self, n: int) -> dict:
-        t0 = time.perf_counter()
-        try:
-            r = self.client.chat.completions.create(
-                model="default_model", max_tokens=self.max_tokens, messages=[
-                    {"role": "user", "content": self.long_prompt + "\n\nSummarize this."}])
-            return _record("long", t0, tokens=r.usage.completion_tokens,
-                           prompt_tokens=r.usage.prompt_tokens)
-        except Exception as e:  # recorded
-            return _failed("long", t0, e)
+        return self.ask("long", self.long_prompt + "\n\nSummarize this.")
 
     def _turn(self, n: int) -> dict:
         topic = TOPICS[(self.i + self.turns // len(FOLLOW_UPS)) % len(TOPICS)]
         self.messages.append(
             {"role": "user", "content": FOLLOW_UPS[self.turns % len(FOLLOW_UPS)].format(topic)})
         self.turns += 1
-        t0 = time.perf_counter()
-        try:
-            r = self.client.chat.completions.create(
-                model="default_model", max_tokens=self.max_tokens, messages=self.messages)
-            self.messages.append({"role": "assistant", "content": r.choices[0].message.content})
-            return _record("turn", t0, tokens=r.usage.completion_tokens,
-                           prompt_tokens=r.usage.prompt_tokens)
-        except Exception as e:  # recorded
-            self.messages.pop()
-            return _failed("turn", t0, e)
+        return self.ask("turn", messages=self.messages)
 
     def _bad(self, n: int) -> dict:
         name, body, headers = SAFE_BAD[(self.i + n) % len(SAFE_BAD)]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import threading
 import time
 
-from .load_clients import User, _failed, _record, in_threads, long_text
+from .load_clients import User, long_text
+from .servers import in_threads
 
 SHORT = ["chat", "stream", "completion", "turn", "chat", "drop", "stream", "bad"]
 CLASSES = {"short": ("chat", "stream", "completion", "turn"), "long2k": ("long2k",),
@@ -41,34 +42,12 @@ class MixedUser(User):
         return self.TEXTS[tokens]
 
     def _long2k(self, n: int) -> dict:
-        t0 = time.perf_counter()
-        try:
-            stream = self.client.chat.completions.create(
-                model="default_model", max_tokens=self.max_tokens, stream=True,
-                stream_options={"include_usage": True}, messages=[{"role": "user", "content":
-                    f"Document {self.i}-{n}. {self._text(2000)}\n\nSummarize this."}])
-            first, tokens, prompt = None, 0, 0
-            for chunk in stream:
-                if first is None and chunk.choices and chunk.choices[0].delta.content:
-                    first = time.perf_counter()
-                if chunk.usage is not None:
-                    tokens, prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
-            return _record("long2k", t0, tokens=tokens, prompt_tokens=prompt,
-                           ttft_s=None if first is None else first - t0)
-        except Exception as e:  # recorded
-            return _failed("long2k", t0, e)
+        return self.ask("long2k", f"Document {self.i}-{n}. {self._text(2000)}\n\nSummarize "
+                        "this.", stream=True)
 
     def _long8k(self, n: int) -> dict:
-        t0 = time.perf_counter()
-        try:
-            r = self.client.chat.completions.create(
-                model="default_model", max_tokens=self.max_tokens, messages=[{
-                    "role": "user",
-                    "content": f"Document {self.i}-{n}. {self._text(8000)}\n\nSummarize this."}])
-            return _record("long8k", t0, tokens=r.usage.completion_tokens,
-                           prompt_tokens=r.usage.prompt_tokens)
-        except Exception as e:  # recorded
-            return _failed("long8k", t0, e)
+        return self.ask("long8k", f"Document {self.i}-{n}. {self._text(8000)}\n\nSummarize "
+                        "this.")
 
 
 def drive_mixed(users: list[MixedUser], total: int, seconds: float, with_8k: bool = True,

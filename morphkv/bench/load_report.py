@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..eval import plots
+
 
 def _at(memory: list, t: float) -> tuple | None:
     """The last memory sample at or before time ``t``."""
@@ -74,12 +76,8 @@ def summarize(results: dict, args) -> dict:
 
 
 def plot(results: dict, args, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.4))
+    fig, axes = plots.panels(4, 5, 4.4)
+    axes = axes[0]
     names = None
     for i, (kind, r) in enumerate(results.items()):
         phases = {k: v for k, v in r["phases"].items() if k != "probe"}
@@ -104,53 +102,10 @@ def plot(results: dict, args, path: Path) -> None:
         axes[3].axhline(limit / 2**20, color="red", ls=":", label="--prompt-cache-bytes")
     for ax in axes[:2]:
         ax.set_xticks(range(len(names or [])), names or [], rotation=20)
-    titles = [("phase", "completion tokens/s"), ("phase", "request latency (s)"),
-              ("seconds since start", "server memory (MiB)"),
-              ("seconds", "prompt cache (MiB, sum of nbytes)")]
-    for ax, (x, y) in zip(axes, titles, strict=True):
-        ax.set_xlabel(x)
-        ax.set_ylabel(y)
-        ax.legend(fontsize=7)
+    plots.labelled(axes, [("phase", "completion tokens/s"), ("phase", "request latency (s)"),
+                          ("seconds since start", "server memory (MiB)"),
+                          ("seconds", "prompt cache (MiB, sum of nbytes)")], 7)
     fig.suptitle(f"morphkv serve (budget {args.budget}) vs mlx_lm server (default cache): "
                  f"load and faults, max_tokens {args.max_tokens}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plots.save(fig, path, 110)
 
-
-def markdown(report: dict) -> str:
-    """The figures as a Markdown table (docs/serving.md)."""
-    results, summary = report["results"], report["summary"]
-    kinds = list(results)
-    rows = ["| phase | " + " | ".join(f"{k} tok/s | {k} p50 / p95 s" for k in kinds) + " |",
-            "|---|" + "---|---|" * len(kinds)]
-    for phase in results[kinds[0]]["phases"]:
-        if phase == "probe":
-            continue
-        cells = []
-        for k in kinds:
-            f = results[k]["phases"].get(phase)
-            if f is None:
-                cells += ["", ""]
-                continue
-            p50, p95 = f["p50_s"], f["p95_s"]
-            lat = "n/a" if p50 is None else f"{p50:.1f} / {p95:.1f}"
-            cells += [f"{f['tokens_per_s']:.1f}", f"{lat} ({f['requests']} req)"]
-        rows.append(f"| {phase} | " + " | ".join(cells) + " |")
-    rows += ["", "| | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
-    keys = [("requests", "requests"), ("failed_good", "failed good requests"),
-            ("responses_5xx", "5xx responses"), ("bad_4xx", "malformed during load: 4xx"),
-            ("probe_4xx", "malformed probe: 4xx (of 10)"), ("dropped_streams", "dropped streams"),
-            ("tracebacks_in_log", "tracebacks in the log"),
-            ("exit_status", "exit status (SIGTERM)"),
-            ("rss_after_warmup_mib", "RSS after warm-up (MiB)"),
-            ("rss_end_mib", "RSS at end (MiB)"),
-            ("mlx_peak_after_warmup_mib", "MLX peak after warm-up (MiB)"),
-            ("mlx_peak_end_mib", "MLX peak at end (MiB)"),
-            ("mlx_active_after_warmup_mib", "MLX active after warm-up (MiB)"),
-            ("mlx_active_end_mib", "MLX active at end (MiB)"),
-            ("prompt_cache_max_bytes", "prompt cache max (bytes, sampled)")]
-    for key, label in keys:
-        vals = [summary[k].get(key, "") for k in kinds]
-        vals = [f"{v:.1f}" if isinstance(v, float) else str(v) for v in vals]
-        rows.append(f"| {label} | " + " | ".join(vals) + " |")
-    return "\n".join(rows)

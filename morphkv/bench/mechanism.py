@@ -44,8 +44,8 @@ import numpy as np
 
 from ..eval import plots
 from ..eval.arms import Arm, check_specs
-from ..eval.flags import add_flags
-from ..eval.output import environment, markdown_table, out_dir, pivot, write_json
+from ..eval.flags import add_flags, standard
+from ..eval.output import environment, finish, markdown_table, pivot
 from ..eval.plots import require_matplotlib
 from ..eval.progress import Progress
 from ..mlxlm.builder import KVCacheBuilder
@@ -154,15 +154,8 @@ def grid(args) -> tuple[list[tuple], list[dict]]:
     return points, skipped
 
 
-def run_benchmark(
-    scenarios=SCENARIOS,
-    lengths=(256, 512),
-    budgets=(32, 64),
-    windows=(1, 8, 32),
-    arms=tuple(ARMS),
-    seeds=5,
-    quiet=False,
-) -> dict:
+def run_benchmark(scenarios=SCENARIOS, lengths=(256, 512), budgets=(32, 64), windows=(1, 8, 32),
+                  arms=tuple(ARMS), seeds=5, quiet=False) -> dict:
     check_specs([ARMS.get(arm, arm) for arm in arms])
     ns = argparse.Namespace(lengths=list(lengths), budgets=list(budgets), windows=list(windows))
     points, skipped = grid(ns)
@@ -171,9 +164,8 @@ def run_benchmark(
     for scenario in scenarios:
         for length, budget, window in points:
             for arm in arms:
-                per_seed = [
-                    run_point(scenario, length, budget, window, arm, s) for s in range(seeds)
-                ]
+                per_seed = [run_point(scenario, length, budget, window, arm, s)
+                            for s in range(seeds)]
                 bar.update(seeds)
                 row = dict(scenario=scenario, length=length, budget=budget, window=window)
                 row.update(arm=arm, seeds=seeds)
@@ -186,14 +178,8 @@ def run_benchmark(
     settings.update(windows=list(windows), arms=list(arms), seeds=seeds, n_sink=N_SINK)
     settings.update(head_dim=HEAD_DIM, heads=N_HEADS, strong=STRONG, weak=WEAK, noise=NOISE)
     settings.update(small_noise=SMALL_NOISE, recall_tail=RECALL_TAIL)
-    return {
-        "benchmark": NAME,
-        "settings": settings,
-        "skipped": skipped,
-        "rows": rows,
-        "elapsed_s": bar.elapsed,
-        "environment": environment(),
-    }
+    return {"benchmark": NAME, "settings": settings, "skipped": skipped, "rows": rows,
+            "elapsed_s": bar.elapsed, "environment": environment()}
 
 
 def table(result: dict, scenario: str | None = None, metric: str = "kept") -> str:
@@ -229,14 +215,13 @@ def plot(result: dict, path) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--quick", False, "tiny smoke grid (seconds)"),
-        ("--out", None, "output folder (default results/mechanism)"),
+        *standard(NAME, "out", "quiet"),
         ("--scenarios", list(SCENARIOS), "scenarios"),
         ("--lengths", [256, 512], "stream lengths"),
         ("--budgets", [32, 64], "budgets"),
         ("--windows", [1, 8, 32], "protected recent windows"),
         ("--arms", list(ARMS), "arm names or arm specs"),
         ("--seeds", 5, "seeds per grid point"),
-        ("--quiet", False, "no progress lines"),
     ])
 
 
@@ -244,21 +229,15 @@ def execute(args: argparse.Namespace) -> dict:
     require_matplotlib()
     if args.quick:
         args.lengths, args.budgets, args.windows, args.seeds = [160], [32], [1, 8], 2
-    result = run_benchmark(
-        args.scenarios, args.lengths, args.budgets, args.windows, args.arms, args.seeds, args.quiet
-    )
+    result = run_benchmark(args.scenarios, args.lengths, args.budgets, args.windows, args.arms,
+                           args.seeds, args.quiet)
     result["settings"]["quick"] = bool(args.quick)
-    folder = out_dir(args, NAME)
-    write_json(folder / f"{NAME}.json", result)
-    plot(result, folder / f"{NAME}.png")
-    legend = {
-        "kept": "fraction of the relevant tokens still stored at the end",
-        "err": "relative L2 error of a probe query's attention output, kept set vs full set",
-    }
+    legend = {"kept": "fraction of the relevant tokens still stored at the end",
+              "err": "relative L2 error of a probe query's attention output, kept set vs full set"}
     for metric, meaning in legend.items():
         print(f"\n## {metric}: {meaning} (mean over {args.seeds} seeds)\n")
         print(table(result, metric=metric))
     for s in result["skipped"]:
         print(f"skipped L{s['length']} budget {s['budget']} window {s['window']}: {s['why']}")
-    print(f"\nwrote {folder}/{NAME}.json and {NAME}.png ({result['elapsed_s']:.1f} s)")
+    finish(args, NAME, result, plot=lambda path: plot(result, path))
     return result

@@ -23,9 +23,9 @@ import mlx.core as mx
 from ..core.warm import warm_up
 from ..eval import plots
 from ..eval.arms import parse_arms
-from ..eval.flags import add_flags
+from ..eval.flags import add_flags, standard
 from ..eval.models import RANDOM_TINY, load_model
-from ..eval.output import environment, markdown_table, out_dir, write_json
+from ..eval.output import environment, finish, markdown_table
 from ..eval.plots import require_matplotlib
 from ..eval.progress import Progress
 from ..eval.texts import PROSE_TOPICS, prose_text
@@ -53,12 +53,8 @@ def run_arm(arm, model, prompt: mx.array, args) -> dict[str, float]:
         mx.eval(token)
         times.append(time.perf_counter() - start)
         cpus.append(time.process_time() - cpu)
-    return {
-        "prefill_s": prefill,
-        "decode_ms": statistics.median(times) * 1e3,
-        "prefill_cpu_s": prefill_cpu,
-        "decode_cpu_ms": statistics.median(cpus) * 1e3,
-    }
+    return {"prefill_s": prefill, "decode_ms": statistics.median(times) * 1e3,
+            "prefill_cpu_s": prefill_cpu, "decode_cpu_ms": statistics.median(cpus) * 1e3}
 
 
 def context_table(by_context: dict) -> str:
@@ -81,7 +77,7 @@ def context_table(by_context: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
-        ("--model", None, "model (default: the embedded SmolLM2)"),
+        *standard(NAME, "model", "out", "no_plot"),
         ("--budget", 512, "tokens kept per KV head"),
         ("--prompt-tokens", 2048, "prompt length"),
         ("--contexts", [0], "prompt lengths to measure in turn, e.g. 1024,4096,8192 (0: "
@@ -91,8 +87,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--repeats", 2, "interleaved repeats"),
         ("--arms", ["kvcache", "rotating", "morphkv", "proxy"], "kvcache, rotating, morphkv "
          "(real queries), proxy (keys as queries), or arm specs"),
-        ("--out", None, "output folder (default results/overhead)"),
-        ("--no-plot", False, "skip the PNG"),
         ("--quick", False, "tiny run on a random-weight model for tests/CI"),
     ])
 
@@ -123,27 +117,25 @@ def run(args: argparse.Namespace) -> int:
                 r = runs[name][-1]
                 bar.update(1, f"{context} {name}: prefill {r['prefill_s']:.2f} s, decode "
                               f"{r['decode_ms']:.1f} ms")
-        by_context[context] = {
-            name: {k: statistics.median(r[k] for r in rs) for k in KEYS}
-            for name, rs in runs.items()
-        }
+        by_context[context] = {name: {k: statistics.median(r[k] for r in rs) for k in KEYS}
+                               for name, rs in runs.items()}
         all_runs[context] = runs
     first = contexts[0]
     args.prompt_tokens = first
     result = {"benchmark": NAME, "args": vars(args), "runs": all_runs[first],
               "median": by_context[first], "by_context": by_context}
     result["environment"] = environment()
-    folder = out_dir(args, NAME)
-    write_json(folder / f"{NAME}{'_quick' if args.quick else ''}.json", result)
     from ..eval.report import overhead_section  # the same table the report shows
 
     print(overhead_section(result))
-    print(context_table(by_context))
-    if not args.no_plot:
+
+    def plot(path):
         median = by_context[first]
         fig, axes = plots.panels(2, 5, 4)
         for ax, key in zip(axes[0], ("prefill_s", "decode_ms"), strict=True):
             plots.grouped_bars(ax, list(median), {key: [m[key] for m in median.values()]}, key)
-        plots.save(fig, folder / f"{NAME}.png")
-    print(f"wrote {folder}/{NAME}.json")
+        plots.save(fig, path)
+
+    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}", plot,
+           context_table(by_context), png=NAME)
     return 0

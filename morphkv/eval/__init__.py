@@ -2,11 +2,12 @@
 measurement shares.
 
 Parts (dependencies point down the list): ``progress``, ``flags`` (command-line helpers),
-``output`` (result folder, machine facts, JSON, tables), ``models`` (model loading,
-``tiny_llama``, ``greedy_tokens``), ``process`` (peak memory, stopping a child), ``arms`` (a
-spec string -> ``KVCacheConfig`` or an mlx_lm cache), ``metrics``, ``texts`` (+ its data in
-``data/texts.json``), ``plots`` (+ ``plt``, ``require_matplotlib``), ``runner``
-(teacher-forced feeding), ``equal_bytes``; commands (modes in ``morphkv.cli.commands.MODES``):
+``output`` (result folder, machine facts, JSON, tables; ``finish``: the table, JSON and PNG
+every measurement ends with), ``models`` (model loading, ``tiny_llama``, ``greedy_tokens``),
+``process`` (peak memory, stopping a child), ``arms`` (a spec string -> ``KVCacheConfig`` or an
+mlx_lm cache), ``metrics``, ``texts`` (+ its data in ``data/texts.json``), ``plots`` (+ ``plt``,
+``require_matplotlib``), ``runner`` (teacher-forced feeding; ``position_kl``: KL per position
+of any caches), ``equal_bytes``; commands (modes in ``morphkv.cli.commands.MODES``):
 ``eval recall --data`` chats (``chat_recall`` + ``chat_items``, ``chat_report``,
 ``chat_answers``; data in ``data/chat_*.json``), longchat (``recall`` + ``recall_items``,
 ``recall_natural``, ``recall_report``; data in ``data/recall_*.json``), blocks (``blocks``);

@@ -37,11 +37,11 @@ import numpy as np
 
 from . import blocks_report as R
 from . import recall
-from .flags import add_flags, csv_ints
+from .flags import add_flags, csv_ints, standard
 from .metrics import held_bytes
 from .models import load_model
-from .output import environment, out_dir, write_json
-from .runner import Feeder, reference_logprobs
+from .output import environment, finish
+from .runner import position_kl, reference_logprobs
 from .texts import split_texts
 
 NAME = "blocks"
@@ -69,14 +69,8 @@ def held_bound(model, arm, budget: int, extra: int) -> tuple[int, int]:
 def kl_positions(model, arm, tokens: list[int], ref: mx.array, budget: int, first: int,
                  chunk: int = 256) -> np.ndarray:
     """KL(full || arm) at every position ``first``..end-2 (the last has no target)."""
-    cfg = arm.config(budget, model, n_sink=N_SINK)
-    out = []
-    for s, lp, _ in Feeder("chunked", chunk).run(model, [cfg], tokens, first - 1):
-        lo, hi = max(s, first), min(s + lp.shape[1], len(tokens) - 1)
-        if hi > lo:
-            r = ref[lo:hi]
-            out.append(np.array((mx.exp(r) * (r - lp[0, lo - s : hi - s])).sum(axis=-1)))
-    return np.concatenate(out) if out else np.zeros(0)
+    caches = arm.caches(model, budget, N_SINK)
+    return position_kl(model, caches, tokens, ref, first, first - 1, chunk)[0]
 
 
 def stdlib_prose(tokenizer, n_tokens: int) -> list[int]:
@@ -174,10 +168,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--speed", None, "a `morphkv bench speed --mode overhead` JSON with arms "
          "<setting>:block=N: "
          "decode/prefill ratios joined into the table"),
-        ("--model", None, "model (default: the embedded SmolLM2)"),
-        ("--out", None, "output folder (default results/blocks)"),
+        *standard(NAME, "model", "out", "quiet"),
         ("--stem", None, "output file stem (default blocks_<split>, _<budget> unless 128)"),
-        ("--quiet", False, "no progress lines"),
     ])
 
 
@@ -242,10 +234,6 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     result["table"] = R.table(result)
     result.update(environment=environment(), seconds=time.perf_counter() - start,
                   load_average={"start": load, "end": os.getloadavg()})
-    print(result["table"])
-    folder = out_dir(args, NAME)
     stem = args.stem or f"{NAME}_{args.split}" + ("" if args.budget == 128 else f"_{args.budget}")
-    write_json(folder / f"{stem}.json", result)
-    R.plot(result, folder / f"{stem}.png")
-    print(f"wrote {folder / f'{stem}.json'} and {folder / f'{stem}.png'}")
+    finish(args, NAME, result, stem, lambda path: R.plot(result, path), result["table"])
     return result

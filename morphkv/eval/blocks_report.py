@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import plots
 from .output import markdown_table
-from .plots import plt
 
 REFERENCE = "block 1"
 
@@ -200,8 +200,8 @@ def table(result: dict) -> str:
 def plot(result: dict, path) -> None:
     """Recall and KL against the block, 95% intervals drawn; block 1's interval shaded,
     StreamingLLM at equal bytes dashed."""
-    pyplot = plt()
-    fig, axes = pyplot.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plots.panels(3, 5, 4.2)
+    axes = axes[0]
     blocks = [r for r in result["rows"] if r["block"] is not None]
     xs = [r["block"] for r in blocks]
     panels = (("recall", "accuracy", "interval", 100, "recall (% of full-correct items)"),
@@ -223,15 +223,12 @@ def plot(result: dict, path) -> None:
                            label=f"{r['arm']} (equal bytes)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_xlabel("eviction block (tokens evicted at once)")
-        ax.set_ylabel(label)
+        ax.set(xlabel="eviction block (tokens evicted at once)", ylabel=label)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.suptitle(f"{result['setting']} at budget {result['budget']}, {result['split']} split")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
+    plots.save(fig, path, 110)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,17 +25,15 @@ import argparse
 import os
 import time
 
-import mlx.core as mx
-
 from ..core.pins import pin
 from ..mlxlm.turns import user_positions
+from . import plots
 from .arms import check_specs, parse_arms, unpinned
-from .flags import add_flags, csv_ints
+from .flags import add_flags, csv_ints, standard
 from .metrics import held_bytes
 from .models import load_model
-from .output import environment, markdown_table, out_dir, write_json
-from .plots import plt
-from .runner import reference_logprobs
+from .output import environment, finish, markdown_table
+from .runner import position_kl, reference_logprobs
 from .texts import CONVERSATIONS, split_texts
 
 NAME = "bytes"
@@ -50,21 +48,9 @@ def kl_of(model, arm, tokens: list[int], ref, budget: int, first: int, pins=None
     caches = arm.caches(model, budget, 4)
     if pins is not None:
         pin(caches, pins)
-    ids = mx.array([int(t) for t in tokens])[None]
-    kl, n, pos = 0.0, 0, 0
-    while pos < len(tokens) - 1:
-        step = first if pos == 0 else CHUNK  # no eviction before ``first``: one chunk
-        logits = model(ids[:, pos : pos + step], cache=caches)[0].astype(mx.float32)
-        lo, hi = max(pos, first), min(pos + step, len(tokens) - 1)
-        if hi > lo:
-            lp = logits[lo - pos : hi - pos]
-            lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-            r = ref[lo:hi]
-            kl += float((mx.exp(r) * (r - lp)).sum())
-            n += hi - lo
-        pos += step
+    kl, _, total = position_kl(model, caches, tokens, ref, first, first, CHUNK)
     budgets = [c.config.budget for c in caches if hasattr(c, "config")]
-    return {"kl": kl / max(n, 1), "positions": n,
+    return {"kl": total / max(kl.size, 1), "positions": int(kl.size),
             "nbytes": int(sum(held_bytes(c) for c in caches)),
             "tokens": max(budgets) if budgets else budget}
 
@@ -79,8 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--prose-tokens", 1024, "tokens of the prose text"),
         ("--continuation-tokens", 600, "tokens of the model's own continuation"),
         ("--conversation-tokens", 0, "cut each conversation to its first N tokens (0: whole)"),
-        ("--model", None, "model (default: the embedded SmolLM2)"),
-        ("--out", None, "output folder (default results/bytes)"),
+        *standard(NAME, "model", "out"),
         ("--stem", None, "output file stem (default bytes_<split>)"),
     ])
 
@@ -123,12 +108,8 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
               "seconds": time.perf_counter() - start,
               "load_average": {"start": load, "end": os.getloadavg()}}
     result["table"] = table(summary, list(texts))
-    print(result["table"])
-    folder = out_dir(args, NAME)
-    stem = args.stem or f"{NAME}_{args.split}"
-    write_json(folder / f"{stem}.json", result)
-    plot(summary, folder / f"{stem}.png")
-    print(f"wrote {folder / f'{stem}.json'} and {folder / f'{stem}.png'}")
+    finish(args, NAME, result, args.stem or f"{NAME}_{args.split}",
+           lambda path: plot(summary, path), result["table"])
     return result
 
 
@@ -168,16 +149,13 @@ def table(summary: list[dict], texts: list[str]) -> str:
 
 def plot(summary: list[dict], path) -> None:
     """Mean KL against bytes held, one point per arm and token count."""
-    pyplot = plt()
-    fig, ax = pyplot.subplots(figsize=(7.5, 4.5))
+    fig, ax = plots.panels(1, 7.5, 4.5)
+    ax = ax[0, 0]
     for arm in dict.fromkeys(s["arm"] for s in summary):
         pts = sorted((s["mib"], s["mean_kl"]) for s in summary if s["arm"] == arm)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arm)
-    ax.set_xlabel("bytes held over all layers (MiB, storage + selection state)")
-    ax.set_ylabel("mean KL(full || arm), nats/token")
-    ax.set_yscale("log")
+    ax.set(xlabel="bytes held over all layers (MiB, storage + selection state)",
+           ylabel="mean KL(full || arm), nats/token", yscale="log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    pyplot.close(fig)
+    plots.save(fig, path, 120)

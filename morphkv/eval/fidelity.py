@@ -21,9 +21,9 @@ import mlx.core as mx
 from . import plots
 from .arms import Arm, check_specs, parse_arms
 from .equal_bytes import equal_byte_budgets
-from .flags import add_flags
+from .flags import add_flags, standard
 from .models import load_model
-from .output import environment, markdown_table, out_dir, pivot, write_json
+from .output import environment, finish, markdown_table, out_dir, pivot, write_json
 from .plots import require_matplotlib
 from .progress import Progress
 from .runner import Feeder, evaluate_arms, reference_logprobs
@@ -32,23 +32,12 @@ from .texts import CONVERSATIONS, build_texts
 NAME = "fidelity"
 N_SINK = 4
 ARM_DEFAULTS = dict(window=8, fusion="mean", scoring="proxy")  # what a bare method means here
-DEFAULT_ARMS = (
-    "streaming_llm",
-    "random",
-    "h2o",
-    "tova",
-    "morphkv:mean:8",
-    "morphkv:mean:32",
-    "h2o:attn",
-    "tova:attn",
-    "morphkv:mean:8:attn",
-    "morphkv:mean:32:attn",
-)
-METRICS = {
-    "kl": "mean KL(full || method), nats/token",
-    "top1": "top-1 agreement with the full cache",
-    "ppl_ratio": "perplexity ratio (method / full)",
-}
+DEFAULT_ARMS = ("streaming_llm", "random", "h2o", "tova", "morphkv:mean:8", "morphkv:mean:32",
+                "h2o:attn", "tova:attn", "morphkv:mean:8:attn", "morphkv:mean:32:attn")
+METRICS = {"kl": "Mean KL(full || method), nats/token (lower is better)",
+           "top1": "Top-1 agreement with the full cache",
+           "ppl_ratio": "Perplexity ratio, method / full"}
+MIB_KEYS = {"kv_bytes_kept": "kept", "kv_bytes_held": "held"}
 
 
 def arms_of(specs) -> list[Arm]:
@@ -73,18 +62,9 @@ def _plan(token_texts, arms, budgets, n_sink, include_full, sized):
     return plan, skipped
 
 
-def run_fidelity(
-    model,
-    token_texts: dict[str, list[int]],
-    arms,
-    budgets,
-    n_sink=N_SINK,
-    feeder: Feeder | None = None,
-    quiet=False,
-    include_full=True,
-    on_text=None,
-    equal_bytes: str | None = None,
-) -> dict:
+def run_fidelity(model, token_texts: dict[str, list[int]], arms, budgets, n_sink=N_SINK,
+                 feeder: Feeder | None = None, quiet=False, include_full=True, on_text=None,
+                 equal_bytes: str | None = None) -> dict:
     """Core entry point: (model, {text name: token ids}) -> result dict."""
     feeder = feeder or Feeder()
     arms = arms_of(arms)
@@ -100,9 +80,8 @@ def run_fidelity(
         if not items:
             continue
         ref = reference_logprobs(model, toks)
-        cfgs = [
-            arm.config(max(own, n_sink + arm.window + 1), n_sink=n_sink) for arm, _, own in items
-        ]
+        cfgs = [arm.config(max(own, n_sink + arm.window + 1), n_sink=n_sink)
+                for arm, _, own in items]
         results = evaluate_arms(model, toks, ref, cfgs, feeder, bar)
         for (arm, b, _), res in zip(items, results, strict=True):
             row = {"text": name, "tokens": len(toks), "arm": arm.name, "method": arm.method}
@@ -114,25 +93,14 @@ def run_fidelity(
         del ref
         if on_text is not None:
             on_text(rows)
-    settings = {
-        "budgets": list(budgets),
-        "arms": [a.name for a in arms],
-        "n_sink": n_sink,
-        "feed": feeder.resolve(),
-        "chunk": feeder.chunk,
-        "texts": {k: len(v) for k, v in token_texts.items()},
-    }
+    settings = {"budgets": list(budgets), "arms": [a.name for a in arms], "n_sink": n_sink,
+                "feed": feeder.resolve(), "chunk": feeder.chunk,
+                "texts": {k: len(v) for k, v in token_texts.items()}}
     if equal_bytes:
         settings["equal_bytes"] = arms_of([equal_bytes])[0].name
-    return {
-        "benchmark": NAME,
-        "settings": settings,
-        "notes": feeder.notes,
-        "skipped": skipped,
-        "rows": rows,
-        "elapsed_s": time.perf_counter() - t_start,
-        "environment": environment(),
-    }
+    return {"benchmark": NAME, "settings": settings, "notes": feeder.notes, "skipped": skipped,
+            "rows": rows, "elapsed_s": time.perf_counter() - t_start,
+            "environment": environment()}
 
 
 def summary(result: dict, metric: str = "kl") -> tuple[list[str], list[list]]:
@@ -148,15 +116,20 @@ def summary(result: dict, metric: str = "kl") -> tuple[list[str], list[list]]:
     return ["arm"] + [f"budget {b}" for b in budgets], body
 
 
-def tables(result: dict) -> str:
-    parts = [f"### {t}\n\n" + markdown_table(*summary(result, m)) for m, t in METRICS.items()]
-    rows = [r for r in result["rows"] if r["budget"] is not None]
-    per_text = pivot(rows, ["text", "arm"], "budget", "kl")
-    parts.append("### KL per text\n\n" + markdown_table(*per_text))
-    held = [{**r, "MiB": r["kv_bytes_held"] / 2**20} for r in result["rows"]]
-    parts.append("### MiB the caches hold (storage and selection state, all layers)\n\n"
-                 + markdown_table(*pivot(held, ["text", "arm"], "budget", "MiB")))
-    return "\n\n".join(parts)
+def tables(result: dict) -> list[str]:
+    """The tables of the command and of the report's section: the metrics per arm and budget,
+    KL per text, the MiB the caches keep and hold at the end of the first text."""
+    body, rows = [], result["rows"]
+    for metric, label in METRICS.items():
+        body += [f"### {label}", "", markdown_table(*summary(result, metric)), ""]
+    scored = [r for r in rows if r["budget"] is not None]
+    body += ["### KL per text", "", markdown_table(*pivot(scored, ["text", "arm"], "budget", "kl"))]
+    first = [{**r, "budget": r["budget"] or "-"} for r in rows if r["text"] == rows[0]["text"]]
+    mib = [{**r, "KV": w, "MiB": r[k] / 2**20}
+           for r in first for k, w in MIB_KEYS.items() if k in r]
+    return body + ["", f"KV MiB at the end of {rows[0]['text']} (all layers; kept: the keys and "
+                   "values kept; held: everything the caches hold, storage and selection state):",
+                   "", markdown_table(*pivot(mib, ["arm", "KV"], "budget", "MiB")), ""]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,8 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--quick", False, "tiny smoke run (seconds)"),
         ("--full", False, "wide run: 2 prose documents of 3,000 tokens, all conversations, the "
          "model's own 1,000-token continuation, budgets 64-512 (hours on a 2-core CPU)"),
-        ("--out", None, "output folder (default results/fidelity)"),
-        ("--model", None, "mlx_lm model path/repo or .gguf (default: the embedded SmolLM2)"),
+        *standard(NAME, "model", "out", "quiet"),
         ("--budgets", [64, 128, 256], "budgets in tokens per KV head"),
         ("--arms", list(DEFAULT_ARMS), "arm specs: method[:fusion][:window][:attn] or "
          "method:field=value:... for any KVCacheConfig field, e.g. morphkv:window=32:attn"),
@@ -182,7 +154,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          ["auto", "stacked", "step", "chunked"]),
         ("--chunk", 256, "chunk size of the chunked feed"),
         ("--no-full-arm", False, "skip the full-cache check arm"),
-        ("--quiet", False, "no progress lines"),
     ])
 
 
@@ -201,16 +172,10 @@ def apply_presets(args: argparse.Namespace) -> None:
 
 
 def texts_of(args: argparse.Namespace, model, tokenizer) -> dict[str, list[int]]:
-    return build_texts(
-        tokenizer,
-        args.texts,
-        model,
-        prose_tokens=args.prose_tokens,
-        prose_docs=args.prose_docs,
-        conversations=args.conversations,
-        conversation_tokens=args.conversation_tokens,
-        continuation_tokens=args.continuation_tokens,
-    )
+    return build_texts(tokenizer, args.texts, model, prose_tokens=args.prose_tokens,
+                       prose_docs=args.prose_docs, conversations=args.conversations,
+                       conversation_tokens=args.conversation_tokens,
+                       continuation_tokens=args.continuation_tokens)
 
 
 def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
@@ -228,24 +193,13 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     def partial(rows):  # keep what is done if a long run is interrupted
         write_json(folder / f"{NAME}.partial.json", {"model": model_name, "rows": rows})
 
-    result = run_fidelity(
-        model,
-        texts,
-        args.arms,
-        args.budgets,
-        args.n_sink,
-        Feeder(args.feed, args.chunk),
-        args.quiet,
-        include_full=not args.no_full_arm,
-        on_text=partial,
-        equal_bytes=args.equal_bytes,
-    )
-    result["settings"]["quick"] = bool(args.quick)
-    result["settings"]["model"] = model_name
-    write_json(folder / f"{NAME}.json", result)
-    plots.by_budget(result, summary, folder / f"{NAME}.png")
-    print(tables(result))
+    result = run_fidelity(model, texts, args.arms, args.budgets, args.n_sink,
+                          Feeder(args.feed, args.chunk), args.quiet,
+                          include_full=not args.no_full_arm, on_text=partial,
+                          equal_bytes=args.equal_bytes)
+    result["settings"].update(quick=bool(args.quick), model=model_name)
     for note in result["notes"] + result["skipped"]:
         print("note:", note, file=sys.stderr)
-    print(f"\nwrote {folder}/{NAME}.json and {NAME}.png ({result['elapsed_s']:.0f} s)")
+    finish(args, NAME, result, table="\n".join(tables(result)),
+           plot=lambda path: plots.by_budget(result, summary, path))
     return result

@@ -30,3 +30,14 @@ def csv_ints(text: str) -> list[int]:
 
 def csv_strs(text: str) -> list[str]:
     return [x.strip() for x in str(text).split(",") if x.strip()]
+
+
+def standard(name: str, *keys: str) -> list[tuple]:
+    """The flags most measurements share, for ``add_flags``: ``model``, ``out`` (default
+    results/<name>), ``quiet``, ``no_plot``."""
+    known = {"model": ("--model", None, "model: an mlx_lm path/repo or .gguf (default: the "
+                       "embedded SmolLM2)"),
+             "out": ("--out", None, f"output folder (default results/{name})"),
+             "quiet": ("--quiet", False, "no progress lines"),
+             "no_plot": ("--no-plot", False, "skip the PNG")}
+    return [known[k] for k in keys]

@@ -18,10 +18,10 @@ import mlx.core as mx
 from . import plots
 from .arms import check_specs, parse_arms
 from .fidelity import ARM_DEFAULTS, N_SINK
-from .flags import add_flags, csv_ints
+from .flags import add_flags, csv_ints, standard
 from .metrics import distinct, kv_bytes, repetition_rate
 from .models import load_model
-from .output import environment, markdown_table, out_dir, write_json
+from .output import environment, finish, markdown_table
 from .plots import require_matplotlib
 from .process import peak_memory, reset_peak_memory
 from .progress import Progress
@@ -29,16 +29,8 @@ from .texts import GENERATION_PROMPTS, chat_prompt
 
 NAME = "generation"
 FULL = {"full": "kvcache"}  # here ``full`` is mlx_lm's KVCache
-DEFAULT_ARMS = (
-    "full",
-    "streaming_llm",
-    "random",
-    "h2o:attn",
-    "tova:attn",
-    "morphkv:mean:8",
-    "morphkv:mean:8:attn",
-    "morphkv:max:32:attn",
-)
+DEFAULT_ARMS = ("full", "streaming_llm", "random", "h2o:attn", "tova:attn", "morphkv:mean:8",
+                "morphkv:mean:8:attn", "morphkv:max:32:attn")
 COLUMNS = {  # summary column -> (row key, scale)
     "tokens": ("generated", 1),
     "10-gram rep.": ("rep10", 1),
@@ -62,40 +54,28 @@ def generate(model, tokenizer, prompt: list[int], caches, max_tokens: int) -> di
     if hasattr(tokenizer, "detokenizer") and hasattr(tokenizer, "eos_token_ids"):
         import mlx_lm
 
-        steps = mlx_lm.stream_generate(
-            model,
-            tokenizer,
-            mx.array(prompt),
-            max_tokens=max_tokens,
-            prompt_cache=caches,
-            sampler=sampler,
-        )
+        steps = mlx_lm.stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens,
+                                       prompt_cache=caches, sampler=sampler)
         for resp in steps:
             t_first = t_first or time.perf_counter()
             text += resp.text
             if resp.finish_reason != "stop" or resp.token not in tokenizer.eos_token_ids:
                 tokens.append(int(resp.token))
     else:  # a bare token-id stand-in (tests): mlx_lm's generate_step, no EOS
-        steps = generate_step(
-            mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler, prompt_cache=caches
-        )
+        steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler,
+                              prompt_cache=caches)
         for tok, _ in steps:
             t_first = t_first or time.perf_counter()
             tokens.append(int(tok))
     end = time.perf_counter()
     decode_s = end - (t_first or end)
-    return {
-        "tokens": tokens,
-        "text": text,
-        "prefill_s": (t_first or end) - t0,
-        "tokens_per_s": (len(tokens) - 1) / decode_s if decode_s > 0 else float("nan"),
-        "peak_memory": peak_memory(),
-    }
+    return {"tokens": tokens, "text": text, "prefill_s": (t_first or end) - t0,
+            "tokens_per_s": (len(tokens) - 1) / decode_s if decode_s > 0 else float("nan"),
+            "peak_memory": peak_memory()}
 
 
-def run_generation(
-    model, tokenizer, prompts, arms, budgets, max_tokens: int, n_sink=N_SINK, quiet=False
-) -> dict:
+def run_generation(model, tokenizer, prompts, arms, budgets, max_tokens: int, n_sink=N_SINK,
+                   quiet=False) -> dict:
     """Core entry point: (model, tokenizer or None, prompt token ids) -> result dict."""
     arms = parse_arms(arms, FULL, **ARM_DEFAULTS)
     plan = []
@@ -116,20 +96,11 @@ def run_generation(
         row.update(distinct2=distinct(toks, 2), sample=out.pop("text")[:600])
         rows.append({**row, **out, **kv_bytes(caches)})
         bar.update(max_tokens, f"{arm.name} b{b} p{p}")
-    return {
-        "benchmark": NAME,
-        "settings": {
-            "arms": ["full" if a.method == "kvcache" else a.name for a in arms],
-            "budgets": list(budgets),
-            "max_tokens": max_tokens,
-            "n_sink": n_sink,
-            "prompts": len(prompts),
-            "sampler": "greedy",
-        },
-        "rows": rows,
-        "elapsed_s": time.perf_counter() - t_start,
-        "environment": environment(),
-    }
+    settings = {"arms": ["full" if a.method == "kvcache" else a.name for a in arms],
+                "budgets": list(budgets), "max_tokens": max_tokens, "n_sink": n_sink,
+                "prompts": len(prompts), "sampler": "greedy"}
+    return {"benchmark": NAME, "settings": settings, "rows": rows,
+            "elapsed_s": time.perf_counter() - t_start, "environment": environment()}
 
 
 def summary(result: dict) -> tuple[list[str], list[list]]:
@@ -147,14 +118,12 @@ def summary(result: dict) -> tuple[list[str], list[list]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--quick", False, "tiny smoke run (seconds)"),
-        ("--out", None, "output folder (default results/generation)"),
-        ("--model", None, "mlx_lm model or .gguf (default: the embedded SmolLM2)"),
+        *standard(NAME, "model", "out", "quiet"),
         ("--budgets", [128, 256], "budgets in tokens per KV head"),
         ("--arms", list(DEFAULT_ARMS), "arm specs as in eval fidelity; full: mlx_lm's KVCache"),
         ("--max-tokens", 1000, "tokens to generate per answer"),
         ("--prompts", None, "indices into the prompt set, comma separated (default all)"),
         ("--n-sink", N_SINK, "protected first tokens"),
-        ("--quiet", False, "no progress lines"),
     ])
 
 
@@ -173,17 +142,12 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     mx.random.seed(0)
     chosen = args.prompts if args.prompts is not None else range(len(GENERATION_PROMPTS))
     prompts = [chat_prompt(tokenizer, GENERATION_PROMPTS[i]) for i in chosen]
-    result = run_generation(
-        model, tokenizer, prompts, args.arms, args.budgets, args.max_tokens, args.n_sink, args.quiet
-    )
-    result["settings"]["quick"] = bool(args.quick)
-    result["settings"]["model"] = args.model or "embedded SmolLM2-135M-Instruct"
-    result["settings"]["prompt_ids"] = list(chosen)
-    folder = out_dir(args, NAME)
-    write_json(folder / f"{NAME}.json", result)
-    plots.bars(summary(result), ["10-gram rep.", "distinct-2"], folder / f"{NAME}.png")
+    result = run_generation(model, tokenizer, prompts, args.arms, args.budgets, args.max_tokens,
+                            args.n_sink, args.quiet)
+    result["settings"].update(quick=bool(args.quick), prompt_ids=list(chosen),
+                              model=args.model or "embedded SmolLM2-135M-Instruct")
     print("10-gram rep.: fraction of the answer's 10-grams seen earlier in it (lower: less "
           "looping); distinct-n: unique n-grams / all n-grams; KV kept: bytes of kept K+V")
-    print(markdown_table(*summary(result)))
-    print(f"\nwrote {folder}/{NAME}.json and {NAME}.png ({result['elapsed_s']:.0f} s)")
+    finish(args, NAME, result, table=markdown_table(*summary(result)),
+           plot=lambda path: plots.bars(summary(result), ["10-gram rep.", "distinct-2"], path))
     return result

@@ -22,19 +22,9 @@ def tiny_llama(seed: int = 0, head_dim: int | None = None):
     from mlx_lm.models.llama import Model, ModelArgs
 
     mx.random.seed(seed)
-    model = Model(
-        ModelArgs(
-            model_type="llama",
-            hidden_size=64,
-            num_hidden_layers=2,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=head_dim,
-            rms_norm_eps=1e-5,
-            vocab_size=256,
-        )
-    )
+    model = Model(ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                            intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=head_dim, rms_norm_eps=1e-5, vocab_size=256))
     mx.eval(model.parameters())
     return model
 
@@ -45,12 +35,7 @@ def greedy_tokens(model, caches, prompt, max_tokens: int, prefill_step_size: int
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    steps = generate_step(
-        mx.array(prompt),
-        model,
-        prompt_cache=caches,
-        prefill_step_size=prefill_step_size,
-        sampler=make_sampler(0.0),
-        max_tokens=max_tokens,
-    )
+    steps = generate_step(mx.array(prompt), model, prompt_cache=caches,
+                          prefill_step_size=prefill_step_size, sampler=make_sampler(0.0),
+                          max_tokens=max_tokens)
     return [int(token) for token, _ in steps]

@@ -78,3 +78,19 @@ def pivot(rows: list[dict], keys: list[str], column: str, value: str, columns=No
         lines.setdefault(tuple(r[k] for k in keys), {})[r[column]] = r[value]
     body = [[*k] + [cells.get(c, float("nan")) for c in columns] for k, cells in lines.items()]
     return [*keys, *[str(c) for c in columns]], body
+
+
+def finish(args: argparse.Namespace, name: str, result: dict, stem: str | None = None,
+           plot=None, table: str | None = None, png: str | None = None) -> Path:
+    """The end every measurement shares: ``table`` printed, ``<out>/<stem>.json`` written,
+    ``<png or stem>.png`` drawn by ``plot(path)`` (not with ``--no-plot``), one "wrote" line;
+    the folder."""
+    folder, stem = out_dir(args, name), stem or name
+    if table is not None:
+        print(table)
+    wrote = [write_json(folder / f"{stem}.json", result)]
+    if plot is not None and not getattr(args, "no_plot", False):
+        wrote.append(folder / f"{png or stem}.png")
+        plot(wrote[-1])
+    print("wrote " + " and ".join(map(str, wrote)))
+    return folder

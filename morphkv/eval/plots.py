@@ -32,7 +32,7 @@ def plt():
     return pyplot
 
 
-def _save(fig, path, dpi: int = 80) -> str:
+def save(fig, path, dpi: int = 80) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt().close(fig)
@@ -57,7 +57,7 @@ def by_budget(result: dict, summary, path) -> str:
     if full:
         axes[0].axhline(np.mean([r["kl"] for r in full]), color="k", ls=":", label="full (ref)")
     axes[0].legend(fontsize=7)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def bars(table: tuple[list[str], list[list]], columns: list[str], path) -> str:
@@ -69,7 +69,7 @@ def bars(table: tuple[list[str], list[list]], columns: list[str], path) -> str:
         ax.barh(labels, [r[headers.index(col)] for r in body])
         ax.set_title(col)
         ax.tick_params(labelsize=7)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def grouped_bars(ax, groups: list[str], series: dict[str, list[float]], title: str) -> None:
@@ -102,5 +102,8 @@ def panels(n: int, width: float = 5.5, height: float = 4.5, rows: int = 1):
     return fig, axes
 
 
-def save(fig, path, dpi: int = 80) -> str:
-    return _save(fig, path, dpi)
+def labelled(axes, labels: list[tuple[str, str]], fontsize=None) -> None:
+    """x and y labels, and a legend, on each panel."""
+    for ax, (x, y) in zip(axes, labels, strict=True):
+        ax.set(xlabel=x, ylabel=y)
+        ax.legend(fontsize=fontsize)

@@ -25,12 +25,8 @@ class Progress:
         self._last = now
         elapsed = now - self.start
         eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
-        print(
-            f"[{self.label}] {self.done}/{self.total} ({100 * self.done / self.total:.0f}%) "
-            f"elapsed {_fmt(elapsed)} eta {_fmt(eta)} {note}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"[{self.label}] {self.done}/{self.total} ({100 * self.done / self.total:.0f}%) "
+              f"elapsed {_fmt(elapsed)} eta {_fmt(eta)} {note}", file=sys.stderr, flush=True)
 
     @property
     def elapsed(self) -> float:

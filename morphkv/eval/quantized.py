@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import argparse
 
-import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
 
 from ..core.config import KVCacheConfig
-from .flags import add_flags
+from ..mlxlm.builder import KVCacheBuilder
+from .flags import add_flags, standard
 from .models import load_model
-from .output import markdown_table, out_dir, write_json
+from .output import finish, markdown_table
 from .plots import require_matplotlib
-from .runner import Feeder, reference_logprobs
+from .runner import position_kl, reference_logprobs
 from .texts import conversation_tokens, prose_documents
 
 NAME = "quantized"
@@ -47,40 +47,25 @@ def config(method: str, budget: int, bits) -> KVCacheConfig:
                          **extra)
 
 
-def blocks(model, tokens, method, budget, bits, first):
-    """(start, log-probabilities) blocks past ``first`` for one arm."""
+def kl_of(model, tokens, ref, method, budget, bits, first) -> tuple[float, float, int]:
+    """Mean KL(full || arm) and top-1 agreement over positions ``first``..end-2, and their
+    count; mlx_q: mlx_lm's QuantizedKVCache, fed in chunks of 256 from the start."""
     if method == "mlx_q":
         caches = [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers]
-        ids = mx.array(tokens)[None]
-        for s in range(0, len(tokens), 256):
-            logits = model(ids[:, s : s + 256], cache=caches).astype(mx.float32)
-            yield s, (logits - mx.logsumexp(logits, -1, keepdims=True))[0]
-        return
-    feed = Feeder(mode="chunked", chunk=256).run(model, [config(method, budget, bits)], tokens,
-                                                 first - 1)
-    for s, lp, _ in feed:
-        yield s, lp[0]
-
-
-def kl_over(pairs, ref, first: int, end: int) -> tuple[float, float, int]:
-    kl = agree = n = 0.0
-    for s, lp in pairs:
-        lo, hi = max(s, first), min(s + lp.shape[0], end)
-        if hi > lo:
-            a, r = lp[lo - s : hi - s], ref[lo:hi]
-            kl += float((mx.exp(r) * (r - a)).sum())
-            agree += float((a.argmax(-1) == r.argmax(-1)).sum())
-            n += hi - lo
-    return kl / max(n, 1), agree / max(n, 1), int(n)
+        prefill = 256
+    else:
+        caches, prefill = KVCacheBuilder.for_model(model, config(method, budget, bits)), first - 1
+    kl, agree, total = position_kl(model, caches, tokens, ref, first, prefill, 256)
+    n = max(kl.size, 1)
+    return total / n, float(agree.sum()) / n, int(kl.size)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--bytes-budget", 128, "the float16 budget whose bytes every arm gets"),
         ("--prose-tokens", 1024, "tokens of the prose text"),
-        ("--model", None, "model (default: the embedded SmolLM2)"),
+        *standard(NAME, "model", "out"),
         ("--quick", False, "tiny smoke run"),
-        ("--out", None, "output folder (default results/quantized)"),
     ])
 
 
@@ -97,16 +82,14 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
         ref = reference_logprobs(model, tokens)
         for method, bits in ARMS:
             budget = None if method == "mlx_q" else budget_at(B, bits)
-            kl, top1, n = kl_over(blocks(model, tokens, method, budget, bits, B + 1), ref,
-                                  B + 1, len(tokens) - 1)
+            kl, top1, n = kl_of(model, tokens, ref, method, budget, bits, B + 1)
             rows.append(dict(text=text, tokens=len(tokens), method=method, bits=bits,
                              budget=budget, kl=kl, top1=top1, positions=n))
             print(f"{text} {method} {bits or 'float'} x{budget or 'all'}: KL {kl:.4f}", flush=True)
     result = {"benchmark": NAME, "bytes_budget": B, "rows": rows}
-    folder = out_dir(args, NAME)
-    write_json(folder / f"{NAME}{'_quick' if args.quick else ''}.json", result)
     print("KL: mean KL(full || arm) over the same positions for every arm (lower is better)")
     headers = ["text", "method", "bits", "budget", "kl", "top1"]
-    print(markdown_table(headers, [[r[h] if r[h] is not None else "-" for h in headers]
-                                   for r in rows]))
+    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}",
+           table=markdown_table(headers, [[r[h] if r[h] is not None else "-" for h in headers]
+                                          for r in rows]))
     return result

@@ -28,7 +28,6 @@ SOURCES = {  # name -> JSON file names, newest spelling first
     "recall": ("recall.json",), "chatrecall": ("chatrecall_test_sizes.json",),
 }
 BASELINE = "streaming_llm_w8"
-MIB_KEYS = {"kv_bytes_kept": "kept", "kv_bytes_held": "held"}
 DESIGN_ARMS = ("streaming_llm_w8", "random_w8", "h2o_w8", "tova_w8", "morphkv_mean_w8",
                "morphkv_mean_w32", "h2o_w8_attn", "morphkv_mean_w8_attn", "morphkv_mean_w32_attn")
 DESIGN_TABLE = {  # design notes: independent implementation, prose 1,100 tokens, 4 sinks, KL
@@ -96,15 +95,11 @@ def mechanism_section(result: dict) -> str:
     return _section(title, intro, [table, ""], notes, "mechanism")
 
 
-def _fidelity_table(result: dict, metric: str):
-    from .fidelity import summary
-
-    return summary(result, metric)
-
-
 def fidelity_headline(result: dict) -> str:
     """Per budget, the arms with the lowest KL; per arm, at how many budgets it beats recency."""
-    body, lines = _fidelity_table(result, "kl")[1], ["## Summary (`morphkv eval fidelity`)", ""]
+    from .fidelity import summary
+
+    body, lines = summary(result, "kl")[1], ["## Summary (`morphkv eval fidelity`)", ""]
     for i, b in enumerate(result["settings"]["budgets"], start=1):
         ranked = sorted((r[i], r[0]) for r in body if r[i] == r[i])
         rest = ", ".join(f"{a} ({_fmt(v)})" for v, a in ranked[1:4])
@@ -119,19 +114,10 @@ def fidelity_headline(result: dict) -> str:
 
 
 def fidelity_section(result: dict) -> str:
-    s, rows, body = result["settings"], result["rows"], []
-    for metric, label in (("kl", "Mean KL(full || method), nats/token (lower is better)"),
-                          ("top1", "Top-1 agreement with the full cache"),
-                          ("ppl_ratio", "Perplexity ratio, method / full")):
-        body += [f"### {label}", "", markdown_table(*_fidelity_table(result, metric)), ""]
+    from .fidelity import tables
+
+    s, rows, body = result["settings"], result["rows"], tables(result)
     scored = [r for r in rows if r["budget"] is not None]
-    body += ["### KL per text", "", markdown_table(*pivot(scored, ["text", "arm"], "budget", "kl"))]
-    first = [{**r, "budget": r["budget"] or "-"} for r in rows if r["text"] == rows[0]["text"]]
-    mib = [{**r, "KV": w, "MiB": r[k] / 2**20}
-           for r in first for k, w in MIB_KEYS.items() if k in r]
-    body += ["", f"KV MiB at the end of {rows[0]['text']} (all layers; kept: the keys and values "
-             "kept; held: everything the caches hold, storage and selection state):", "",
-             markdown_table(*pivot(mib, ["arm", "KV"], "budget", "MiB")), ""]
     notes = [f"- {n}" for n in result.get("notes", [])]
     full = [f"{r['kl']:.2e}" for r in rows if r["arm"] == "full"]
     if full:

@@ -59,10 +59,8 @@ class StackedCache:
         return self.caches[0].offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        outs = [
-            c.update_and_fetch(keys[i : i + 1], values[i : i + 1])
-            for i, c in enumerate(self.caches)
-        ]
+        outs = [c.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+                for i, c in enumerate(self.caches)]
         L = max(k.shape[2] for k, _ in outs)
 
         def pad(x):
@@ -71,10 +69,7 @@ class StackedCache:
                 return x
             return mx.concatenate([x, mx.zeros((*x.shape[:2], extra, x.shape[3]), x.dtype)], 2)
 
-        return (
-            mx.concatenate([pad(k) for k, _ in outs]),
-            mx.concatenate([pad(v) for _, v in outs]),
-        )
+        return mx.concatenate([pad(k) for k, _ in outs]), mx.concatenate([pad(v) for _, v in outs])
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         lens = np.array([_kept(c) + N for c in self.caches])
@@ -184,18 +179,34 @@ def _evaluate_group(model, tokens, ref_lp, cfgs, feeder, bar):
     for b in range(len(cfgs)):
         kl, ag, nm, nf, n = sums[b]
         n = max(n, 1)
-        res = {
-            "kl": kl / n,
-            "top1": ag / n,
-            "ppl_ratio": math.exp((nm - nf) / n),
-            "nll": nm / n,
-            "nll_full": nf / n,
-            "positions": int(n),
-            "peak_memory": peak,
-            "arms_in_pass": len(cfgs),
-            "tokens_per_s": fed / elapsed if elapsed > 0 else float("nan"),
-            "seconds": elapsed,
-        }
+        res = {"kl": kl / n, "top1": ag / n, "ppl_ratio": math.exp((nm - nf) / n), "nll": nm / n,
+               "nll_full": nf / n, "positions": int(n), "peak_memory": peak,
+               "arms_in_pass": len(cfgs), "seconds": elapsed,
+               "tokens_per_s": fed / elapsed if elapsed > 0 else float("nan")}
         res.update(kv_bytes(per_arm[b] if per_arm else []))
         out.append(res)
     return out
+
+
+def position_kl(model, caches, tokens: list[int], ref: mx.array, first: int, prefill: int,
+                chunk: int = 256) -> tuple[np.ndarray, np.ndarray, float]:
+    """Per position ``first``..end-2 (the last has no target): KL(full || caches) and top-1
+    agreement, teacher-forced: ``prefill`` tokens in one piece, then chunks of ``chunk``; and
+    the KL summed chunk by chunk (as the commands always summed it)."""
+    ids = mx.array([int(t) for t in tokens])[None]
+    kl, agree, pos, total = [], [], 0, 0.0
+    while pos < len(tokens) - 1:
+        step = prefill if pos == 0 and prefill > 0 else chunk
+        logits = model(ids[:, pos : pos + step], cache=caches)[0].astype(mx.float32)
+        lo, hi = max(pos, first), min(pos + step, len(tokens) - 1)
+        if hi > lo:
+            lp = logits[lo - pos : hi - pos]
+            lp, r = lp - mx.logsumexp(lp, axis=-1, keepdims=True), ref[lo:hi]
+            each = mx.exp(r) * (r - lp)
+            kl.append(np.array(each.sum(axis=-1)))
+            agree.append(np.array(lp.argmax(-1) == r.argmax(-1)))
+            total += float(each.sum())
+        pos += step
+    if not kl:
+        return np.zeros(0), np.zeros(0), 0.0
+    return np.concatenate(kl), np.concatenate(agree), total

@@ -19,9 +19,9 @@ import mlx.core as mx
 from . import plots
 from .arms import check_specs, grid_specs
 from .fidelity import run_fidelity
-from .flags import add_flags
+from .flags import add_flags, standard
 from .models import load_model
-from .output import markdown_table, out_dir, write_json
+from .output import finish, markdown_table
 from .plots import require_matplotlib
 from .runner import Feeder
 from .texts import split_texts
@@ -57,6 +57,11 @@ def ratios(rows: list[dict]) -> list[dict]:
     return sorted(table.values(), key=lambda e: (e["budget"], e["mean_ratio"]))
 
 
+def ratio_table(table: list[dict], texts: list[str]) -> str:
+    headers = ["arm", "budget", *texts, "mean_ratio", "worst_ratio"]
+    return markdown_table(headers, [[e.get(h, float("nan")) for h in headers] for e in table])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--split", "tune", "tune: texts for choosing; heldout: texts for reporting",
@@ -69,10 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--equal-bytes", False, "every arm at the budget where it holds StreamingLLM's bytes"),
         ("--prose-tokens", 1024, "tokens of the prose text"),
         ("--continuation-tokens", 600, "tokens of the model's own continuation"),
-        ("--model", None, "mlx_lm model path/repo or .gguf (default: the embedded SmolLM2)"),
+        *standard(NAME, "model", "out", "quiet"),
         ("--quick", False, "tiny smoke run (seconds)"),
-        ("--out", None, "output folder (default results/sweep)"),
-        ("--quiet", False, "no progress lines"),
     ])
 
 
@@ -95,21 +98,19 @@ def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     result["benchmark"] = NAME
     result["settings"].update(split=args.split, quick=bool(args.quick), model=args.model)
     result["ratios"] = table = ratios(result["rows"])
-    folder = out_dir(args, NAME)
-    stem = f"{NAME}_{args.split}{'_quick' if args.quick else ''}"
-    write_json(folder / f"{stem}.json", result)
-    names = sorted(texts)
     print(f"KL(full || arm) / KL(full || {BASELINE}) per text, same budget (lower is better; "
           "mean_ratio: mean over texts; worst_ratio: the largest)")
-    headers = ["arm", "budget", *names, "mean_ratio", "worst_ratio"]
-    print(markdown_table(headers, [[e.get(h, float("nan")) for h in headers] for e in table]))
-    fig, axes = plots.panels(1, 9, 5)
-    labels = [f"{e['arm']} b{e['budget']}" for e in table]
-    plots.grouped_bars(axes[0, 0], labels, {"mean ratio": [e["mean_ratio"] for e in table],
-                                            "worst ratio": [e["worst_ratio"] for e in table]},
-                       f"KL / {BASELINE}'s ({args.split} texts)")
-    plots.save(fig, folder / f"{stem}.png")
-    print(f"wrote {folder}/{stem}.json and {stem}.png")
+
+    def plot(path):
+        fig, axes = plots.panels(1, 9, 5)
+        labels = [f"{e['arm']} b{e['budget']}" for e in table]
+        plots.grouped_bars(axes[0, 0], labels, {"mean ratio": [e["mean_ratio"] for e in table],
+                                                "worst ratio": [e["worst_ratio"] for e in table]},
+                           f"KL / {BASELINE}'s ({args.split} texts)")
+        plots.save(fig, path)
+
+    finish(args, NAME, result, f"{NAME}_{args.split}{'_quick' if args.quick else ''}", plot,
+           ratio_table(table, sorted(texts)))
     return result
 
 
@@ -119,9 +120,6 @@ def section(result: dict) -> str:
 
     s, table = result["settings"], result["ratios"]
     names = sorted({k for e in table for k in e} - {"arm", "budget", "mean_ratio", "worst_ratio"})
-    headers = ["arm", "budget", *names, "mean_ratio", "worst_ratio"]
-    cells = [[e.get(h, float("nan")) for h in headers] for e in table]
-    ratio_table = markdown_table(headers, cells)
     rows = [{**r, "kl_at": f"{r['text']}"} for r in result["rows"]]
     kl_table = markdown_table(*pivot(rows, ["arm", "budget"], "kl_at", "kl"))
     sized = ", ".join(
@@ -146,7 +144,7 @@ def section(result: dict) -> str:
         + (f"; at equal total bytes (every arm sized to StreamingLLM's bytes: {sized})"
            if s.get("equal_bytes") else "") + "."
     )
-    body = [ratio_table, "", "KL per text:", "", kl_table, ""]
+    body = [ratio_table(table, names), "", "KL per text:", "", kl_table, ""]
     lines = [f"## Sweep, {s['split']} texts (`morphkv eval fidelity --mode sweep`)", "", intro, "",
              *body]
     lines += ["Notes (computed from the numbers):", "", *notes, ""]

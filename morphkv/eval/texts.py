@@ -46,9 +46,8 @@ def chat_tokens(tokenizer, messages: list[dict], add_generation_prompt: bool = F
     """Token ids of a conversation in the model's chat template (ChatML if it has none)."""
     if getattr(tokenizer, "chat_template", None) is not None:
         try:
-            ids = tokenizer.apply_chat_template(
-                messages, tokenize=True, add_generation_prompt=add_generation_prompt
-            )
+            ids = tokenizer.apply_chat_template(messages, tokenize=True,
+                                                add_generation_prompt=add_generation_prompt)
             return list(ids["input_ids"] if isinstance(ids, dict) else ids)
         except Exception:  # noqa: BLE001 - fall back to ChatML below
             pass

@@ -1,0 +1,190 @@
+"""The servers and client calls every ``bench serve`` scenario shares.
+
+A ``Server`` is one child process on loopback (``server_main``), stopped by its process id,
+that samples its own memory (time, RSS, MLX active, MLX peak) into a log; its kind: ``morphkv``
+(morphkv serve with morphkv caches), ``kvcache`` (morphkv serve with mlx_lm's default cache)
+or ``mlx_lm`` (mlx_lm's own server, ``mlx_lm.server.run``, its own handler and default cache;
+only the model loader is morphkv's, to read the GGUF file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ..eval.process import free_port, stop_process
+
+
+def server_main(argv: list[str]) -> int:
+    """Child: ``<memory log> <morphkv|kvcache|mlx_lm> <seconds> [morphkv serve flags]``."""
+    import mlx.core as mx
+
+    from ..server import app as serve
+    from ..server.run import _rss_bytes
+
+    log_path, kind, every, *flags = argv
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(flags)
+    reset = Path(log_path + ".reset")  # the bench asks for a fresh peak through this file
+
+    def sample():
+        with open(log_path, "a") as f:
+            while True:
+                if reset.exists():
+                    mx.reset_peak_memory()
+                    reset.unlink()
+                f.write(f"{time.time():.3f} {_rss_bytes()} {mx.get_active_memory()} "
+                        f"{mx.get_peak_memory()}\n")
+                f.flush()
+                time.sleep(float(every))
+
+    threading.Thread(target=sample, daemon=True).start()
+    if kind != "mlx_lm":
+        return serve.serve(args, serve.cache_config(args) if kind == "morphkv" else None)
+    import mlx_lm.server
+
+    served = serve.load_served(args, None)  # mlx_lm's default cache
+    print(serve.startup_line(served, None, None), flush=True)
+    provider_class = serve._provider_class()
+    provider_class.served = served
+    mlx_lm.server.run(args.host, args.port, provider_class(serve.server_args(args, served)))
+    return 0
+
+
+class Server:
+    """One server process on loopback (``server_main``); ``label`` names its files in ``out``
+    (``memory_<label>.log``, ``server_<label>.txt``)."""
+
+    def __init__(self, kind: str, flags: list[str], out: Path, label: str | None = None,
+                 every: float = 0.25):
+        from ..runtime.blas import blas_env
+
+        label = label or kind
+        self.kind, self.port = kind, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log, self.output = out / f"memory_{label}.log", out / f"server_{label}.txt"
+        self.log.unlink(missing_ok=True)
+        flags = ["--port", str(self.port), "--log-level", "WARNING", *flags]
+        code = ("import sys; from morphkv.bench.servers import server_main; "
+                "sys.exit(server_main(sys.argv[1:]))")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(self.log), kind, str(every), *flags],
+            stdout=self.output.open("w"), stderr=subprocess.STDOUT,
+            env=blas_env(dict(os.environ)))
+        deadline = time.monotonic() + 600
+        while not self.healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{label} server did not start:\n{self.output.read_text()}")
+            time.sleep(0.5)
+
+    def health(self) -> int | None:
+        """/health's status (None: no answer)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return None
+
+    def healthy(self) -> bool:
+        return self.health() == 200
+
+    def client(self, timeout: float):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=timeout,
+                             max_retries=0)
+
+    def prompt_cache_bytes(self) -> int | None:
+        try:
+            with urllib.request.urlopen(f"{self.url}/morphkv/stats", timeout=5) as r:
+                return json.load(r)["prompt_cache_bytes"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def memory(self) -> list[tuple[float, int, int, int]]:
+        """Every sample so far: (time, RSS, MLX active, MLX peak)."""
+        rows = [x.split() for x in self.log.read_text().splitlines() if x.strip()]
+        return [(float(t), int(r), int(a), int(p)) for t, r, a, p in rows if p]
+
+    def latest(self) -> tuple[int, int]:
+        """(active, peak) MLX bytes in the server, sampled after now."""
+        start = time.time()
+        while True:
+            samples = self.memory()
+            if samples and samples[-1][0] > start:
+                return samples[-1][2], samples[-1][3]
+            time.sleep(0.05)
+
+    def reset_peak(self) -> None:
+        """Restart the server's MLX peak memory count (it includes model loading before)."""
+        flag = Path(f"{self.log}.reset")
+        flag.touch()
+        while flag.exists():
+            time.sleep(0.05)
+
+    def startup(self) -> list[str]:
+        text = self.output.read_text()
+        return [x for x in text.splitlines() if x.startswith("morphkv serve:")]
+
+    def stop(self) -> int | None:
+        return stop_process(self.proc, 30)
+
+
+def stream_chat(client, messages: list[dict], max_tokens: int, drop: bool = False, **kw) -> dict:
+    """One streamed chat: first-content time (perf_counter, None if none), completion and
+    prompt tokens (usage), content chunks; ``drop`` closes the stream at the first content."""
+    first, tokens, prompt, chunks = None, 0, 0, 0
+    stream = client.chat.completions.create(
+        model="default_model", messages=messages, max_tokens=max_tokens, stream=True,
+        stream_options={"include_usage": True}, **kw)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            chunks += 1
+            if first is None:
+                first = time.perf_counter()
+                if drop:
+                    stream.close()
+                    break
+        if chunk.usage is not None:
+            tokens, prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+    return {"first": first, "tokens": tokens, "prompt_tokens": prompt, "chunks": chunks}
+
+
+def loadavg() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def in_threads(work, users, timeout: float | None) -> None:
+    """``work(user)`` for every user, each in its own thread; waits (at most ``timeout`` s
+    each) for all."""
+    threads = [threading.Thread(target=work, args=(u,), daemon=True) for u in users]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+
+
+def model_flag(args) -> list[str]:
+    return ["--model", args.model] if args.model else []
+
+
+def settings_of(args) -> dict:
+    return {k: v for k, v in vars(args).items() if not callable(v)}
+
+
+def write_report(out: Path, name: str, report: dict, plot) -> None:
+    """``<out>/<name>.json`` (the report) and ``<name>.png`` (``plot(path)``)."""
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
+    plot(out / f"{name}.png")
