@@ -190,6 +190,11 @@ def concat_rows(a: quant.Storage, b: quant.Storage) -> quant.Storage:
     return quant.apply(lambda p, q: mx.concatenate([p, q], axis=0), a, b)
 
 
+def concat_rows_all(rows: list) -> quant.Storage:
+    """One storage of the given row storages, in order (equal capacities)."""
+    return quant.apply(lambda *ps: mx.concatenate(ps, axis=0), *rows)
+
+
 def row_copy(x: quant.Storage, i: int, n: int) -> quant.Storage:
     """Row i's first ``n`` slots as its own (1, H, n, .) storage (a copy)."""
     return quant.apply(lambda p: mx.contiguous(p[i : i + 1, :, :n]), x)
