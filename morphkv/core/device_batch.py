@@ -26,7 +26,7 @@ import copy
 import mlx.core as mx
 import numpy as np
 
-from . import quant, storage
+from . import device_rows, quant, storage
 from .attention import attend
 from .batch import BatchMorphKVCache
 from .device import DeviceEngine, move
@@ -48,6 +48,8 @@ class DeviceBatchCache(BatchMorphKVCache):
         self.row_class = row_class
         self.row_pins = [Pins() for _ in range(rows)]
         self._held = None  # the update waiting for its queries
+        self._arrays = None  # every row's engine arrays, stacked (``core.device_rows``)
+        self._H = None  # KV heads
 
     @classmethod
     def accepts(cls, caches) -> bool:
@@ -81,6 +83,12 @@ class DeviceBatchCache(BatchMorphKVCache):
             if not c.empty():
                 batch.engines[i] = cls.copy_engine(c.engine, batch.row_pins[i])
                 batch.seen[i], batch.stored[i] = c.offset, c.engine.slots
+        if full:
+            batch._H = quant.dims(full[0].keys)[1]
+            batch._arrays = device_rows.stack(batch.engines, full[0].engine)
+            for e in batch.engines:
+                if e is not None:
+                    device_rows.detach(e)
         return batch
 
     @property
@@ -108,7 +116,12 @@ class DeviceBatchCache(BatchMorphKVCache):
         if engine is None:
             return cache
         n = self.capacity
-        cache.adopt(self.copy_engine(engine, cache.pins), storage.row_copy(self.keys, idx, n),
+        engine = device_rows.load(self._arrays, engine, idx, self._H)
+        try:
+            engine = self.copy_engine(engine, cache.pins)
+        finally:
+            device_rows.detach(self.engines[idx])
+        cache.adopt(engine, storage.row_copy(self.keys, idx, n),
                     storage.row_copy(self.values, idx, n))
         return cache
 
@@ -122,6 +135,8 @@ class DeviceBatchCache(BatchMorphKVCache):
         if self._remaining is not None:
             self._remaining = [self._remaining[i] for i in keep]
         self._seal = None
+        if self._arrays is not None:
+            self._arrays = device_rows.take(self._arrays, keep, self._H)
         if self.keys is not None:
             self.keys = storage.take_rows(self.keys, keep)
             self.values = storage.take_rows(self.values, keep)
@@ -141,6 +156,10 @@ class DeviceBatchCache(BatchMorphKVCache):
             mine = self._remaining if self._remaining is not None else [0] * B0
             theirs = other._remaining if other._remaining is not None else [0] * other.B
             self._remaining = mine + theirs
+        H = self._H or other._H
+        arrays = device_rows.concat(self._arrays, other._arrays, B0 * (H or 0),
+                                    other.B * (H or 0))
+        self._arrays, self._H = arrays, H
         for name in ROW_LISTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self._seal = None
@@ -203,6 +222,10 @@ class DeviceBatchCache(BatchMorphKVCache):
         e.pins = self.row_pins[i]
         if self._scale is not None:
             e.scale = self._scale
+        if self._arrays is None:
+            self._H = H
+            self._arrays = device_rows.stack([None] * self.B, e)
+        device_rows.store(self._arrays, e, i, H)
         return e
 
     def _evict(self, rows) -> None:
@@ -214,12 +237,13 @@ class DeviceBatchCache(BatchMorphKVCache):
         same = mx.broadcast_to(mx.arange(block, dtype=mx.uint32), (H, block))
         src, dst = [same] * B, [same] * B
         for i in rows:
-            e = self.engines[i]
+            e = device_rows.load(self._arrays, self.engines[i], i, H)
             e.stored_keys = lambda i=i, e=e: self._row_floats(self.keys, i, 0, e.slots)
             try:
                 s, d = e.evict(None, lambda a, b, i=i: self._row_floats(self.values, i, a, b))
             finally:
                 e.stored_keys = None
+                device_rows.store(self._arrays, e, i, H)
             src[i], dst[i] = s.astype(mx.uint32), d.astype(mx.uint32)
             self.stored[i] = e.slots
         src, dst = (mx.stack(x).reshape(B, H, block, 1) for x in (src, dst))
@@ -251,9 +275,7 @@ class DeviceBatchCache(BatchMorphKVCache):
         L = max(counts)
         out, rows = attend(queries, self.keys, self.values, L, self._scale, sinks, self._quant(),
                            valid=decode_mask(counts))
-        H = quant.dims(self.keys)[1]
-        for i, e in enumerate(self.engines):
-            e.observe(1, rows[i * H : (i + 1) * H, :, : counts[i]] if e.needs_rows else None)
+        device_rows.observe(self._arrays, self.engines, rows, self._H)
         return out
 
     def _attend_chunk(self, queries, sinks, new, starts, counts, Dv):
@@ -279,6 +301,7 @@ class DeviceBatchCache(BatchMorphKVCache):
         while j < c:
             if e.due:
                 self._evict([i])
+            device_rows.load(self._arrays, e, i, self._H)
             k = e.piece(c - j)
             n0, n = e.slots, e.slots + k
             for x, y in zip((self.keys, self.values), new, strict=True):
@@ -287,6 +310,7 @@ class DeviceBatchCache(BatchMorphKVCache):
             out, rows = attend(queries[:, :, j : j + k], _row(self.keys, i),
                                _row(self.values, i), n, self._scale, sinks, self._quant())
             e.observe(k, rows if e.needs_rows else None)
+            device_rows.store(self._arrays, e, i, self._H)
             self.stored[i] = e.slots
             outs.append(out)
             j += k
@@ -308,7 +332,8 @@ class DeviceBatchCache(BatchMorphKVCache):
         return None if N == 1 else "causal"
 
     def _held_positions(self, i: int) -> np.ndarray:
-        return np.asarray(self.engines[i].stored_positions).reshape(-1)
+        H, slots = self._H, self.engines[i].slots
+        return np.asarray(self._arrays["positions"][i * H : (i + 1) * H, :slots]).reshape(-1)
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -317,15 +342,13 @@ class DeviceBatchCache(BatchMorphKVCache):
         is not saved as such: ``extract`` rows and save those."""
         if self.keys is None:
             return []
-        arrays = [getattr(e, n) for e in self.engines if e is not None
-                  for n in DeviceEngine.ARRAYS]
-        return [*quant.parts(self.keys), *quant.parts(self.values),
-                *(a for a in arrays if a is not None)]
+        arrays = [] if self._arrays is None else list(self._arrays.values())
+        return [*quant.parts(self.keys), *quant.parts(self.values), *arrays]
 
     @property
     def nbytes(self) -> int:
         held = 0 if self.keys is None else quant.nbytes(self.keys) + quant.nbytes(self.values)
-        engines = sum(e.nbytes for e in self.engines if e is not None)
+        engines = device_rows.nbytes(self._arrays)
         return held + engines + sum(p.nbytes for p in self.row_pins)
 
     @property
