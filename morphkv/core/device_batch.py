@@ -229,31 +229,25 @@ class DeviceBatchCache(BatchMorphKVCache):
         return e
 
     def _evict(self, rows) -> None:
-        """The due evictions of ``rows``: every engine moves its own arrays; the storage moves
-        once for all of them (identity moves for the other rows)."""
+        """The due evictions of ``rows``, in one set of ops for all rows
+        (``device_rows.evict``); the storage moves once."""
         if not rows:
             return
-        B, H, block = self.B, quant.dims(self.keys)[1], self.config.block
-        same = mx.broadcast_to(mx.arange(block, dtype=mx.uint32), (H, block))
-        src, dst = [same] * B, [same] * B
+        B, H, block = self.B, self._H, self.config.block
+        n = self.capacity
+        src, dst = device_rows.evict(
+            self._arrays, self.engines, rows, self.row_pins, H,
+            lambda: self._floats(self.keys, 0, n), lambda a, b: self._floats(self.values, a, b))
         for i in rows:
-            e = device_rows.load(self._arrays, self.engines[i], i, H)
-            e.stored_keys = lambda i=i, e=e: self._row_floats(self.keys, i, 0, e.slots)
-            try:
-                s, d = e.evict(None, lambda a, b, i=i: self._row_floats(self.values, i, a, b))
-            finally:
-                e.stored_keys = None
-                device_rows.store(self._arrays, e, i, H)
-            src[i], dst[i] = s.astype(mx.uint32), d.astype(mx.uint32)
-            self.stored[i] = e.slots
-        src, dst = (mx.stack(x).reshape(B, H, block, 1) for x in (src, dst))
+            self.stored[i] = self.engines[i].slots
+        src, dst = (x.reshape(B, H, block, 1) for x in (src, dst))
         self.keys = quant.apply(lambda x: move(x, src, dst, 2), self.keys)
         self.values = quant.apply(lambda x: move(x, src, dst, 2), self.values)
 
-    def _row_floats(self, x, i: int, start: int, end: int) -> mx.array:
-        """Row i's stored slots [start, end) as floats (H, end - start, D)."""
-        part = storage.floats(storage.fetch(_row(x, i), end, start), self.config)
-        return part.reshape(part.shape[1], end - start, -1)
+    def _floats(self, x, start: int, end: int) -> mx.array:
+        """Every row's stored slots [start, end) as floats (B * H, end - start, D)."""
+        part = storage.floats(storage.fetch(x, end, start), self.config)
+        return part.reshape(-1, end - start, part.shape[-1])
 
     def _quant(self):
         c = self.config
