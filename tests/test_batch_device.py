@@ -144,3 +144,16 @@ def test_a_decode_step_of_four_rows_reads_nothing_on_the_host():
                 syncs.active = False
                 mx.eval(out, batch.state)
         assert syncs.count == 0 and evictions >= 4
+
+
+def test_bench_kernels_counts_a_batch_of_four_rows():
+    """``morphkv bench speed --mode kernels --rows 4``: the server's kind of batch, merged from
+    rows at different eviction phases; the MLX engine reads nothing on the host."""
+    from morphkv.bench.kernels import count
+    from morphkv.mlxlm.hooks import queries_by_hand
+
+    with queries_by_hand():
+        mlx = count("recommended", 64, 3, 1, rows=4)
+        host = count("recommended:engine=host", 64, 3, 1, rows=4)
+    assert (mlx["class"], mlx["batch"], mlx["host_syncs_per_step"]) == ("DeviceBatchCache", 4, 0)
+    assert host["class"] == "BatchMorphKVCache" and host["host_syncs_per_step"] > 0

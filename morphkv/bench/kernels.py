@@ -9,8 +9,9 @@ exported with ``mx.export_to_dot`` before it is evaluated and its nodes counted:
 are the primitives that run code on the device, ``views`` the ones that only re-describe memory
 (slices, reshapes, broadcasts, transposes). Host synchronizations are the reads of MLX arrays
 on the host inside a step (``SyncCounter``: ``item``, ``tolist``, NumPy conversions,
-``mx.eval`` ...), counted as they happen. Averages are over whole eviction blocks. ``--rows 4``: the same for a batch of 4 rows, built as the
-server builds one (single caches at different eviction phases, merged: ``MorphKVCache.merge``).
+``mx.eval`` ...), counted as they happen. Averages are over whole eviction blocks.
+``--rows 4``: the same for a batch of 4 rows built as the server builds one (single caches at
+different eviction phases, merged: ``merge``).
 RotatingKVCache (update + mlx_lm's attention) is the reference.
 """
 
@@ -158,7 +159,8 @@ def execute(args: argparse.Namespace) -> dict:
     with queries_by_hand():
         rows = [count(spec, args.budget, args.groups, args.blocks, args.rows)
                 for spec in args.arms]
-    columns = ["cache", "class", "batch", "block", "kernels_per_step", "views_per_step", "host_syncs_per_step"]
+    columns = ["cache", "class", "batch", "block", "kernels_per_step", "views_per_step",
+               "host_syncs_per_step"]
     print(markdown_table(columns, [[r[c] for c in columns] for r in rows]))
     result = {"benchmark": NAME, "args": vars(args), "rows": rows, "environment": environment()}
     write_json(out_dir(args, NAME) / f"{NAME}{'_quick' if args.quick else ''}.json", result)

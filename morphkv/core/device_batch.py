@@ -26,7 +26,7 @@ import copy
 import mlx.core as mx
 import numpy as np
 
-from . import device_rows, quant, storage
+from . import device_chunk, device_rows, quant, storage
 from .attention import attend
 from .batch import BatchMorphKVCache
 from .device import DeviceEngine, move
@@ -34,10 +34,6 @@ from .masks import decode_mask
 from .pins import Pins
 
 ROW_LISTS = ("engines", "seen", "stored", "waiting", "lead", "pin_next", "row_pins")
-
-
-def _row(x: quant.Storage, i: int) -> quant.Storage:
-    return quant.apply(lambda p: p[i : i + 1], x)
 
 
 class DeviceBatchCache(BatchMorphKVCache):
@@ -163,16 +159,9 @@ class DeviceBatchCache(BatchMorphKVCache):
         for name in ROW_LISTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self._seal = None
-        keys, values = other.keys, other.values
-        if self.keys is None and keys is not None:
-            self.keys = storage.zeros(keys, B0, self.capacity)
-            self.values = storage.zeros(values, B0, self.capacity)
-        if self.keys is not None and keys is None:
-            keys = storage.zeros(self.keys, other.B, self.capacity)
-            values = storage.zeros(self.values, other.B, self.capacity)
-        if self.keys is not None:
-            self.keys = storage.concat_rows(self.keys, keys) if B0 else keys
-            self.values = storage.concat_rows(self.values, values) if B0 else values
+        self.keys, self.values = (storage.concat_batches(a, b, B0, other.B, self.capacity)
+                                  for a, b in ((self.keys, other.keys),
+                                               (self.values, other.values)))
 
     def _no_held(self, what: str) -> None:
         if self._held is not None:
@@ -206,7 +195,7 @@ class DeviceBatchCache(BatchMorphKVCache):
             self._remaining = np.subtract(self._remaining, counts).tolist()
         self.seen = np.add(self.seen, counts).tolist()
         if C == 1 and (counts == 1).all():  # a plain decode step
-            self._evict([i for i, e in enumerate(self.engines) if e.due])
+            self.evict_rows([i for i, e in enumerate(self.engines) if e.due])
             slots = [e.slots for e in self.engines]
             self.keys = storage.write(self.keys, slots, sk)
             self.values = storage.write(self.values, slots, sv)
@@ -228,7 +217,7 @@ class DeviceBatchCache(BatchMorphKVCache):
         device_rows.store(self._arrays, e, i, H)
         return e
 
-    def _evict(self, rows) -> None:
+    def evict_rows(self, rows) -> None:
         """The due evictions of ``rows``, in one set of ops for all rows
         (``device_rows.evict``); the storage moves once."""
         if not rows:
@@ -262,7 +251,7 @@ class DeviceBatchCache(BatchMorphKVCache):
         self.set_scale(float(scale))
         if held[0] == "decode":
             return self._attend_decode(queries, sinks, held[1])
-        return self._attend_chunk(queries, sinks, *held[1:])
+        return device_chunk.attend_chunk(self, queries, sinks, *held[1:])
 
     def _attend_decode(self, queries, sinks, slots):
         counts = [s + 1 for s in slots]
@@ -271,44 +260,6 @@ class DeviceBatchCache(BatchMorphKVCache):
                            valid=decode_mask(counts))
         device_rows.observe(self._arrays, self.engines, rows, self._H)
         return out
-
-    def _attend_chunk(self, queries, sinks, new, starts, counts, Dv):
-        B, n_heads, C, _ = queries.shape
-        zeros = mx.zeros((1, n_heads, C, Dv), queries.dtype)
-        outs = []
-        for i in range(B):
-            s, c = int(starts[i]), int(counts[i])
-            if c == 0:
-                outs.append(zeros)
-                continue
-            pieces = [zeros[:, :, :s]] if s else []
-            pieces += self._feed_row(i, queries[i : i + 1, :, s : s + c], sinks, new, s, c)
-            if s + c < C:
-                pieces.append(zeros[:, :, s + c :])
-            outs.append(mx.concatenate(pieces, axis=2) if len(pieces) > 1 else pieces[0])
-        return outs[0] if B == 1 else mx.concatenate(outs, axis=0)
-
-    def _feed_row(self, i: int, queries, sinks, new, s: int, c: int) -> list:
-        """Row i's c real tokens (columns [s, s + c) of ``new``), piece by piece up to its
-        eviction grid, as ``MorphKVCache`` feeds one sequence."""
-        e, outs, j = self.engines[i], [], 0
-        while j < c:
-            if e.due:
-                self._evict([i])
-            device_rows.load(self._arrays, e, i, self._H)
-            k = e.piece(c - j)
-            n0, n = e.slots, e.slots + k
-            for x, y in zip((self.keys, self.values), new, strict=True):
-                for part, value in zip(quant.parts(x), quant.parts(y), strict=True):
-                    part[i : i + 1, :, n0:n] = value[i : i + 1, :, s + j : s + j + k]
-            out, rows = attend(queries[:, :, j : j + k], _row(self.keys, i),
-                               _row(self.values, i), n, self._scale, sinks, self._quant())
-            e.observe(k, rows if e.needs_rows else None)
-            device_rows.store(self._arrays, e, i, self._H)
-            self.stored[i] = e.slots
-            outs.append(out)
-            j += k
-        return outs
 
     def prepare_attention(self, queries: mx.array, scale: float, mask):
         """Queries handed in without the hook's ``attend`` (benchmarks): attends now."""

@@ -106,7 +106,7 @@ class RowsEngine(DeviceEngine):
     """What the rules read at a batch's eviction, for every row at once: the stacked arrays
     over the ``budget + 1`` slots every due row holds, each row's own ``seen`` (an (R, 1)
     array) and KV-head index (``row_ids``, as a single sequence numbers its rows). Rows not
-    due get a selection too, which the batch discards (``DeviceBatchCache._evict``)."""
+    due get a selection too, which the batch discards (``DeviceBatchCache.evict_rows``)."""
 
     def __init__(self, e0: DeviceEngine, arrays: dict, engines: list, H: int, keys) -> None:
         self.__dict__.update({k: v for k, v in vars(e0).items() if k not in NAMES})
