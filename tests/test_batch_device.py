@@ -28,7 +28,7 @@ def device_config(method: str, block: int, **extra) -> KVCacheConfig:
 
 
 def device_model(config, seed=0):
-    return patch_model(tiny_llama(seed), config)
+    return patch_model(tiny_llama(seed, head_dim=64 if config.kv_bits else None), config)
 
 
 @pytest.mark.parametrize("block", [1, 16])
@@ -157,3 +157,23 @@ def test_bench_kernels_counts_a_batch_of_four_rows():
         host = count("recommended:engine=host", 64, 3, 1, rows=4)
     assert (mlx["class"], mlx["batch"], mlx["host_syncs_per_step"]) == ("DeviceBatchCache", 4, 0)
     assert host["class"] == "BatchMorphKVCache" and host["host_syncs_per_step"] > 0
+
+
+@pytest.mark.parametrize("extra", [
+    dict(pin="prompt", pin_rank="keydiff", kv_bits=8, kv_group_size=32),  # the memory preset
+    dict(morphkv_pool=5, morphkv_peak=0.5, morphkv_decay=0.9),
+])
+def test_pinned_quantized_and_pooled_rows_equal_single_runs(extra):
+    config = device_config("morphkv", 16, **extra)
+    model = device_model(config, seed=2)
+    prompts, max_tokens = prompts_of([70, 9, 33], seed=5), [30, 75, 50]
+    res = batch_generate(model, _Tok(), prompts, max_tokens=max_tokens,
+                         prefill_step_size=STEP, return_prompt_caches=True,
+                         return_token_ids=True)
+    for prompt, n, ids, caches in zip(prompts, max_tokens, res.token_ids, res.caches,
+                                      strict=True):
+        tokens, _, reference = single(model, prompt, n)
+        assert ids == tokens
+        assert_same_cache(caches, reference)
+        assert [c.pins.ranges() for c in caches] == [c.pins.ranges() for c in reference]
+        assert bool(caches[0].pins.ranges()) == (config.pin == "prompt")
