@@ -2,18 +2,19 @@
 
 ``MorphKVCache.merge`` builds one when every row runs the MLX engine with the model's real
 queries (the attention hook is attached: every ``morphkv serve`` request). Each batch row keeps
-its own ``DeviceEngine`` (B = 1: its own ``seen`` / ``slots`` counters, eviction grid, ring,
-running scores, pins) over ONE shared storage (B, H, budget + 1, D), rows left-aligned.
+its own ``DeviceEngine`` (B = 1) for its counters (``seen`` / ``slots`` / ``due``), rule and
+pins; the engines' arrays are stacked for all rows (``core.device_rows``) over ONE shared
+storage (B, H, budget + 1, D), rows left-aligned.
 
-* A decode step (every row takes one token): the rows due an eviction evict first, their slot
-  moves applied to the storage with one take and one put (rows not due carry identity moves);
-  one scatter writes every row's token at its row's next slot; the hook's ``attend`` computes
-  one attention over every row (a (B, 1, 1, L) mask hides each row's free tail) whose softmax
-  also gives the rows each engine observes. No host read: the counters are Python ints that
-  follow from the token stream.
+* A decode step (every row takes one token): the rows due an eviction evict in one set of ops
+  for all rows (``device_rows.evict``; rows not due carry identity moves), the storage moves
+  once; one scatter writes every row's token at its row's next slot; the hook's ``attend``
+  computes one attention over every row (a (B, 1, 1, L) mask hides each row's free tail) whose
+  softmax also gives the rows every engine observes (``device_rows.observe``). The same graph
+  at any B, and no host read: the counters are Python ints that follow from the token stream.
 * A multi-token chunk (a right-padded prompt, left padding, rows joining with history) is fed
   row by row in pieces that end at that row's eviction grid (``DeviceEngine.piece``), exactly as
-  ``MorphKVCache`` feeds one sequence; padding columns get a zero output.
+  ``MorphKVCache`` feeds one sequence (``core.device_chunk``); padding gets a zero output.
 
 So a row keeps what the same sequence run alone keeps (``tests/test_batch_device.py``);
 ``filter`` / ``extend`` / ``extract`` move whole rows (storage, engine, pins).
