@@ -135,7 +135,7 @@ def test_startup_line_states_cache_and_bound(server):
     assert f"{setting} peak=0.02 block=12" in line
     assert "scoring=attention" in line
     assert "KV memory bound" in line and f"({storage + engine} bytes) per sequence" in line
-    assert "engine host" in line and "pinned: nothing (--pin prompt pins" in line
+    assert "engine mlx (batches too)" in line and "pinned: nothing (--pin prompt pins" in line
 
 
 @pytest.mark.slow

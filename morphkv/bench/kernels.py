@@ -10,6 +10,8 @@ are the primitives that run code on the device, ``views`` the ones that only re-
 (slices, reshapes, broadcasts, transposes). Host synchronizations are the reads of MLX arrays
 on the host inside a step (``SyncCounter``: ``item``, ``tolist``, NumPy conversions,
 ``mx.eval`` ...), counted as they happen. Averages are over whole eviction blocks.
+``--rows 4``: the same for a batch of 4 rows built as the server builds one (single caches at
+different eviction phases, merged: ``merge``).
 RotatingKVCache (update + mlx_lm's attention) is the reference.
 """
 
@@ -86,23 +88,42 @@ class SyncCounter:
             setattr(owner, name, fn)
 
 
-def count(spec: str, budget: int, groups: int, blocks: int) -> dict:
+def _batch(spec: str, budget: int, groups: int, rows: int, warm: int, k, v, q):
+    """``rows`` caches fed ``warm``, ``warm + 3``, ... tokens (rows at different eviction
+    phases), merged as mlx_lm's BatchGenerator merges a server's requests (``merge``)."""
+    caches = []
+    for i in range(rows):
+        cache = make_cache(spec, budget, groups=groups)
+        n = warm + 3 * i
+        mx.eval(attention_step(cache, q[:, :, :n], k[:, :, :n], v[:, :, :n], D**-0.5))
+        caches.append(cache)
+    return type(caches[0]).merge(caches)
+
+
+def count(spec: str, budget: int, groups: int, blocks: int, rows: int = 1) -> dict:
     """Kernels and host syncs of one layer's decode steps (update + attention, as the hooked
-    model runs them: ``attention_step``), averaged over ``blocks`` eviction blocks."""
+    model runs them: ``attention_step``), averaged over ``blocks`` eviction blocks; with
+    ``rows`` > 1, of a batch of that many rows merged from single caches (as the server's
+    batches are) at different eviction phases."""
     cache = make_cache(spec, budget, groups=groups)
     block = getattr(getattr(cache, "config", None), "block", 1)
     steps = blocks * block
-    n = budget + 32 + steps + block
+    n = budget + 32 + steps + block + 3 * rows
     k, v, q = stream(n, mx.float16, groups)
     warm = budget + 8
     warm += -(warm - budget) % block  # start right after an eviction
-    mx.eval(attention_step(cache, q[:, :, :warm], k[:, :, :warm], v[:, :, :warm], D**-0.5))
+    if rows > 1:
+        cache = _batch(spec, budget, groups, rows, warm, k, v, q)
+        k, v, q = (mx.concatenate([x] * rows) for x in (k, v, q))
+    else:
+        mx.eval(attention_step(cache, q[:, :, :warm], k[:, :, :warm], v[:, :, :warm], D**-0.5))
     if hasattr(cache, "prepare_attention"):
         cache.size()
     mx.eval(storage_of(cache))
+    start = warm + 3 * rows
     kernels = views = 0
     with SyncCounter() as syncs:
-        for t in range(warm, warm + steps):
+        for t in range(start, start + steps):
             token = [x[:, :, t : t + 1] for x in (k, v, q)]
             mx.eval(token)
             syncs.active = True
@@ -113,10 +134,10 @@ def count(spec: str, budget: int, groups: int, blocks: int) -> dict:
             nodes = graph_nodes([out, *storage_of(cache)])
             kernels += sum(1 for x in nodes if x not in VIEWS)
             views += sum(1 for x in nodes if x in VIEWS)
-            mx.eval(out, *storage_of(cache))
+            mx.eval(out, *storage_of(cache), *getattr(cache, "state", []))
     return {"cache": spec, "block": block, "kernels_per_step": kernels / steps,
             "views_per_step": views / steps, "host_syncs_per_step": syncs.count / steps,
-            "steps": steps, "rows": B * H}
+            "steps": steps, "rows": B * H, "batch": rows, "class": type(cache).__name__}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,6 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--blocks", 4, "eviction blocks counted per cache"),
         ("--arms", ["rotating", "recommended", "recommended:block=8",
                     "recommended:block=16", "paper", "paper:block=8"], "cache specs"),
+        ("--rows", 1, "batch rows (> 1: single caches merged as the server batches them)"),
         ("--out", None, "output folder (default results/kernels)"),
         ("--quick", False, "tiny run for tests/CI"),
     ])
@@ -135,8 +157,10 @@ def execute(args: argparse.Namespace) -> dict:
     if args.quick:
         args.budget, args.blocks = 64, 1
     with queries_by_hand():
-        rows = [count(spec, args.budget, args.groups, args.blocks) for spec in args.arms]
-    columns = ["cache", "block", "kernels_per_step", "views_per_step", "host_syncs_per_step"]
+        rows = [count(spec, args.budget, args.groups, args.blocks, args.rows)
+                for spec in args.arms]
+    columns = ["cache", "class", "batch", "block", "kernels_per_step", "views_per_step",
+               "host_syncs_per_step"]
     print(markdown_table(columns, [[r[c] for c in columns] for r in rows]))
     result = {"benchmark": NAME, "args": vars(args), "rows": rows, "environment": environment()}
     write_json(out_dir(args, NAME) / f"{NAME}{'_quick' if args.quick else ''}.json", result)

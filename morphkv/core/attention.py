@@ -26,10 +26,11 @@ def _f32(x):
     return x if x.dtype == mx.float32 else x.astype(mx.float32)
 
 
-def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None):
+def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None, valid=None):
     """(output (B, n_heads, k, Dv), rows (B * H, k, n) float32) of ``queries`` (B, n_heads,
     k, D) over stored ``keys`` / ``values`` rows [0, n) (``quant``: (group_size, bits) of
-    quantized storage). A KV group's G query heads x k queries are one (G * k, D) matrix, so
+    quantized storage; ``valid``: a (B, 1, 1, n) bool mask of the rows each batch row sees, for
+    one query per row). A KV group's G query heads x k queries are one (G * k, D) matrix, so
     the products need no broadcast copy of the keys."""
     B, n_heads, k, D = queries.shape
     H = (keys[0] if isinstance(keys, tuple) else keys).shape[1]
@@ -43,6 +44,8 @@ def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None):
     logits = _f32(logits)
     if k > 1:
         logits = mx.where(mx.tile(_causal(n, k), (G, 1)), logits, -mx.inf)
+    if valid is not None:
+        logits = mx.where(valid, logits, -mx.inf)
     if sinks is not None:
         sink = _f32(sinks).reshape(1, H, G, 1, 1)
         sink = mx.broadcast_to(sink, (B, H, G, k, 1)).reshape(B, H, G * k, 1)

@@ -53,21 +53,7 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
         """One batched cache from single-sequence caches of ``row_class`` (``MorphKVCache``,
         whose own ``merge`` calls this; history allowed). The inputs are copied, never updated
         (``batch_generate``'s contract)."""
-        for i, c in enumerate(caches):
-            if not isinstance(c, row_class):
-                raise TypeError(
-                    f"cache {i} is a {type(c).__name__}; BatchMorphKVCache.merge needs MorphKVCache"
-                )
-            if not c.empty() and quant.dims(c.keys)[0] != 1:
-                raise ValueError(
-                    f"cache {i} holds a batch of {quant.dims(c.keys)[0]}; merge takes "
-                    "single-sequence caches"
-                )
-        configs = {c.config for c in caches}
-        if len(configs) > 1:
-            raise ValueError("merge needs caches of one config; got " + ", ".join(
-                sorted({c.config.describe() if hasattr(c.config, "describe") else repr(c.config)
-                        for c in caches})))
+        cls.check_rows(caches, row_class)
         batch = cls(caches[0].config, len(caches), row_class)
         batch.row_pins = [c.pins.copy() for c in caches]  # pinned ahead too (empty caches)
         batch.pin_next = [c.pin_next[0] for c in caches]
@@ -87,6 +73,25 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
             batch.engines[i] = batch.copy_engine(c.engine, batch.row_pins[i])
             batch.seen[i], batch.stored[i] = c.offset, n
         return batch
+
+    @staticmethod
+    def check_rows(caches, row_class: type) -> None:
+        """Single-sequence caches of ``row_class``, of one config (else the error)."""
+        for i, c in enumerate(caches):
+            if not isinstance(c, row_class):
+                raise TypeError(
+                    f"cache {i} is a {type(c).__name__}; BatchMorphKVCache.merge needs MorphKVCache"
+                )
+            if not c.empty() and quant.dims(c.keys)[0] != 1:
+                raise ValueError(
+                    f"cache {i} holds a batch of {quant.dims(c.keys)[0]}; merge takes "
+                    "single-sequence caches"
+                )
+        configs = {c.config for c in caches}
+        if len(configs) > 1:
+            raise ValueError("merge needs caches of one config; got " + ", ".join(
+                sorted({c.config.describe() if hasattr(c.config, "describe") else repr(c.config)
+                        for c in caches})))
 
     def extract(self, idx: int):
         """A copy of row ``idx`` as a single-sequence cache (the row keeps going)."""

@@ -34,6 +34,7 @@ from mlx_lm.models.base import create_causal_mask
 from . import device_saved, quant, storage
 from .batch import BatchMorphKVCache
 from .config import KVCacheConfig
+from .device_batch import DeviceBatchCache
 from .device_cache import DevicePath
 from .feed import Feed
 from .pins import MAX_NBYTES, keep_bounded
@@ -240,8 +241,11 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
     @classmethod
     def merge(cls, caches: list):
         """mlx_lm's batch protocol (``batch_generate``, ``BatchGenerator``, the server): one
-        batched cache over single-sequence caches; see ``morphkv.core.batch``. The batch runs
-        the host engine: caches on the MLX path are handed over as host copies."""
+        batched cache over single-sequence caches. Rows on the MLX engine with real queries
+        batch there (``morphkv.core.device_batch``); any other batch runs the host engine
+        (``morphkv.core.batch``), caches on the MLX path handed over as host copies."""
+        if DeviceBatchCache.accepts(caches):
+            return DeviceBatchCache.merge(caches, row_class=cls)
         return BatchMorphKVCache.merge(
             [c.on_host() if isinstance(c, cls) else c for c in caches], row_class=cls)
 

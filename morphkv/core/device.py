@@ -82,6 +82,22 @@ def move(x, src, dst, axis: int):
     return mx.put_along_axis(x, dst, mx.take_along_axis(x, src, axis=axis), axis=axis)
 
 
+def running_update(acc, rows, n: int, k: int, kind: str, decay: float) -> None:
+    """``acc[:, :n]`` (running scores) after k tokens' attention rows (R, k, n): h2o sums,
+    peak keeps a running max (``decay``: max(d * peak, row) per token). Columns a row's
+    tokens do not reach must carry zero rows (a batch: ``core.device_batch``)."""
+    old = acc[:, :n]
+    if kind == "sum":
+        new = old + (rows[:, 0] if k == 1 else rows.astype(mx.float32).sum(axis=1))
+    elif decay == 1.0:
+        new = mx.maximum(old, rows[:, 0] if k == 1 else rows.max(axis=1))
+    else:  # max(d^k old, max_i d^(k-1-i) row_i): k steps of max(d * peak, row)
+        powers = mx.array(decay ** np.arange(k - 1, -1, -1), mx.float32)
+        rows = rows.astype(mx.float32) * powers[None, :, None]
+        new = mx.maximum(old * (decay**k), rows.max(axis=1))
+    acc[:, :n] = new.astype(acc.dtype)
+
+
 class DeviceEngine:
     """Per-layer selection state on the device for B * H independent sequences."""
 
@@ -203,17 +219,7 @@ class DeviceEngine:
 
     def _running(self, rows, n0: int, n: int, k: int) -> None:
         """The rows [n0, n) start at 0: never written yet, or cleared by ``evict``."""
-        acc = self.accumulated
-        old = acc[:, :n]
-        if self.running == "sum":
-            new = old + (rows[:, 0] if k == 1 else rows.astype(mx.float32).sum(axis=1))
-        elif self.decay == 1.0:
-            new = mx.maximum(old, rows[:, 0] if k == 1 else rows.max(axis=1))
-        else:  # max(d^k old, max_i d^(k-1-i) row_i): k steps of max(d * peak, row)
-            powers = mx.array(self.decay ** np.arange(k - 1, -1, -1), mx.float32)
-            rows = rows.astype(mx.float32) * powers[None, :, None]
-            new = mx.maximum(old * (self.decay**k), rows.max(axis=1))
-        acc[:, :n] = new.astype(acc.dtype)
+        running_update(self.accumulated, rows, n, k, self.running, self.decay)
 
     # ---- selection -----------------------------------------------------------------------
     def select(self, keys=None):

@@ -190,6 +190,21 @@ def concat_rows(a: quant.Storage, b: quant.Storage) -> quant.Storage:
     return quant.apply(lambda p, q: mx.concatenate([p, q], axis=0), a, b)
 
 
+def concat_batches(a, b, rows_a: int, rows_b: int, slots: int):
+    """Rows of ``a`` then ``b``, a side without storage (None) as zero rows; None if neither
+    has any."""
+    if a is None and b is None:
+        return None
+    a = zeros(b, rows_a, slots) if a is None else a
+    b = zeros(a, rows_b, slots) if b is None else b
+    return concat_rows(a, b) if rows_a else b
+
+
+def concat_rows_all(rows: list) -> quant.Storage:
+    """One storage of the given row storages, in order (equal capacities)."""
+    return quant.apply(lambda *ps: mx.concatenate(ps, axis=0), *rows)
+
+
 def row_copy(x: quant.Storage, i: int, n: int) -> quant.Storage:
     """Row i's first ``n`` slots as its own (1, H, n, .) storage (a copy)."""
     return quant.apply(lambda p: mx.contiguous(p[i : i + 1, :, :n]), x)

@@ -47,7 +47,8 @@ class Random(Rule):
         def const(value: int) -> Array:
             return xp.array(value % 2**32, dtype=u32)
 
-        rows = xp.arange(engine.rows).astype(u32)[:, None]
+        rows = getattr(engine, "row_ids", None)  # a batch's rows: each its own KV heads
+        rows = xp.arange(engine.rows).astype(u32)[:, None] if rows is None else rows
         x = engine.stored_positions.astype(u32) * const(0x9E3779B1)
         x = x ^ (rows * const(0x85EBCA77)) ^ const(engine.seen * 0xC2B2AE3D + self.seed)
         x = (x ^ (x >> const(16))) * const(0x85EBCA6B)

@@ -1,0 +1,307 @@
+"""DeviceBatchCache: mlx_lm's batch-cache protocol on the MLX engine (``engine="mlx"``).
+
+``MorphKVCache.merge`` builds one when every row runs the MLX engine with the model's real
+queries (the attention hook is attached: every ``morphkv serve`` request). Each batch row keeps
+its own ``DeviceEngine`` (B = 1) for its counters (``seen`` / ``slots`` / ``due``), rule and
+pins; the engines' arrays are stacked for all rows (``core.device_rows``) over ONE shared
+storage (B, H, budget + 1, D), rows left-aligned.
+
+* A decode step (every row takes one token): the rows due an eviction evict in one set of ops
+  for all rows (``device_rows.evict``; rows not due carry identity moves), the storage moves
+  once; one scatter writes every row's token at its row's next slot; the hook's ``attend``
+  computes one attention over every row (a (B, 1, 1, L) mask hides each row's free tail) whose
+  softmax also gives the rows every engine observes (``device_rows.observe``). The same graph
+  at any B, and no host read: the counters are Python ints that follow from the token stream.
+* A multi-token chunk (a right-padded prompt, left padding, rows joining with history) is fed
+  row by row in pieces that end at that row's eviction grid (``DeviceEngine.piece``), exactly as
+  ``MorphKVCache`` feeds one sequence (``core.device_chunk``); padding gets a zero output.
+
+So a row keeps what the same sequence run alone keeps (``tests/test_batch_device.py``);
+``filter`` / ``extend`` / ``extract`` move whole rows (storage, engine, pins).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+
+from . import device_chunk, device_rows, quant, storage
+from .attention import attend
+from .batch import BatchMorphKVCache
+from .device import DeviceEngine, move
+from .masks import decode_mask
+from .pins import Pins
+
+ROW_LISTS = ("engines", "seen", "stored", "waiting", "lead", "pin_next", "row_pins")
+
+
+class DeviceBatchCache(BatchMorphKVCache):
+    """A batch of MorphKV rows on the MLX engine (see the module docstring)."""
+
+    def __init__(self, config, rows: int, row_class: type):
+        self.init_feed(config, rows, 1)
+        self.row_class = row_class
+        self.row_pins = [Pins() for _ in range(rows)]
+        self._held = None  # the update waiting for its queries
+        self._arrays = None  # every row's engine arrays, stacked (``core.device_rows``)
+        self._H = None  # KV heads
+
+    @classmethod
+    def accepts(cls, caches) -> bool:
+        """Can these single-sequence caches batch on the MLX engine?"""
+        return bool(caches) and all(
+            getattr(c, "_device", False) and c.config.scoring == "attention" and c.evicts
+            for c in caches)
+
+    # ---- building -------------------------------------------------------------------------
+    @classmethod
+    def merge(cls, caches, row_class: type) -> DeviceBatchCache:
+        """One batch from single-sequence MLX-engine caches (history allowed; copied)."""
+        cls.check_rows(caches, row_class)
+        config = caches[0].config
+        batch = cls(config, len(caches), row_class)
+        batch.row_pins = [c.pins.copy() for c in caches]
+        batch.pin_next = [c.pin_next[0] for c in caches]
+        full = [c for c in caches if not c.empty()]
+        for c in full:
+            if c._held is not None:
+                raise RuntimeError("merge: a cache's update is still waiting for its queries")
+        if full:
+            like = full[0]
+            batch.keys = storage.concat_rows_all(
+                [c.keys if not c.empty() else storage.zeros(like.keys, 1, batch.capacity)
+                 for c in caches])
+            batch.values = storage.concat_rows_all(
+                [c.values if not c.empty() else storage.zeros(like.values, 1, batch.capacity)
+                 for c in caches])
+        for i, c in enumerate(caches):
+            if not c.empty():
+                batch.engines[i] = cls.copy_engine(c.engine, batch.row_pins[i])
+                batch.seen[i], batch.stored[i] = c.offset, c.engine.slots
+        if full:
+            batch._H = quant.dims(full[0].keys)[1]
+            batch._arrays = device_rows.stack(batch.engines, full[0].engine)
+            for e in batch.engines:
+                if e is not None:
+                    device_rows.detach(e)
+        return batch
+
+    @property
+    def capacity(self) -> int:
+        return self.config.budget + 1
+
+    @staticmethod
+    def copy_engine(engine: DeviceEngine, pins: Pins) -> DeviceEngine:
+        """A copy sharing no array object with ``engine`` (slice writes replace an array
+        object's contents), ranking with ``pins``; it reads keys only through the batch."""
+        new = copy.copy(engine)
+        for name in DeviceEngine.ARRAYS:
+            value = getattr(engine, name)
+            if value is not None:
+                setattr(new, name, mx.array(value))
+        new.pins, new.stored_keys, new._keys = pins, None, None
+        return new
+
+    def extract(self, idx: int):
+        """A copy of row ``idx`` as a single-sequence ``MorphKVCache`` on the MLX engine."""
+        self._no_held("extract")
+        cache = self.row_class(self.config)
+        cache.pins, cache.pin_next = self.row_pins[idx].copy(), [self.pin_next[idx]]
+        engine = self.engines[idx]
+        if engine is None:
+            return cache
+        n = self.capacity
+        engine = device_rows.load(self._arrays, engine, idx, self._H)
+        try:
+            engine = self.copy_engine(engine, cache.pins)
+        finally:
+            device_rows.detach(self.engines[idx])
+        cache.adopt(engine, storage.row_copy(self.keys, idx, n),
+                    storage.row_copy(self.values, idx, n))
+        return cache
+
+    def filter(self, batch_indices) -> None:
+        """Keep only the given rows, in that order."""
+        self._no_held("filter")
+        keep = [int(i) for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist")
+                                 else batch_indices)]
+        for name in ROW_LISTS:
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
+        if self._remaining is not None:
+            self._remaining = [self._remaining[i] for i in keep]
+        self._seal = None
+        if self._arrays is not None:
+            self._arrays = device_rows.take(self._arrays, keep, self._H)
+        if self.keys is not None:
+            self.keys = storage.take_rows(self.keys, keep)
+            self.values = storage.take_rows(self.values, keep)
+
+    def extend(self, other: DeviceBatchCache) -> None:
+        """Append the rows of ``other``."""
+        if not isinstance(other, DeviceBatchCache):
+            raise TypeError(f"cannot extend a DeviceBatchCache with {type(other).__name__}")
+        if other.config != self.config:
+            raise ValueError("cannot extend a DeviceBatchCache with rows of another config")
+        if (self._remaining is None) != (other._remaining is None) and self.B and other.B:
+            raise ValueError("cannot extend while only one of the batches is mid-prompt")
+        self._no_held("extend")
+        other._no_held("extend")
+        B0 = self.B
+        if other._remaining is not None or self._remaining is not None:
+            mine = self._remaining if self._remaining is not None else [0] * B0
+            theirs = other._remaining if other._remaining is not None else [0] * other.B
+            self._remaining = mine + theirs
+        H = self._H or other._H
+        arrays = device_rows.concat(self._arrays, other._arrays, B0 * (H or 0),
+                                    other.B * (H or 0))
+        self._arrays, self._H = arrays, H
+        for name in ROW_LISTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self._seal = None
+        self.keys, self.values = (storage.concat_batches(a, b, B0, other.B, self.capacity)
+                                  for a, b in ((self.keys, other.keys),
+                                               (self.values, other.values)))
+
+    def _no_held(self, what: str) -> None:
+        if self._held is not None:
+            raise RuntimeError(f"{what}: an update is still waiting for its queries")
+
+    # ---- mlx_lm hot path ------------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Store each row's real tokens (a decode step now; a chunk row by row once its
+        queries come, in ``attend``); returns what the hook's attention replaces."""
+        C = keys.shape[2]
+        self.check(keys, values)  # first: a refused update changes nothing
+        self.need_hooks(C)
+        self._no_held("update_and_fetch")
+        if self.pin_prompts and C and (C > 1 or any(self.pin_next)):  # pin="prompt", per row
+            self.pin_arrived(list(self.seen), self.spans(C)[1], C)
+        sk, sv = storage.store_form(keys, self.config), storage.store_form(values, self.config)
+        if C == 0:
+            if self.keys is None:
+                return sk, sv
+            n = max(self.stored)
+            return storage.fetch(self.keys, n), storage.fetch(self.values, n)
+        starts, counts = self.spans(C)
+        if self.keys is None:
+            self.keys = storage.zeros(sk, self.B, self.capacity)
+            self.values = storage.zeros(sv, self.B, self.capacity)
+        for i in np.nonzero(counts)[0]:
+            if self.engines[i] is None:
+                self.engines[i] = self._new_engine(int(i), keys.shape[1], keys.shape[3])
+        self.lead = np.subtract(self.lead, starts).tolist()
+        if self._remaining is not None:
+            self._remaining = np.subtract(self._remaining, counts).tolist()
+        self.seen = np.add(self.seen, counts).tolist()
+        if C == 1 and (counts == 1).all():  # a plain decode step
+            self.evict_rows([i for i, e in enumerate(self.engines) if e.due])
+            slots = [e.slots for e in self.engines]
+            self.keys = storage.write(self.keys, slots, sk)
+            self.values = storage.write(self.values, slots, sv)
+            self.stored = [s + 1 for s in slots]
+            self._held = ("decode", slots, values.shape[-1])
+            n = max(self.stored)
+            return storage.fetch(self.keys, n), storage.fetch(self.values, n)
+        self._held = ("chunk", (sk, sv), starts, counts, values.shape[-1])
+        return keys, values
+
+    def _new_engine(self, i: int, H: int, head_dim: int) -> DeviceEngine:
+        e = DeviceEngine(self.config, 1, H, head_dim, True)
+        e.pins = self.row_pins[i]
+        if self._scale is not None:
+            e.scale = self._scale
+        if self._arrays is None:
+            self._H = H
+            self._arrays = device_rows.stack([None] * self.B, e)
+        device_rows.store(self._arrays, e, i, H)
+        return e
+
+    def evict_rows(self, rows) -> None:
+        """The due evictions of ``rows``, in one set of ops for all rows
+        (``device_rows.evict``); the storage moves once."""
+        if not rows:
+            return
+        B, H, block = self.B, self._H, self.config.block
+        n = self.capacity
+        src, dst = device_rows.evict(
+            self._arrays, self.engines, rows, self.row_pins, H,
+            lambda: self._floats(self.keys, 0, n), lambda a, b: self._floats(self.values, a, b))
+        for i in rows:
+            self.stored[i] = self.engines[i].slots
+        src, dst = (x.reshape(B, H, block, 1) for x in (src, dst))
+        self.keys = quant.apply(lambda x: move(x, src, dst, 2), self.keys)
+        self.values = quant.apply(lambda x: move(x, src, dst, 2), self.values)
+
+    def _floats(self, x, start: int, end: int) -> mx.array:
+        """Every row's stored slots [start, end) as floats (B * H, end - start, D)."""
+        part = storage.floats(storage.fetch(x, end, start), self.config)
+        return part.reshape(-1, end - start, part.shape[-1])
+
+    def _quant(self):
+        c = self.config
+        return None if c.kv_bits is None else (c.kv_group_size, c.kv_bits)
+
+    def attend(self, queries, scale: float, mask=None, sinks=None):
+        """The attention output of the held update for ``queries`` (B, n_heads, C, D); every
+        row's engine observes its tokens on the way."""
+        held, self._held = self._held, None
+        if held is None:
+            raise RuntimeError("DeviceBatchCache.attend: no update is waiting for its queries")
+        self.set_scale(float(scale))
+        if held[0] == "decode":
+            return self._attend_decode(queries, sinks, held[1])
+        return device_chunk.attend_chunk(self, queries, sinks, *held[1:])
+
+    def _attend_decode(self, queries, sinks, slots):
+        counts = [s + 1 for s in slots]
+        L = max(counts)
+        out, rows = attend(queries, self.keys, self.values, L, self._scale, sinks, self._quant(),
+                           valid=decode_mask(counts))
+        device_rows.observe(self._arrays, self.engines, rows, self._H)
+        return out
+
+    def prepare_attention(self, queries: mx.array, scale: float, mask):
+        """Queries handed in without the hook's ``attend`` (benchmarks): attends now."""
+        if self._held is not None:
+            self.attend(queries, scale, mask)
+        return mask
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
+                  **kwargs):
+        """The mask mlx_lm builds before the layers run; unused: ``attend`` masks each row."""
+        if window_size is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not support sliding-window attention layers; "
+                "keep mlx_lm's RotatingKVCache for those layers")
+        return None if N == 1 else "causal"
+
+    def _held_positions(self, i: int) -> np.ndarray:
+        H, slots = self._H, self.engines[i].slots
+        return np.asarray(self._arrays["positions"][i * H : (i + 1) * H, :slots]).reshape(-1)
+
+    # ---- accounting -------------------------------------------------------------------------
+    @property
+    def state(self) -> list:
+        """The storage and every row's engine arrays (what ``mx.eval`` must compute); a batch
+        is not saved as such: ``extract`` rows and save those."""
+        if self.keys is None:
+            return []
+        arrays = [] if self._arrays is None else list(self._arrays.values())
+        return [*quant.parts(self.keys), *quant.parts(self.values), *arrays]
+
+    @property
+    def nbytes(self) -> int:
+        held = 0 if self.keys is None else quant.nbytes(self.keys) + quant.nbytes(self.values)
+        engines = device_rows.nbytes(self._arrays)
+        return held + engines + sum(p.nbytes for p in self.row_pins)
+
+    @property
+    def tokens_kept(self) -> list[int]:
+        return [0 if e is None else e.kept for e in self.engines]
+
+    def __deepcopy__(self, memo):
+        if self._held is not None:
+            raise RuntimeError("deepcopy: an update is still waiting for its queries")
+        return BatchMorphKVCache.__deepcopy__(self, memo)

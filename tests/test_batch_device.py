@@ -1,0 +1,179 @@
+"""The batch cache on the MLX engine (``DeviceBatchCache``): every row keeps what the same
+sequence run alone keeps, for every rule and blocks 1 and 16, through mlx_lm's real
+``batch_generate`` and ``BatchGenerator`` (rows of different lengths, joining, leaving,
+continuing from history, pinned), with no host read in a decode step of 4 rows."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import BatchGenerator, batch_generate
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from morphkv import KVCacheConfig, MorphKVCache, patch_model
+from morphkv.core.device_batch import DeviceBatchCache
+from morphkv.core.rules import METHODS
+from morphkv.eval.models import tiny_llama
+from tests.test_batch import STEP, _Tok, assert_same_cache, prompts_of, single
+
+RULES = sorted(set(METHODS) - {"full", "sliding_window"})
+
+
+def device_config(method: str, block: int, **extra) -> KVCacheConfig:
+    return KVCacheConfig(method=method, morphkv_budget=16 if block == 1 else 40,
+                         morphkv_n_sink=2, morphkv_window=4, morphkv_recent=4,
+                         morphkv_block=block, morphkv_value=METHODS[method].attention,
+                         scoring="attention", engine="mlx", **extra)
+
+
+def device_model(config, seed=0):
+    return patch_model(tiny_llama(seed, head_dim=64 if config.kv_bits else None), config)
+
+
+@pytest.mark.parametrize("block", [1, 16])
+@pytest.mark.parametrize("method", RULES)
+def test_batch_generate_rows_equal_single_runs_on_the_mlx_engine(method, block):
+    config = device_config(method, block)
+    model = device_model(config)
+    long = 3 * config.budget
+    prompts, max_tokens = prompts_of([5, long, 12]), [long, 9, config.budget + 7]
+    res = batch_generate(model, _Tok(), prompts, max_tokens=max_tokens,
+                         prefill_step_size=STEP, return_prompt_caches=True,
+                         return_token_ids=True)
+    for prompt, n, ids, caches in zip(prompts, max_tokens, res.token_ids, res.caches,
+                                      strict=True):
+        tokens, _, reference = single(model, prompt, n)
+        assert ids == tokens, (method, block)
+        assert all(isinstance(c, MorphKVCache) and c.config.engine == "mlx" for c in caches)
+        assert caches[0].offset > config.budget  # eviction happened in every row
+        assert_same_cache(caches, reference)
+
+
+def test_the_merged_batch_is_on_the_mlx_engine():
+    config = device_config("morphkv", 16)
+    rows = [MorphKVCache(config) for _ in range(3)]
+    assert isinstance(MorphKVCache.merge(rows), DeviceBatchCache)
+    host = KVCacheConfig(method="morphkv", morphkv_budget=16, scoring="attention",
+                         engine="host")
+    assert not isinstance(MorphKVCache.merge([MorphKVCache(host)]), DeviceBatchCache)
+
+
+@pytest.mark.parametrize("block", [1, 16])
+def test_rows_join_leave_and_keep_their_pins(block, tmp_path):
+    """BatchGenerator: rows join mid-stream (extend), leave (filter), are handed back
+    (extract) and saved; each row started from a pinned history, its pins kept throughout."""
+    config = device_config("morphkv", block, morphkv_peak=0.02)
+    model = device_model(config, seed=3)
+    prompts = prompts_of([7, 45, 3, 60], seed=1)
+    histories = prompts_of([20, 30, 9, 25], seed=4)
+    max_tokens = [50, 12, 44, 30]
+    pins = [range(3, 12), range(5, 25), range(0, 4), range(10, 20)]
+
+    def history(i):
+        _, _, cache = single(model, histories[i], 1)
+        for c in cache:
+            c.pin(np.array(pins[i]))
+        return cache
+
+    gen = BatchGenerator(model, max_tokens=60, prefill_step_size=STEP,
+                         completion_batch_size=3, prefill_batch_size=2)
+    out, caches, steps, removed = {}, {}, 0, None
+    uids = gen.insert(prompts[:1], max_tokens=max_tokens[:1], caches=[history(0)])
+    while True:
+        if steps == 4:
+            uids += gen.insert(prompts[1:3], max_tokens=max_tokens[1:3],
+                               caches=[history(1), history(2)])
+        if steps == 9:
+            uids += gen.insert(prompts[3:], max_tokens=max_tokens[3:], caches=[history(3)])
+        if steps == 12:
+            removed = uids[2]
+            gen.remove([removed])
+        responses = gen.next_generated()
+        if not responses and steps > 12:
+            break
+        for r in responses:
+            out.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None:
+                caches[r.uid] = r.prompt_cache
+        steps += 1
+    gen.close()
+    assert set(caches) == set(uids) - {removed}
+    for i, (uid, prompt, n) in enumerate(zip(uids, prompts, max_tokens, strict=True)):
+        tokens, _, reference = single(model, prompt, n, cache=history(i))
+        if uid == removed:
+            assert out[uid] == tokens[: len(out[uid])]
+            continue
+        assert out[uid] == tokens
+        assert_same_cache(caches[uid], reference)
+        assert all(c.pins.ranges() == reference[0].pins.ranges() for c in caches[uid])
+        path = str(tmp_path / f"row{i}.safetensors")
+        save_prompt_cache(path, caches[uid])
+        loaded = load_prompt_cache(path)
+        assert_same_cache(loaded, reference)
+        assert all(c.pins.ranges() == reference[0].pins.ranges() for c in loaded)
+
+
+def test_a_decode_step_of_four_rows_reads_nothing_on_the_host():
+    """Four rows at different eviction phases (merged from histories of different lengths,
+    as the server builds a batch): every decode step, evictions included, is lazy MLX."""
+    from morphkv.bench.kernels import SyncCounter
+    from morphkv.mlxlm.hooks import attention_step, queries_by_hand
+
+    config = device_config("morphkv", 16, morphkv_peak=0.02)
+    rng = np.random.default_rng(0)
+
+    def arrays(B, n, heads):
+        return mx.array(rng.standard_normal((B, heads, n, 16)).astype(np.float16))
+
+    with queries_by_hand():
+        rows = []
+        for n in (45, 52, 60, 41):
+            c = MorphKVCache(config)
+            mx.eval(attention_step(c, arrays(1, n, 6), arrays(1, n, 2), arrays(1, n, 2), 0.25))
+            rows.append(c)
+        batch = MorphKVCache.merge(rows)
+        assert isinstance(batch, DeviceBatchCache)
+        evictions = 0
+        with SyncCounter() as syncs:
+            for _ in range(2 * config.block):
+                q, k, v = arrays(4, 1, 6), arrays(4, 1, 2), arrays(4, 1, 2)
+                evictions += sum(e.due for e in batch.engines)
+                syncs.active = True
+                out = attention_step(batch, q, k, v, 0.25)
+                syncs.active = False
+                mx.eval(out, batch.state)
+        assert syncs.count == 0 and evictions >= 4
+
+
+def test_bench_kernels_counts_a_batch_of_four_rows():
+    """``morphkv bench speed --mode kernels --rows 4``: the server's kind of batch, merged from
+    rows at different eviction phases; the MLX engine reads nothing on the host."""
+    from morphkv.bench.kernels import count
+    from morphkv.mlxlm.hooks import queries_by_hand
+
+    with queries_by_hand():
+        mlx = count("recommended", 64, 3, 1, rows=4)
+        host = count("recommended:engine=host", 64, 3, 1, rows=4)
+    assert (mlx["class"], mlx["batch"], mlx["host_syncs_per_step"]) == ("DeviceBatchCache", 4, 0)
+    assert host["class"] == "BatchMorphKVCache" and host["host_syncs_per_step"] > 0
+
+
+@pytest.mark.parametrize("extra", [
+    dict(pin="prompt", pin_rank="keydiff", kv_bits=8, kv_group_size=32),  # the memory preset
+    dict(morphkv_pool=5, morphkv_peak=0.5, morphkv_decay=0.9),
+])
+def test_pinned_quantized_and_pooled_rows_equal_single_runs(extra):
+    config = device_config("morphkv", 16, **extra)
+    model = device_model(config, seed=2)
+    prompts, max_tokens = prompts_of([70, 9, 33], seed=5), [30, 75, 50]
+    res = batch_generate(model, _Tok(), prompts, max_tokens=max_tokens,
+                         prefill_step_size=STEP, return_prompt_caches=True,
+                         return_token_ids=True)
+    for prompt, n, ids, caches in zip(prompts, max_tokens, res.token_ids, res.caches,
+                                      strict=True):
+        tokens, _, reference = single(model, prompt, n)
+        assert ids == tokens
+        assert_same_cache(caches, reference)
+        assert [c.pins.ranges() for c in caches] == [c.pins.ranges() for c in reference]
+        assert bool(caches[0].pins.ranges()) == (config.pin == "prompt")

@@ -1,0 +1,44 @@
+"""``morphkv serve --engine mlx|host`` is honoured: the caches the server installs batch on the
+engine asked for (every request runs in a batch), and the start-up line names it."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from mlx_lm.generate import batch_generate
+
+from morphkv import MorphKVCache
+from morphkv.core.batch import BatchMorphKVCache
+from morphkv.core.device_batch import DeviceBatchCache
+from morphkv.eval.models import tiny_llama
+from morphkv.server import app
+from morphkv.server.memory import engine_and_pins
+from tests.test_batch import _Tok, prompts_of
+
+
+def served_config(*flags):
+    parser = argparse.ArgumentParser()
+    app.add_arguments(parser)
+    model = tiny_llama(0)
+    config = app.install_caches(model, app.cache_config(parser.parse_args(
+        ["--budget", "24", "--window", "4", "--sinks", "2", *flags])))
+    return model, config
+
+
+@pytest.mark.parametrize("flags, engine, batch_class", [
+    ([], "mlx", DeviceBatchCache),  # auto: the MLX engine for the recommended preset
+    (["--engine", "mlx"], "mlx", DeviceBatchCache),
+    (["--engine", "host"], "host", BatchMorphKVCache),
+    (["--block", "1"], "host", BatchMorphKVCache),  # auto: the per-token rule runs on the host
+])
+def test_the_engine_flag_reaches_the_batches(flags, engine, batch_class):
+    model, config = served_config(*flags)
+    rows = [model.make_cache() for _ in range(2)]
+    batch = MorphKVCache.merge([r[0] for r in rows])
+    assert type(batch) is batch_class
+    assert engine_and_pins(rows[0][0].config).startswith(f"engine {engine} (batches too)")
+    res = batch_generate(model, _Tok(), prompts_of([30, 9]), max_tokens=[20, 30],
+                         prefill_step_size=8, return_prompt_caches=True)
+    assert all(c.config.engine == engine for caches in res.caches for c in caches)
+    assert config.engine in ("auto", engine)
