@@ -53,8 +53,9 @@ def prompts(split: str) -> list[str]:
     return data[split]
 
 
-def write_texts(model, tok, split: str, length: int, path) -> list[dict]:
-    """Each prompt's answer by the full cache (kept in ``path``; missing ones are written)."""
+def write_texts(model, tok, split: str, length: int, path, count: int) -> list[dict]:
+    """The first ``count`` prompts' answers by the full cache (kept in ``path``; missing ones
+    are written)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
@@ -62,7 +63,7 @@ def write_texts(model, tok, split: str, length: int, path) -> list[dict]:
 
     done = json.loads(path.read_text())["texts"] if path.exists() else []
     done = [t for t in done if t["length"] == length]
-    for i, text in enumerate(prompts(split)):
+    for i, text in enumerate(prompts(split)[:count]):
         if any(t["index"] == i for t in done):
             continue
         ids = list(tok.apply_chat_template([{"role": "user", "content": text}],
@@ -80,7 +81,7 @@ def write_texts(model, tok, split: str, length: int, path) -> list[dict]:
         write_json(path, {"split": split, "penalty": PENALTY, "texts": done})
         print(f"text {i}: {len(out)} tokens written in {time.perf_counter() - start:.0f} s",
               flush=True)
-    return sorted(done, key=lambda t: t["index"])
+    return sorted((t for t in done if t["index"] < count), key=lambda t: t["index"])
 
 
 def rementions(tok, ids: list[int], start: int, size: int) -> list[int]:
@@ -194,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     folder = out_dir(args, "answers")
     name = re.sub(r"[^A-Za-z0-9.]+", "-", args.model or "smollm2")
     texts = write_texts(model, tok, args.split, args.length,
-                        folder / f"answers_texts_{args.split}_{name}.json")[: args.texts]
+                        folder / f"answers_texts_{args.split}_{name}.json", args.texts)
     stem, start = args.stem or f"answers_{args.split}", time.perf_counter()
     result = {"benchmark": "answers", "args": vars(args), "environment": environment(),
               "load_average": {"start": os.getloadavg()}, "texts": []}
