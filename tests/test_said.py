@@ -94,12 +94,13 @@ def test_answers_smoke_on_the_embedded_model(tmp_path, monkeypatch):
     monkeypatch.setattr(A, "load_model", lambda name: pair)
     rc = main(["eval", "recall", "--data", "answers", "--texts", "1", "--length", "80",
                "--chunk", "16", "--arms", "kvcache@16,recommended:memory=f16+pin@16,h2o@16",
-               "--out", str(tmp_path)])
+               "--free", "24", "--out", str(tmp_path)])
     assert rc == 0
     s = json.loads((tmp_path / "answers_tune.json").read_text())["summary"]
     assert s["kvcache@16"]["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference reads itself
     assert s["kvcache@16"]["rementions"] == s["h2o@16"]["rementions"]
     assert s["h2o@16"]["kl"] > 0
+    assert all(0 <= arm["repetition"] <= 1 for arm in s.values())  # --free: each arm wrote
     assert s["recommended:memory=f16+pin@16"]["mib"] < s["kvcache@16"]["mib"]
     texts = json.loads((tmp_path / "answers_texts_tune_smollm2.json").read_text())["texts"]
     assert len(texts[0]["answer_ids"]) <= 80

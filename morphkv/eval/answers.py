@@ -53,13 +53,42 @@ def prompts(split: str) -> list[str]:
     return data[split]
 
 
+def write(model, tok, ids: list[int], caches, length: int) -> list[int]:
+    """Greedy tokens after ``ids`` (repetition penalty ``PENALTY``), up to an end token."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    ends, out = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id]), []
+    for token, _ in generate_step(mx.array(ids), model, prompt_cache=caches,
+                                  sampler=make_sampler(0.0), max_tokens=length,
+                                  logits_processors=make_logits_processors(
+                                      repetition_penalty=PENALTY)):
+        out.append(int(token))
+        if out[-1] in ends:
+            break
+    return out
+
+
+def free_repetition(model, tok, text: dict, arms, tokens: int) -> dict:
+    """Per arm: the 10-gram repetition rate of ``tokens`` it writes itself after the prompt
+    (the paper's degeneration measure; prompt pinned for ``+pin`` arms)."""
+    from .metrics import repetition_rate
+
+    out = {}
+    for label, arm, size in arms:
+        caches = arm.caches(model, size)
+        if unpinned(label.rsplit("@", 1)[0])[1]:
+            pin(caches, range(len(text["prompt_ids"])))
+        ids = write(model, tok, text["prompt_ids"], caches, tokens)
+        out[label] = {"repetition": repetition_rate(ids), "tokens": len(ids)}
+    return out
+
+
 def write_texts(model, tok, split: str, length: int, path, count: int) -> list[dict]:
     """The first ``count`` prompts' answers by the full cache (kept in ``path``; missing ones
     are written)."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
     done = json.loads(path.read_text())["texts"] if path.exists() else []
     done = [t for t in done if t["length"] == length]
@@ -68,14 +97,8 @@ def write_texts(model, tok, split: str, length: int, path, count: int) -> list[d
             continue
         ids = list(tok.apply_chat_template([{"role": "user", "content": text}],
                                            add_generation_prompt=True))
-        out, start = [], time.perf_counter()
-        for token, _ in generate_step(mx.array(ids), model, prompt_cache=make_prompt_cache(model),
-                                      sampler=make_sampler(0.0), max_tokens=length,
-                                      logits_processors=make_logits_processors(
-                                          repetition_penalty=PENALTY)):
-            out.append(int(token))
-            if int(token) in set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id]):
-                break
+        start = time.perf_counter()
+        out = write(model, tok, ids, make_prompt_cache(model), length)
         done.append({"index": i, "length": length, "prompt_ids": ids, "answer_ids": out,
                      "seconds": time.perf_counter() - start})
         write_json(path, {"split": split, "penalty": PENALTY, "texts": done})
@@ -156,8 +179,13 @@ def summarize(texts: list[dict], labels: list[str]) -> dict:
                       cluster_interval(wr), "remention_nll": sum(nll) / len(nll) if nll else None,
                       "rementions": len(nll), "texts": len(rows),
                       "kl": sum(kl) / len(kl) if kl else None,
+                      "repetition": _mean([r["free"]["repetition"] for r in rows if "free" in r]),
                       "mib": max(r["nbytes"] for r in rows) / 2**20}
     return out
+
+
+def _mean(xs: list) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 def table(summary: dict) -> str:
@@ -166,10 +194,12 @@ def table(summary: dict) -> str:
 
     return markdown_table(
         ["arm", "MiB held", "re-mentions", "agree with full (top-1)", "written token top-1",
-         "NLL", "KL, every token"],
+         "NLL", "KL, every token", "10-gram repetition, own writing"],
         [[lbl, f"{s['mib']:.2f}", s["rementions"], cell(s["remention_agree"]),
           cell(s["remention_written"]), f"{s['remention_nll']:.3f}" if s["remention_nll"]
-          is not None else "-", f"{s['kl']:.4f}"] for lbl, s in summary.items()])
+          is not None else "-", f"{s['kl']:.4f}",
+          "-" if s.get("repetition") is None else f"{s['repetition']:.3f}"]
+         for lbl, s in summary.items()])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -183,6 +213,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--chunk", type=int, default=256, help="read-back chunk (exact either way)")
     add("--out", default=None, help="output folder (default results/answers)")
     add("--stem", default=None, help="output file stem (default answers_<split>)")
+    add("--free", type=int, default=0, help="also let every arm write this many tokens itself "
+        "and measure their 10-gram repetition (default 0: not run)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -206,6 +238,9 @@ def run(args: argparse.Namespace) -> int:
             stats["remention"] = [p - len(t["prompt_ids"]) for p in rementions(
                 tok, t["prompt_ids"] + t["answer_ids"], len(t["prompt_ids"]), size)]
             rec["arms"][label] = stats
+        if args.free:
+            for label, r in free_repetition(model, tok, t, arms, args.free).items():
+                rec["arms"][label].update(free=r)
         result["texts"].append(rec)
         result["summary"] = summarize(result["texts"], [a[0] for a in arms])
         result["seconds"] = time.perf_counter() - start
