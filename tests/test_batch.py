@@ -100,24 +100,21 @@ JOIN_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(JOIN_CONFIGS))
-def test_rows_join_and_leave_mid_stream(name):
-    config = KVCacheConfig(method="morphkv", scoring="attention", **JOIN_CONFIGS[name])
-    model = patch_model(tiny_llama(3, head_dim=64 if config.kv_bits else None), config)
-    prompts = prompts_of([7, 19, 3, 26], seed=1)
-    max_tokens = [30, 12, 20, 15]
-    gen = BatchGenerator(
-        model, max_tokens=30, prefill_step_size=STEP, completion_batch_size=3, prefill_batch_size=2
-    )
-    out, caches, steps = {}, {}, 0
-    uids = gen.insert(prompts[:1], max_tokens=max_tokens[:1])
-    removed = None
+def drive(gen, prompts, max_tokens, history=None):
+    """Four rows through ``gen`` (a ``BatchGenerator``): one at first, two join at step 4, one
+    at step 9, the third leaves at step 12 (a client goes away); row i starts from
+    ``history(i)`` when given. (uids, tokens per uid, final caches per uid, the removed uid)."""
+    def cache(rows):
+        return None if history is None else {"caches": [history(i) for i in rows]}
+
+    out, caches, steps, removed = {}, {}, 0, None
+    uids = gen.insert(prompts[:1], max_tokens=max_tokens[:1], **(cache([0]) or {}))
     while True:
         if steps == 4:
-            uids += gen.insert(prompts[1:3], max_tokens=max_tokens[1:3])
+            uids += gen.insert(prompts[1:3], max_tokens=max_tokens[1:3], **(cache([1, 2]) or {}))
         if steps == 9:
-            uids += gen.insert(prompts[3:], max_tokens=max_tokens[3:])
-        if steps == 12:  # a client goes away: its row leaves the batch
+            uids += gen.insert(prompts[3:], max_tokens=max_tokens[3:], **(cache([3]) or {}))
+        if steps == 12:
             removed = uids[2]
             gen.remove([removed])
         responses = gen.next_generated()
@@ -130,6 +127,19 @@ def test_rows_join_and_leave_mid_stream(name):
         steps += 1
     gen.close()
     assert set(caches) == set(uids) - {removed}
+    return uids, out, caches, removed
+
+
+@pytest.mark.parametrize("name", list(JOIN_CONFIGS))
+def test_rows_join_and_leave_mid_stream(name):
+    config = KVCacheConfig(method="morphkv", scoring="attention", **JOIN_CONFIGS[name])
+    model = patch_model(tiny_llama(3, head_dim=64 if config.kv_bits else None), config)
+    prompts = prompts_of([7, 19, 3, 26], seed=1)
+    max_tokens = [30, 12, 20, 15]
+    gen = BatchGenerator(
+        model, max_tokens=30, prefill_step_size=STEP, completion_batch_size=3, prefill_batch_size=2
+    )
+    uids, out, caches, removed = drive(gen, prompts, max_tokens)
     for uid, prompt, n in zip(uids, prompts, max_tokens, strict=True):
         tokens, _, reference = single(model, prompt, n)
         if uid == removed:

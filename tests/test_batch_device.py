@@ -15,7 +15,7 @@ from morphkv import KVCacheConfig, MorphKVCache, patch_model
 from morphkv.core.device_batch import DeviceBatchCache
 from morphkv.core.rules import METHODS
 from morphkv.eval.models import tiny_llama
-from tests.test_batch import STEP, _Tok, assert_same_cache, prompts_of, single
+from tests.test_batch import STEP, _Tok, assert_same_cache, drive, prompts_of, single
 
 RULES = sorted(set(METHODS) - {"full", "sliding_window"})
 
@@ -31,6 +31,18 @@ def device_model(config, seed=0):
     return patch_model(tiny_llama(seed, head_dim=64 if config.kv_bits else None), config)
 
 
+def batch_rows(model, prompts, max_tokens):
+    """``batch_generate``'s rows beside the same prompts run alone: per row (its token ids,
+    its caches, the single run's tokens, the single run's caches)."""
+    res = batch_generate(model, _Tok(), prompts, max_tokens=max_tokens,
+                         prefill_step_size=STEP, return_prompt_caches=True,
+                         return_token_ids=True)
+    for prompt, n, ids, caches in zip(prompts, max_tokens, res.token_ids, res.caches,
+                                      strict=True):
+        tokens, _, reference = single(model, prompt, n)
+        yield ids, caches, tokens, reference
+
+
 @pytest.mark.parametrize("block", [1, 16])
 @pytest.mark.parametrize("method", RULES)
 def test_batch_generate_rows_equal_single_runs_on_the_mlx_engine(method, block):
@@ -38,12 +50,7 @@ def test_batch_generate_rows_equal_single_runs_on_the_mlx_engine(method, block):
     model = device_model(config)
     long = 3 * config.budget
     prompts, max_tokens = prompts_of([5, long, 12]), [long, 9, config.budget + 7]
-    res = batch_generate(model, _Tok(), prompts, max_tokens=max_tokens,
-                         prefill_step_size=STEP, return_prompt_caches=True,
-                         return_token_ids=True)
-    for prompt, n, ids, caches in zip(prompts, max_tokens, res.token_ids, res.caches,
-                                      strict=True):
-        tokens, _, reference = single(model, prompt, n)
+    for ids, caches, tokens, reference in batch_rows(model, prompts, max_tokens):
         assert ids == tokens, (method, block)
         assert all(isinstance(c, MorphKVCache) and c.config.engine == "mlx" for c in caches)
         assert caches[0].offset > config.budget  # eviction happened in every row
@@ -78,27 +85,7 @@ def test_rows_join_leave_and_keep_their_pins(block, tmp_path):
 
     gen = BatchGenerator(model, max_tokens=60, prefill_step_size=STEP,
                          completion_batch_size=3, prefill_batch_size=2)
-    out, caches, steps, removed = {}, {}, 0, None
-    uids = gen.insert(prompts[:1], max_tokens=max_tokens[:1], caches=[history(0)])
-    while True:
-        if steps == 4:
-            uids += gen.insert(prompts[1:3], max_tokens=max_tokens[1:3],
-                               caches=[history(1), history(2)])
-        if steps == 9:
-            uids += gen.insert(prompts[3:], max_tokens=max_tokens[3:], caches=[history(3)])
-        if steps == 12:
-            removed = uids[2]
-            gen.remove([removed])
-        responses = gen.next_generated()
-        if not responses and steps > 12:
-            break
-        for r in responses:
-            out.setdefault(r.uid, []).append(r.token)
-            if r.finish_reason is not None:
-                caches[r.uid] = r.prompt_cache
-        steps += 1
-    gen.close()
-    assert set(caches) == set(uids) - {removed}
+    uids, out, caches, removed = drive(gen, prompts, max_tokens, history)
     for i, (uid, prompt, n) in enumerate(zip(uids, prompts, max_tokens, strict=True)):
         tokens, _, reference = single(model, prompt, n, cache=history(i))
         if uid == removed:
@@ -167,12 +154,7 @@ def test_pinned_quantized_and_pooled_rows_equal_single_runs(extra):
     config = device_config("morphkv", 16, **extra)
     model = device_model(config, seed=2)
     prompts, max_tokens = prompts_of([70, 9, 33], seed=5), [30, 75, 50]
-    res = batch_generate(model, _Tok(), prompts, max_tokens=max_tokens,
-                         prefill_step_size=STEP, return_prompt_caches=True,
-                         return_token_ids=True)
-    for prompt, n, ids, caches in zip(prompts, max_tokens, res.token_ids, res.caches,
-                                      strict=True):
-        tokens, _, reference = single(model, prompt, n)
+    for ids, caches, tokens, reference in batch_rows(model, prompts, max_tokens):
         assert ids == tokens
         assert_same_cache(caches, reference)
         assert [c.pins.ranges() for c in caches] == [c.pins.ranges() for c in reference]
