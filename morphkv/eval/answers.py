@@ -32,7 +32,7 @@ import time
 
 from ..core.pins import pin
 from .arms import Arm, unpinned
-from .chat_recall import arm_budget
+from .chat_recall import arm_budget, pins_user
 from .live import cluster_interval
 from .models import load_model
 from .output import environment, markdown_table, out_dir, write_json
@@ -78,7 +78,7 @@ def free_repetition(model, tok, text: dict, arms, tokens: int) -> dict:
     out = {}
     for label, arm, size in arms:
         caches = arm.caches(model, size)
-        if unpinned(label.rsplit("@", 1)[0])[1]:
+        if pins_user(label):
             pin(caches, range(len(text["prompt_ids"])))
         ids = write(model, tok, text["prompt_ids"], caches, tokens)
         out[label] = {"repetition": repetition_rate(ids), "tokens": len(ids)}
@@ -140,7 +140,7 @@ def read_back(model, text: dict, arms, chunk: int) -> dict:
     caches = {}
     for label, arm, size in arms:
         caches[label] = arm.caches(model, size)
-        if unpinned(label.rsplit("@", 1)[0])[1]:
+        if pins_user(label):
             pin(caches[label], range(n0))
     x = mx.array(ids)[None]
     stats = {label: [] for label in caches}
@@ -233,8 +233,9 @@ def run(args: argparse.Namespace) -> int:
               "load_average": {"start": os.getloadavg()}, "texts": []}
     for t in texts:
         rec = {"index": t["index"], "answer_tokens": len(t["answer_ids"]), "arms": {}}
+        sizes = {label: size for label, _, size in arms}
         for label, stats in read_back(model, t, arms, args.chunk).items():
-            size = arm_budget(label, 128)
+            size = sizes[label]
             stats["remention"] = [p - len(t["prompt_ids"]) for p in rementions(
                 tok, t["prompt_ids"] + t["answer_ids"], len(t["prompt_ids"]), size)]
             rec["arms"][label] = stats

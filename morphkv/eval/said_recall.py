@@ -42,18 +42,14 @@ def of_full(chats: list[dict], label: str, who: str) -> dict:
 
 
 def said_summary(chats: list[dict], labels: list[str]) -> dict:
-    """Per arm and speaker: of the full cache's items, the share kept (``of_full``)."""
-    out = {}
-    for label in labels:
-        out[label] = {who: of_full(chats, label, who) for who in WHO}
-        full = [c["arms"][FULL] for c in chats if FULL in c["arms"] and label in c["arms"]]
-        out[label]["asked"] = {who: sum(said_by(q["kind"]) == who for c in chats
-                                        for q in c["questions"]) for who in WHO}
-        out[label]["full_right"] = {who: sum(f["correct"][i] for c, f in zip(chats, full,
-                                                                            strict=False)
-                                             for i, q in enumerate(c["questions"])
-                                             if said_by(q["kind"]) == who) for who in WHO}
-    return out
+    """Per arm and speaker: of the full cache's items, the share kept (``of_full``); with the
+    questions asked of each speaker and how many the full cache answered (the same for every
+    arm: the denominators)."""
+    asked = {who: sum(said_by(q["kind"]) == who for c in chats for q in c["questions"])
+             for who in WHO}
+    full_right = {who: of_full(chats, FULL, who)["n"] for who in WHO}
+    return {label: {**{who: of_full(chats, label, who) for who in WHO}, "asked": asked,
+                    "full_right": full_right} for label in labels}
 
 
 def _cell(s: dict) -> str:
