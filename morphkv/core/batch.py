@@ -125,15 +125,21 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
             self.keys = storage.take_rows(self.keys, keep)
             self.values = storage.take_rows(self.values, keep)
 
+    def check_extend(self, other) -> None:
+        """``other`` can join these rows: the same class and config, both or neither mid-prompt
+        (``TypeError`` / ``ValueError`` before anything changes)."""
+        name = type(self).__name__
+        if not isinstance(other, type(self)):
+            raise TypeError(f"cannot extend a {name} with {type(other).__name__}")
+        if other.config != self.config:
+            raise ValueError(f"cannot extend a {name} with rows of another config")
+        if (self._remaining is None) != (other._remaining is None) and self.B and other.B:
+            raise ValueError("cannot extend while only one of the batches is mid-prompt")
+
     def extend(self, other: BatchMorphKVCache) -> None:
         """Append the rows of ``other``; the decode steps' queries are aligned on the newest
         step, zeros where a side has none."""
-        if not isinstance(other, BatchMorphKVCache):
-            raise TypeError(f"cannot extend a BatchMorphKVCache with {type(other).__name__}")
-        if other.config != self.config:
-            raise ValueError("cannot extend a BatchMorphKVCache with rows of another config")
-        if (self._remaining is None) != (other._remaining is None) and self.B and other.B:
-            raise ValueError("cannot extend while only one of the batches is mid-prompt")
+        self.check_extend(other)
         self.flush_chunk()
         other.flush_chunk()
         B0 = self.B

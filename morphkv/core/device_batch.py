@@ -140,12 +140,7 @@ class DeviceBatchCache(BatchMorphKVCache):
 
     def extend(self, other: DeviceBatchCache) -> None:
         """Append the rows of ``other``."""
-        if not isinstance(other, DeviceBatchCache):
-            raise TypeError(f"cannot extend a DeviceBatchCache with {type(other).__name__}")
-        if other.config != self.config:
-            raise ValueError("cannot extend a DeviceBatchCache with rows of another config")
-        if (self._remaining is None) != (other._remaining is None) and self.B and other.B:
-            raise ValueError("cannot extend while only one of the batches is mid-prompt")
+        self.check_extend(other)
         self._no_held("extend")
         other._no_held("extend")
         B0 = self.B
