@@ -140,8 +140,8 @@ def test_bench_kernels_counts_a_batch_of_four_rows():
     from morphkv.mlxlm.hooks import queries_by_hand
 
     with queries_by_hand():
-        mlx = count("recommended", 64, 3, 1, rows=4)
-        host = count("recommended:engine=host", 64, 3, 1, rows=4)
+        mlx = count("tuned", 64, 3, 1, rows=4)
+        host = count("tuned:engine=host", 64, 3, 1, rows=4)
     assert (mlx["class"], mlx["batch"], mlx["host_syncs_per_step"]) == ("DeviceBatchCache", 4, 0)
     assert host["class"] == "BatchMorphKVCache" and host["host_syncs_per_step"] > 0
 

@@ -164,7 +164,7 @@ def test_sweep_quick_ranks_arms_against_streaming(tiny, tmp_path):
     data = json.loads((tmp_path / "sweep_tune_quick.json").read_text())
     assert (tmp_path / "sweep_tune_quick.png").stat().st_size > 0
     arms = {e["arm"] for e in data["ratios"]}
-    assert {"streaming_llm_w8", "paper", "recommended"} <= arms and len(arms) == 5
+    assert {"streaming_llm_w8", "paper", "tuned"} <= arms and len(arms) == 5
     base = [e for e in result["ratios"] if e["arm"] == "streaming_llm_w8"]
     assert base and all(abs(e["mean_ratio"] - 1.0) < 1e-12 for e in base)
 
@@ -172,6 +172,6 @@ def test_sweep_quick_ranks_arms_against_streaming(tiny, tmp_path):
 def test_presets_and_budget_fractions_in_arm_specs():
     arm = Arm.parse("morphkv:recent=0.5:attn", window=8)
     assert arm.config(128).recent == 64
-    rec = Arm.parse("recommended", window=8, scoring="proxy")  # command defaults do not apply
-    assert rec.config(256) == __import__("morphkv").recommended(256)
+    rec = Arm.parse("tuned", window=8, scoring="proxy")  # command defaults do not apply
+    assert rec.config(256) == __import__("morphkv").PRESETS["tuned"](256)
     assert Arm.parse("recommended:window=8").config(128).window == 8

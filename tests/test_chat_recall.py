@@ -121,7 +121,6 @@ def test_the_memory_preset_is_the_chosen_arm_and_can_be_overridden():
     import dataclasses
 
     from morphkv import recommended
-    from morphkv.core.presets import PEAK
     from morphkv.eval.arms import Arm
 
     chosen = Arm.parse("streaming_llm:memory=f16:bits=8:pin=prompt:pin_rank=keydiff").config(
@@ -129,7 +128,8 @@ def test_the_memory_preset_is_the_chosen_arm_and_can_be_overridden():
     assert Arm.parse("streaming_llm:memory=f16:bits=8").config(128, n_sink=4).pin == "none"
     preset = recommended(memory=chosen.kv_memory)
     assert dataclasses.replace(preset, engine=chosen.engine, scoring=chosen.scoring) == chosen
-    assert recommended(128).morphkv_peak == PEAK  # the token-budget preset is unchanged
+    assert dataclasses.replace(recommended(128), kv_bits=8, morphkv_budget=0,
+                               kv_memory=chosen.kv_memory) == preset  # one rule (issue 42)
     assert recommended(memory=3_000_000, method="morphkv").method == "morphkv"
 
 

@@ -66,7 +66,7 @@ def test_invalid_config_is_one_line_exit_2(capsys, monkeypatch):
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("morphkv: error:") and "\n" not in err
-    assert "--budget must exceed --sinks + --recent" in err  # the flags, not the fields
+    assert "--budget must exceed --sinks + --window" in err  # the flags, not the fields
 
 
 def test_model_unavailable_is_one_line_exit_2(capsys, monkeypatch):

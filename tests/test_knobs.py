@@ -68,20 +68,38 @@ def test_bad_knobs_name_the_field(kwargs, message):
         KVCacheConfig(**kwargs).validate()
 
 
-def test_recommended_preset_is_valid_and_overridable():
+def test_recommended_is_one_rule_whichever_argument_it_gets():
+    """Issue 42: recommended(budget) and recommended(memory=...) are one rule (pinned
+    recency, KeyDiff among overflowing pins); the argument says only how much is kept."""
+    import dataclasses
+
     from morphkv import PRESETS, recommended
 
-    config = recommended(128)
-    assert config.method == "morphkv" and config.budget == 128
-    assert config.recent == 64 and config.morphkv_value
+    by_tokens, by_bytes = recommended(128), recommended(memory=2**20)
+    rule = ("method", "morphkv_n_sink", "pin", "pin_rank", "morphkv_block", "morphkv_window")
+    assert [getattr(by_tokens, f) for f in rule] == [getattr(by_bytes, f) for f in rule]
+    assert (by_tokens.method, by_tokens.pin, by_tokens.pin_rank) == (
+        "streaming_llm", "prompt", "keydiff")
+    assert (by_tokens.budget, by_tokens.kv_bits, by_tokens.kv_memory) == (128, None, None)
+    assert (by_bytes.budget, by_bytes.kv_bits, by_bytes.kv_memory) == (0, 8, 2**20)
+    assert dataclasses.replace(recommended(128, pin="none"), pin="prompt") == by_tokens
+    assert PRESETS["recommended"] is recommended
+
+
+def test_tuned_and_paper_presets_are_valid_and_overridable():
+    from morphkv import PRESETS
     from morphkv.core.presets import PEAK
 
+    tuned = PRESETS["tuned"]
+    config = tuned(128)
+    assert config.method == "morphkv" and config.budget == 128
+    assert config.recent == 64 and config.morphkv_value
     assert config.morphkv_peak == PEAK > 0 and config.morphkv_decay == 1  # issue 20
-    assert recommended(128, morphkv_peak=0.0).morphkv_peak == 0
-    assert recommended(256, morphkv_window=8).window == 8
+    assert tuned(128, morphkv_peak=0.0).morphkv_peak == 0
+    assert tuned(256, morphkv_window=8).window == 8
     assert PRESETS["paper"](128).recent == PRESETS["paper"](128).window == 8
     with pytest.raises(ValueError, match="morphkv_budget must exceed"):
-        recommended(16)
+        tuned(16)
 
 
 def test_every_config_field_has_one_knob_name():
@@ -114,9 +132,9 @@ DOCUMENTED_FLAGS = [
     (["--sinks", "2"], "morphkv_n_sink", 2),
     (["--window", "8"], "morphkv_window", 8),
     (["--recent", "32"], "morphkv_recent", 32),
-    (["--peak", "0.25"], "morphkv_peak", 0.25),
-    (["--peak", "1", "--decay", "0.999"], "morphkv_decay", 0.999),
-    (["--pool", "3"], "morphkv_pool", 3),
+    (["--preset", "tuned", "--peak", "0.25"], "morphkv_peak", 0.25),
+    (["--preset", "tuned", "--peak", "1", "--decay", "0.999"], "morphkv_decay", 0.999),
+    (["--preset", "tuned", "--pool", "3"], "morphkv_pool", 3),
     (["--no-value"], "morphkv_value", False),
     (["--fusion", "max"], "morphkv_fusion", "max"),
     (["--scoring", "proxy"], "scoring", "proxy"),
@@ -143,7 +161,7 @@ DOCUMENTED_ARMS = [  # (spec, the field it sets, the value) at budget 128
     ("recommended:memory=64M", "kv_memory", 64 * 2**20),
     ("recommended:memory=f16", "method", "streaming_llm"),  # issue 33's second choice
     ("recommended:memory=f16:method=morphkv:peak=1", "morphkv_peak", 1),  # its first
-    ("recommended:peak=0.25:decay=0.999", "morphkv_decay", 0.999),
+    ("tuned:peak=0.25:decay=0.999", "morphkv_decay", 0.999),
     ("peak:window=1:recent=32:value=true:pool=3", "morphkv_pool", 3),
     ("morphkv:recent=0.5:value=true:attn", "morphkv_recent", 64),
     ("morphkv:max:32:attn", "morphkv_window", 32),

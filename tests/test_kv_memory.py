@@ -115,9 +115,9 @@ def test_unresolved_config_is_refused_by_a_bare_cache():
         KVCacheConfig(morphkv_recent=20, morphkv_recent_share=0.5).validate()
 
 
-def test_budget_setting_unchanged():
+def test_budget_setting_keeps_tokens_in_the_model_dtype():
     config = recommended(128)
-    assert (config.budget, config.recent, config.kv_bits, config.kv_memory) == (128, 64, None, None)
+    assert (config.budget, config.kv_bits, config.kv_memory) == (128, None, None)
 
 
 def test_patch_model_generates_within_memory(tiny):

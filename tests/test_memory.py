@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import RotatingKVCache
 
-from morphkv import KVCacheBuilder, KVCacheConfig, recommended
+from morphkv import KVCacheBuilder, KVCacheConfig
+from morphkv.core.presets import tuned
 from morphkv.mlxlm.hooks import queries_by_hand
 
 H, D = 3, 64
@@ -53,9 +54,9 @@ def test_engine_is_small_and_counted(dtype, groups, budget):
 @pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
 def test_the_mlx_engine_holds_fixed_arrays(dtype):
     """The MLX engine keeps the window's rows in a ring at any block (no queries held): 40
-    bytes per slot for the recommended setting, at most what it holds (fixed-size arrays)."""
+    bytes per slot for the tuned MorphKV setting, at most what it holds (fixed-size arrays)."""
     for block in (1, 16):
-        config = recommended(128, scoring="attention", morphkv_block=block, engine="mlx")
+        config = tuned(128, scoring="attention", morphkv_block=block, engine="mlx")
         cache, rotating = full_cache(config, dtype, 3)
         assert cache.engine_nbytes == H * (128 + 1) * (4 + 2 * 16 + 2 + 2)
         assert cache.engine_nbytes == cache.engine.bound_nbytes()
@@ -64,18 +65,18 @@ def test_the_mlx_engine_holds_fixed_arrays(dtype):
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
-def test_recommended_setting_holds_a_little_more(dtype):
+def test_tuned_setting_holds_a_little_more(dtype):
     """Window 16, value norms and the running peak: 4 + 32 + 2 + 2 = 40 bytes per slot, 15.6% of
     float16 K+V (7.8% of float32); at block 16 the window's rows are computed at each eviction
     (no ring): 8 bytes per slot plus the pending queries (at most 16 tokens')."""
     host = dict(scoring="attention", engine="host")
-    cache, rotating = full_cache(recommended(128, morphkv_block=1, **host), dtype, 3)
+    cache, rotating = full_cache(tuned(128, morphkv_block=1, **host), dtype, 3)
     per_slot = 4 + 2 * 16 + 2 + 2  # position, window rows, value norm, float16 peak
     assert cache.engine_nbytes == H * (128 + 1) * per_slot  # block 1: nothing pending
     # the bound adds the one query held between a token's arrival and its eviction
     assert cache.engine_nbytes + cache.engine.query_bytes == cache.engine.bound_nbytes()
     assert cache.nbytes <= (1.19 if dtype == mx.float16 else 1.10) * rotating.nbytes
-    cache, rotating = full_cache(recommended(128, morphkv_block=16, **host), dtype, 3)
+    cache, rotating = full_cache(tuned(128, morphkv_block=16, **host), dtype, 3)
     engine, held = cache.engine, cache.engine_nbytes  # reading it settles the last update
     pending = engine.queries_held * engine.query_bytes
     assert engine.query_bytes == 3 * 3 * D * 4  # float32 queries of 3 KV heads x 3 groups

@@ -188,7 +188,7 @@ def test_pins_stay_bounded_in_a_long_chat_and_the_bound_counts_them():
 
 
 def test_the_memory_preset_pins_and_the_eval_arms_pin_only_when_they_say():
-    assert recommended(memory=2**20).pin == "prompt" and recommended(512).pin == "none"
+    assert recommended(memory=2**20).pin == "prompt" == recommended(512).pin
     assert Arm.parse("recommended:memory=1M").config(64).pin == "none"
     assert Arm.parse("recommended:memory=1M:pin=prompt").config(64).pin == "prompt"
     with pytest.raises(ValueError, match="pin='always' is unknown"):

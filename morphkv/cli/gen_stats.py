@@ -24,6 +24,7 @@ class CacheStats:
     full_bytes: int  # K+V bytes a full cache would hold, same sum
     storage_bytes: int  # allocated K/V storage, summed over layers
     engine_bytes: int = 0  # selection state, summed over layers
+    pinned: int = 0  # positions pinned (evicted last), per sequence: the most of any layer
 
     @property
     def compression_ratio(self) -> float:
@@ -37,7 +38,7 @@ class CacheStats:
 def cache_stats(caches) -> CacheStats:
     """Totals over the per-layer caches (their counters are per sequence per KV head)."""
     kept_bytes = full_bytes = storage = engine = kept_sum = 0
-    seen = batch = heads = 0
+    seen = batch = heads = pinned = 0
     for c in caches:
         keys = getattr(c, "keys", None)
         b, h = quant.dims(keys)[:2] if keys is not None else (0, 0)  # plain or quantized
@@ -48,6 +49,8 @@ def cache_stats(caches) -> CacheStats:
         engine += getattr(c, "engine_nbytes", 0)
         kept_sum += c.tokens_kept
         seen = max(seen, c.tokens_seen)
+        pins = getattr(c, "pins", None)
+        pinned = max(pinned, len(pins) if pins is not None else 0)
     n = len(caches)
     return CacheStats(
         layers=n,
@@ -59,6 +62,7 @@ def cache_stats(caches) -> CacheStats:
         full_bytes=full_bytes,
         storage_bytes=storage,
         engine_bytes=engine,
+        pinned=pinned,
     )
 
 
@@ -86,7 +90,9 @@ def format_stats(resp, stats: CacheStats, peak_gb: float, config) -> str:
         f"KV cache:    {describe(config)} ({stats.layers} layers x batch {stats.batch} x "
         f"{stats.kv_heads} KV heads)",
         f"Tokens:      seen {stats.tokens_seen}, kept {stats.tokens_kept}, evicted "
-        f"{stats.evicted} (per sequence per KV head)",
+        f"{stats.evicted} (per sequence per KV head)"
+        + (f"; {stats.pinned} prompt tokens pinned (evicted last; --pin none: off)"
+           if stats.pinned else ""),
         f"KV bytes:    kept {fmt_bytes(stats.kept_bytes)} vs full cache "
         f"{fmt_bytes(stats.full_bytes)} (K+V, summed over layers, batch and KV heads)",
         f"Compression: {stats.compression_ratio:.2f}x (the cache holds {100 * kept_share:.0f}% "

@@ -1,7 +1,7 @@
 """``morphkv eval fidelity --mode blocks``: quality per eviction block: natural-chat recall and KL
 to full cache.
 
-For one setting (``recommended`` by default, or ``paper``) at one budget, every block of
+For one setting (``tuned`` MorphKV by default, ``paper`` or ``recommended``) at one budget, every block of
 ``--blocks`` (arms ``<setting>:block=N``) is measured on the SAME items and texts of one split:
 
 - recall (``morphkv eval recall --data longchat --set natural``'s items and runner): a fact said in
@@ -46,7 +46,7 @@ from .texts import split_texts
 
 NAME = "blocks"
 N_SINK = 4
-SETTINGS = ("recommended", "paper")
+SETTINGS = ("tuned", "paper", "recommended")
 
 
 def block_specs(setting: str, blocks: list[int]) -> dict[int, str]:
@@ -148,7 +148,7 @@ def run_kl(model, tok, args, specs: dict[str, str], first: int) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--quick", False, "smoke run: budget 32, blocks 1,4,8, 2 items, short texts"),
-        ("--setting", "recommended", "the setting whose block varies", list(SETTINGS)),
+        ("--setting", "tuned", "the setting whose block varies", list(SETTINGS)),
         ("--blocks", "1,4,8,16,32", "comma-separated blocks (1 is the reference)"),
         ("--budget", 128, "tokens per KV head"),
         ("--split", "tune", "items and texts: tune or test (module doc)", ["tune", "test"]),

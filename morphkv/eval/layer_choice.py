@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m morphkv.eval.layer_choice", description=__doc__)
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--budgets", default="128,256")
-    p.add_argument("--methods", default="recommended,streaming_llm")
+    p.add_argument("--methods", default="tuned,streaming_llm")
     p.add_argument("--tokens", type=int, default=1100, help="prose tokens (default 1100)")
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--out", default="results/layer_choice")

@@ -31,7 +31,7 @@ from .recall_natural import build_natural_item
 from .recall_report import plot, section, summarize, table  # noqa: F401  (section: report)
 
 NAME = "recall"
-DEFAULT_ARMS = "full,streaming_llm,recommended,h2o,peak:recent=32:value=true"
+DEFAULT_ARMS = "full,streaming_llm,tuned,h2o,peak:recent=32:value=true"
 FIXED = ("method", "morphkv_budget", "budget", "head_dim")  # set by the arm name / --budgets
 
 

@@ -26,7 +26,7 @@ DEFAULT_ARMS = ("streaming_llm:memory={m}:bits=8,h2o:memory={m}:bits=8:block=16,
                 "morphkv:memory={m}:bits=8:window=16:block=16,"
                 "morphkv:memory={m}:bits=8:window=16:block=1,"
                 "morphkv:memory={m}:bits=8:window=16:recent=0.5:value=true:peak=0.02:block=16,"
-                "recommended:memory={m},paper:memory={m}")
+                "recommended:memory={m},tuned:memory={m},paper:memory={m}")
 
 
 def measure(model, spec: str, tokens: int) -> dict:

@@ -3,7 +3,7 @@ ratio to StreamingLLM's at the same budget.
 
 Settings are chosen on ``--split tune`` texts and reported on ``--split heldout`` texts (see
 ``texts.split_texts``: disjoint prose, conversations and continuations). Arms are fidelity arm
-specs, including presets and budget fractions (``recommended``, ``morphkv:recent=0.5:attn``);
+specs, including presets and budget fractions (``tuned``, ``morphkv:recent=0.5:attn``);
 ``--grid`` adds every combination of ``key=v1/v2`` options over ``--grid-base``. Every arm
 is compared with ``streaming_llm`` fed the same text at the same budget; ``--equal-bytes``
 gives every arm the budget at which its caches hold what StreamingLLM's hold.
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--split", "tune", "tune: texts for choosing; heldout: texts for reporting",
          ["tune", "heldout"]),
         ("--budgets", [64, 128, 256], "budgets in tokens per KV head"),
-        ("--arms", [BASELINE, "paper", "recommended"], "arm specs (fidelity's spelling)"),
+        ("--arms", [BASELINE, "paper", "tuned"], "arm specs (fidelity's spelling)"),
         ("--grid", [], "options key=v1/v2 (comma between keys); every combination is added "
          "over --grid-base"),
         ("--grid-base", "morphkv:attn", "the arm the --grid options apply to"),

@@ -31,14 +31,15 @@ def _size(text: str) -> int:
 
 ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs), the dest knob
     "method": dict(choices=sorted(METHODS), metavar="METHOD", help="Eviction rule, one of "
-                   f"{', '.join(sorted(METHODS))} (default: the preset's, morphkv)."),
+                   f"{', '.join(sorted(METHODS))} (default: the preset's: streaming_llm for recommended, "
+                   "morphkv for tuned and paper)."),
     "window": dict(type=Number(int, lo=1), help="Recent tokens whose queries rank the rest (an "
-                   "integer >= 1; default: the preset's, 16 for recommended, 8 for paper)."),
+                   "integer >= 1; default: the preset's, 16 for tuned, 8 for recommended and paper)."),
     "recent": dict(type=Number(int, lo=1), help="Newest tokens never evicted, >= --window (an "
-                   "integer >= 1; default: the preset's, half the budget for recommended, the "
-                   "window for paper)."),
+                   "integer >= 1; default: the preset's, half the budget for tuned, the "
+                   "window otherwise)."),
     "value": dict(action=argparse.BooleanOptionalAction, help="Weight attention scores by the "
-                  "value vectors' norms (default: the preset's, on for recommended)."),
+                  "value vectors' norms (default: the preset's, on for tuned)."),
     "peak": dict(type=Number(float, lo=0), help="Fuse each token's peak attention into the "
                  "window score: max(window, PEAK x peak) (a number >= 0; 0: off; default: the "
                  "preset's)."),
@@ -48,8 +49,8 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                  "tokens (an integer >= 1, odd; default: the preset's, 1 = none)."),
     "block": dict(type=Number(int, lo=1), help="Tokens evicted at once: once the budget is full, "
                   "every BLOCK-th token evicts BLOCK tokens and the tokens between only append "
-                  "(an integer >= 1; budget >= sinks + recent + block; default: the preset's: 16 "
-                  "for recommended, 8 for paper, 1 for other methods)."),
+                  "(an integer >= 1; budget >= sinks + recent + block; default: the preset's: 1 "
+                  "for recommended, 16 for tuned, 8 for paper, 1 for other methods)."),
     "sinks": dict(type=Number(int, lo=0), help="First tokens never evicted (an integer >= 0; "
                   "default: 4; none for sliding_window)."),
     "fusion": dict(choices=list(FUSIONS), help="How morphkv fuses the window's attention rows "
@@ -64,8 +65,8 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                    "auto)."),
     "pin": dict(choices=list(PIN_POLICIES), help="What the cache pins (evicts last): prompt: "
                 "every prefilled token (prompts, chat turns, server requests), not the model's "
-                "own generated tokens; none: nothing (default: the preset's: prompt with "
-                "--kv-memory, else none)."),
+                "own generated tokens; none: nothing (default: the preset's: prompt for "
+                "recommended, else none)."),
     "pin_rank": dict(choices=list(PIN_RANKS), help="Which pinned tokens go first once pins "
                      "alone overflow the budget: rule (its own score; recency: the oldest), "
                      "keydiff (the key most like the mean key), keydiff-span (that, pooled "
@@ -90,10 +91,11 @@ def add_cache_flags(parser, budget: int) -> None:
     g = parser.add_argument_group("KV cache")
     g.add_argument(
         "--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS),
-        help="Named setting: recommended (morphkv with real queries, window 16, the newest "
-        "half of the budget always kept, value-weighted scores, peak-attention persistence "
-        "(--peak)), paper (the published rule: "
-        "window 8, nothing else protected, evicting 8 tokens every 8 as its coarse "
+        help="Named setting: recommended (recency after 4 sinks, every prompt pinned, KeyDiff "
+        "among overflowing pins; chosen on held-out chats and answers, docs/recall.md), tuned "
+        "(morphkv with real queries, window 16, the newest half of the budget always kept, "
+        "value-weighted scores, peak-attention persistence (--peak)), paper (the published "
+        "rule: window 8, nothing else protected, evicting 8 tokens every 8 as its coarse "
         "variant) (default %(default)s).",
     )
     for knob, settings in ARGS.items():
