@@ -120,14 +120,14 @@ def test_kernels_counts_a_block_of_decode_steps(tmp_path):
     parser = argparse.ArgumentParser()
     kernels.add_arguments(parser)
     args = parser.parse_args(["--quick", "--out", str(tmp_path), "--arms",
-                              "rotating,recommended:block=1:engine=mlx,recommended:block=8,"
-                              "recommended:block=8:engine=host,recommended:block=1"])
+                              "rotating,tuned:block=1:engine=mlx,tuned:block=8,"
+                              "tuned:block=8:engine=host,tuned:block=1"])
     rows = {r["cache"]: r for r in kernels.execute(args)["rows"]}
     assert rows["rotating"]["host_syncs_per_step"] == 0
-    assert rows["recommended:block=1:engine=mlx"]["host_syncs_per_step"] == 0
-    assert rows["recommended:block=1"]["host_syncs_per_step"] >= 1  # block 1 runs on the host
-    assert rows["recommended:block=8"]["host_syncs_per_step"] == 0
-    assert rows["recommended:block=8"]["steps"] == 8
-    assert rows["recommended:block=8:engine=host"]["host_syncs_per_step"] >= 1 / 8
-    assert rows["rotating"]["kernels_per_step"] < rows["recommended:block=8"]["kernels_per_step"]
+    assert rows["tuned:block=1:engine=mlx"]["host_syncs_per_step"] == 0
+    assert rows["tuned:block=1"]["host_syncs_per_step"] >= 1  # block 1 runs on the host
+    assert rows["tuned:block=8"]["host_syncs_per_step"] == 0
+    assert rows["tuned:block=8"]["steps"] == 8
+    assert rows["tuned:block=8:engine=host"]["host_syncs_per_step"] >= 1 / 8
+    assert rows["rotating"]["kernels_per_step"] < rows["tuned:block=8"]["kernels_per_step"]
     assert (tmp_path / "kernels_quick.json").exists()

@@ -102,7 +102,7 @@ def test_pinned_user_turns_outlast_the_replies(embedded):
             start = conv.fed
             _say(conv, text, max_tokens=24)
             ranges.append(range(start, start + len(conv.last.prompt)))
-        user = np.concatenate([np.arange(r.start, r.stop) for r in ranges[1:]])
+        user = np.concatenate([np.arange(r.start, r.stop) for r in ranges])
         kept = conv.caches[0].kept_positions[0]
         held[pin_user] = np.isin(kept, user).sum()
     assert held[True] > held[False], held

@@ -113,13 +113,13 @@ def test_bad_flags_are_one_line_errors(tmp_path):
 def test_speed_join_reads_an_overhead_json(tmp_path):
     arms = {"rotating": {"decode_ms": 50.0, "prefill_s": 4.0, "decode_cpu_ms": 100.0,
                          "prefill_cpu_s": 8.0}}
-    for name, f in (("recommended:block=1", 1.3), ("recommended", 1.05)):
+    for name, f in (("tuned:block=1", 1.3), ("tuned", 1.05)):
         arms[name] = {k: f * v for k, v in arms["rotating"].items()}
     path = tmp_path / "overhead.json"
     path.write_text(json.dumps({"args": {"budget": 512, "prompt_tokens": 1024},
                                 "by_context": {"1024": arms}}))
-    speed = R.read_speed(str(path), "recommended", [1, 16, 32])
-    assert set(speed) == {"block 1", "block 16"}  # "recommended" is block 16 at budget 512
+    speed = R.read_speed(str(path), "tuned", [1, 16, 32])
+    assert set(speed) == {"block 1", "block 16"}  # "tuned" is block 16 at budget 512
     assert speed["block 16"]["contexts"]["1024"]["decode"] == pytest.approx(1.05)
 
 

@@ -28,7 +28,7 @@ def one_load(monkeypatch):
 
 def test_arm_specs_map_onto_config_fields():
     arms = R.parse_arms("full,streaming_llm,morphkv:window=32,fusion=max,tova:morphkv_n_sink=2,"
-                        "peak:recent=32:value=true:pool=3,recommended:peak=0.25,rotating")
+                        "peak:recent=32:value=true:pool=3,tuned:peak=0.25,rotating")
     assert [a.label for a in arms] == [
         "full", "streaming_llm", "morphkv:window=32,fusion=max", "tova:morphkv_n_sink=2",
         "peak:recent=32:value=true:pool=3", "tuned:peak=0.25", "rotating",

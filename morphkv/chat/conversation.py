@@ -14,13 +14,13 @@ checked against the caches' own count after each turn.
 Each turn's prompt tokens (the user's message with its template tokens; the system prompt in
 the first) are pinned (``morphkv.pin``): a bounded cache evicts the assistant's tokens before the
 user's, so what the user said stays longest. ``pin_user=False`` (``morphkv chat --no-pin``)
-leaves the rule alone.
+pins nothing: not the turns, and not the prompts a ``pin="prompt"`` config pins by itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..core.config import KVCacheConfig
 from ..core.pins import pin
@@ -50,6 +50,8 @@ class Conversation:
                  make_caches: Callable[[], list] | None = None, pin_user: bool = True):
         if not tokenizer.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; chat needs one")
+        if not pin_user and config.pin != "none":  # nothing pinned: not the prompts either
+            config = replace(config, pin="none")
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.system_prompt = system_prompt
         self.pin_user = pin_user

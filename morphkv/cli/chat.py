@@ -14,7 +14,6 @@ with status 130, Ctrl-D (end of input) with 0.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import signal
 import sys
 import time
@@ -260,8 +259,6 @@ def run(args) -> int:
         except session.SessionError as e:
             raise UsageError(str(e)) from None
         config = loaded.config
-    if args.no_pin and config.pin != "none":  # nothing pinned: not the prompts either
-        config = dataclasses.replace(config, pin="none")
     conv = Conversation(model, tokenizer, config, args.system_prompt, pin_user=not args.no_pin)
     chat = Chat(args, model, tokenizer, conv, model_name, fingerprint)
     _note(f"morphkv chat: {model_name} · {describe(config)} · /help for commands")
