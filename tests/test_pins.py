@@ -122,6 +122,18 @@ def test_user_positions_are_the_user_turns_of_the_template():
     assert text.startswith("My cat is called Ziggy. Hi!") and "Tell me a joke." in text
     assert "How can I help" not in text and "SmolLM" not in text  # not the reply, not the system
     assert (user_positions(tok, messages, offset=7) == pos + 7).all()
+    short = user_positions(tok, messages, replies=16)  # the short reply pinned too
+    assert "How can I help" in tok.decode([ids[p] for p in short]) and len(short) > len(pos)
+    assert (user_positions(tok, messages, replies=3) == pos).all()  # longer than 3 tokens
+
+
+def test_pin_suffixes_of_arm_specs():
+    from morphkv.eval.arms import pinned_replies, unpinned
+
+    assert unpinned("recommended:memory=f16+pin24") == ("recommended:memory=f16", True)
+    assert unpinned("recommended+pin") == ("recommended", True)
+    assert unpinned("h2o:block=16") == ("h2o:block=16", False)
+    assert [pinned_replies(s) for s in ("a+pin24", "a+pin", "a")] == [24, 0, 0]
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused():

@@ -16,6 +16,7 @@ not the spec.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,11 +59,20 @@ def field_name(key: str) -> str:
 
 
 PIN = "+pin"  # an arm spec ending so pins the user turns of chats (``morphkv.pin``)
+_PIN = re.compile(r"\+pin(\d*)$")  # ``+pinN``: also the assistant's replies of <= N tokens
 
 
 def unpinned(spec: str) -> tuple[str, bool]:
-    """(the spec without ``+pin``, whether it had it)."""
-    return spec.removesuffix(PIN), spec.endswith(PIN)
+    """(the spec without ``+pin`` / ``+pinN``, whether it had one)."""
+    m = _PIN.search(spec)
+    return (spec[: m.start()], True) if m else (spec, False)
+
+
+def pinned_replies(spec: str) -> int:
+    """N of a spec ending ``+pinN`` (the assistant's replies of at most N tokens, as the
+    template renders them, are pinned with the user's turns); 0 otherwise."""
+    m = _PIN.search(spec)
+    return int(m.group(1)) if m and m.group(1) else 0
 
 
 def parse_value(text: str) -> Any:

@@ -1,8 +1,9 @@
 """``morphkv eval fidelity --mode blocks``: quality per eviction block: natural-chat recall and KL
 to full cache.
 
-For one setting (``tuned`` MorphKV by default, ``paper`` or ``recommended``) at one budget, every block of
-``--blocks`` (arms ``<setting>:block=N``) is measured on the SAME items and texts of one split:
+For one setting (``tuned`` MorphKV by default, ``paper`` or ``recommended``) at one budget,
+every block of ``--blocks`` (arms ``<setting>:block=N``) is measured on the SAME items and
+texts of one split:
 
 - recall (``morphkv eval recall --data longchat --set natural``'s items and runner): a fact said in
 passing in

@@ -10,7 +10,8 @@ clause removed: how often the model guesses. Retention: the fraction of the valu
 still stored when the question arrives (per layer, mean over KV heads). Every figure comes with
 its item count and Wilson 95% interval; partial results are saved after every chat.
 
-An arm ``spec+pin`` pins the chat's user turns (``morphkv.pin``: evicted last, the assistant's
+An arm ``spec+pin`` pins the chat's user turns (``spec+pinN``: and the assistant's replies of at
+most N tokens) (``morphkv.pin``: evicted last, the assistant's
 turns first). An arm ``spec@N`` runs at N tokens (``memory=f16``: the float16 bytes of N
 tokens) instead of ``--budget``, on the same chats: the chats are cut by ``--min-distance``
 budgets of ``--budget``, so one run measures several sizes on the same items (statement
@@ -31,7 +32,7 @@ import time
 
 from ..core.pins import pin
 from ..mlxlm.turns import common_prefix, user_positions
-from .arms import Arm, unpinned
+from .arms import Arm, pinned_replies, unpinned
 from .chat_items import build_chat, encode, judge, tokenize
 from .chat_report import distance_plot, plot, summarize, table
 from .models import load_model
@@ -77,7 +78,7 @@ def run_chat(model, tok, chat, arms, args, bar) -> dict:
         spec = Arm.parse("kvcache") if arm is None else arm
         caches = spec.caches(model, arm_budget(label, args.budget), args.n_sink)
         if pins_user(label):  # the chat's user turns are evicted last (morphkv.pin)
-            pin(caches, user_positions(tok, msgs))
+            pin(caches, user_positions(tok, msgs, replies=pinned_replies(label.rsplit("@", 1)[0])))
         t0 = time.perf_counter()
         prefill(model, caches, full[0][:n], args.chunk)
         budgets = [c.config.budget for c in caches if hasattr(c, "config")]

@@ -26,9 +26,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def user_positions(tokenizer, messages: list[dict], offset: int = 0) -> np.ndarray:
+def user_positions(tokenizer, messages: list[dict], offset: int = 0,
+                   replies: int = 0) -> np.ndarray:
     """Positions (int64, ascending) of every user turn's tokens in
-    ``tokenizer.apply_chat_template(messages)``, plus ``offset`` (the tokens fed before)."""
+    ``tokenizer.apply_chat_template(messages)``, plus ``offset`` (the tokens fed before);
+    with ``replies`` > 0 also every assistant turn of at most ``replies`` tokens as rendered
+    (a short answer: a name, a number, a decision)."""
     full = _ids(tokenizer, messages)
     out, end = [], 0
     for i, m in enumerate(messages):
@@ -42,6 +45,6 @@ def user_positions(tokenizer, messages: list[dict], offset: int = 0) -> np.ndarr
         if head != full[:end]:
             raise ValueError(f"the chat template renders messages[:{i + 1}] differently inside "
                              "the whole chat: user turns cannot be located by prefix")
-        if m.get("role") == "user":
+        if m.get("role") == "user" or (m.get("role") == "assistant" and end - start <= replies):
             out.append(np.arange(start, end))
     return np.concatenate(out) + offset if out else np.zeros(0, np.int64)

@@ -31,10 +31,11 @@ def _size(text: str) -> int:
 
 ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs), the dest knob
     "method": dict(choices=sorted(METHODS), metavar="METHOD", help="Eviction rule, one of "
-                   f"{', '.join(sorted(METHODS))} (default: the preset's: streaming_llm for recommended, "
-                   "morphkv for tuned and paper)."),
+                   f"{', '.join(sorted(METHODS))} (default: the preset's: streaming_llm for "
+                   "recommended, morphkv for tuned and paper)."),
     "window": dict(type=Number(int, lo=1), help="Recent tokens whose queries rank the rest (an "
-                   "integer >= 1; default: the preset's, 16 for tuned, 8 for recommended and paper)."),
+                   "integer >= 1; default: the preset's, 16 for tuned, 8 for recommended and "
+                   "paper)."),
     "recent": dict(type=Number(int, lo=1), help="Newest tokens never evicted, >= --window (an "
                    "integer >= 1; default: the preset's, half the budget for tuned, the "
                    "window otherwise)."),
