@@ -60,12 +60,14 @@ def invent(model, tok, messages: list[dict]) -> str:
     return tok.decode(out).strip()
 
 
-def build_said_chat(model, tok, split: str, index: int, seed: int = 0):
+def build_said_chat(model, tok, split: str, index: int, seed: int = 0,
+                    asks: str | None = None):
     """Chat ``index``: the user-said chat of ``split`` with the invention exchanges woven in
-    (replies written now by ``model`` with the full cache), questions for all five facts."""
+    (replies written now by ``model`` with the full cache), questions for all five facts;
+    ``asks``: the split of ``data/said.json`` the invention asks come from (default ``split``)."""
     chat = build_chat(split, index, seed)
     rng = random.Random(f"said:{split}:{seed}:{index}")
-    picks = rng.sample(list(kinds(split)), INVENTIONS)
+    picks = rng.sample(list(kinds(asks or split)), INVENTIONS)
     messages, asked = [], []
     user_turn = 0
     for m in chat.messages:

@@ -79,6 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chat_arguments(parser)
     parser.set_defaults(split="tune", chats=8, arms=f"{FULL},{NOFACT},recommended:memory=f16+pin",
                         max_tokens=10)
+    parser.add_argument("--asks", default=None, help="the split of data/said.json the invention "
+                        "asks come from (default: --split's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +89,12 @@ def run(args: argparse.Namespace) -> int:
                          "--data chats")
     if args.stem is None:
         args.stem = f"said_{args.split}_{args.budget}"
-    return chat_run(args, build=build_said_chat, report=report)
+    asks = getattr(args, "asks", None)
+
+    def build(model, tok, split, index, seed):
+        return build_said_chat(model, tok, split, index, seed, asks=asks)
+
+    return chat_run(args, build=build, report=report)
 
 
 def main(argv=None) -> int:
