@@ -176,19 +176,6 @@ def test_summary_splits_the_full_caches_items_into_kept_and_updated_facts():
     assert "`kvcache`" in table({"kvcache": summarize(chats, ["kvcache"])["kvcache"]})
 
 
-def test_the_report_section_names_the_command_and_the_table():
-    from morphkv.eval.chat_report import section, summarize
-
-    chats = [_chat(0, [True, True, False], [True, False, True], [100, 150, 400], 64)]
-    result = {"args": {"model": "qwen2.5-0.5b", "split": "test", "chats": 1, "budget": 128,
-                       "arms": "kvcache,h2o@64"},
-              "summary": summarize(chats, ["kvcache", "h2o@64"]),
-              "load_average": {"start": [3.0, 2, 1], "end": [4.0, 2, 1]}}
-    text = section(result)
-    assert "morphkv eval recall --model qwen2.5-0.5b --split test --chats 1" in text
-    assert '--arms "kvcache,h2o@64"' in text and "`h2o@64`" in text and "3.0" in text
-
-
 @pytest.mark.parametrize(("answer", "value", "ok"), [
     ("Ansel.", "Anselm", True), ("852.", "8521", True), ("Marmot.", "Marmalade", True),
     ("John.", "Anselm", False), ("", "Anselm", False), ("Tor", "To", False),

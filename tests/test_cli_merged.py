@@ -101,5 +101,5 @@ def test_cli_lists_the_bench_commands(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     out = capsys.readouterr().out
-    for name in ("speed", "blas", "serve"):
+    for name in ("speed", "serve"):
         assert name in out

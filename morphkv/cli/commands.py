@@ -20,7 +20,6 @@ COMMANDS: list[tuple[str, str]] = [
     ("serve", "morphkv.cli.serve"),
     ("chat", "morphkv.cli.chat"),
     ("bench speed", "morphkv.bench.overhead"),
-    ("bench blas", "morphkv.bench.blas"),
     ("bench serve", "morphkv.bench.serve"),
     ("eval recall", "morphkv.eval.chat_recall"),
     ("eval fidelity", "morphkv.eval.fidelity"),
