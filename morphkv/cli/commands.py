@@ -20,7 +20,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("serve", "morphkv.cli.serve"),
     ("chat", "morphkv.cli.chat"),
     ("bench speed", "morphkv.bench.overhead"),
-    ("bench serve", "morphkv.bench.serve"),
+    ("bench serve", "morphkv.bench.load"),
     ("eval recall", "morphkv.eval.chat_recall"),
     ("eval fidelity", "morphkv.eval.fidelity"),
     ("eval generation", "morphkv.eval.generation"),
@@ -45,9 +45,8 @@ MODES: dict[str, tuple[str, str, dict[str, str]]] = {
         "overhead": "morphkv.bench.overhead",
         "kernels": "morphkv.bench.kernels",
     }),
-    "bench serve": ("--scenario", "morphkv serve against mlx_lm's server: throughput, load, "
-                    "faults, fairness, long chats", {
-        "throughput": "morphkv.bench.serve",
+    "bench serve": ("--scenario", "morphkv serve against mlx_lm's server: throughput under "
+                    "load, faults, fairness, long chats", {
         "load": "morphkv.bench.load",
         "chat": "morphkv.bench.chat",
         "fair": "morphkv.bench.fair",
