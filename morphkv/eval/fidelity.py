@@ -146,7 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--texts", ["prose", "conversation"], "text kinds: prose, conversation, continuation"),
         ("--split", "none", "tune: the texts for choosing settings, heldout: those for "
          "reporting them (instead of --texts)", ["none", "tune", "heldout"]),
-        ("--grid", [], "options key=v1/v2 (comma between keys): every combination is an arm"),
+        ("--grid", [], "options key=v1/v2 (comma between keys): every combination is an arm "
+         "(default: none)"),
         ("--grid-base", "morphkv:attn", "the arm the --grid options apply to"),
         ("--prose-tokens", 1100, "tokens per prose document"),
         ("--prose-docs", 1, "prose documents"),
