@@ -335,20 +335,3 @@ def test_decode_step_is_the_same_graph_for_any_number_of_rows():
     eight = step_graph([25, 26, 25, 26, 25, 26, 25, 26])
     assert two == eight, (two, eight)
     assert len(set(two)) > 1  # eviction steps and plain steps both measured
-
-
-def test_bench_batch_quick(tmp_path):
-    """``morphkv bench speed --mode batch --quick`` measures every arm, layer and model, and saves
-    JSON."""
-    import argparse
-    import json
-
-    from morphkv.bench import batch_step
-
-    parser = argparse.ArgumentParser()
-    batch_step.add_arguments(parser)
-    assert batch_step.run(parser.parse_args(["--quick", "--out", str(tmp_path)])) == 0
-    result = json.loads((tmp_path / "batch.json").read_text())
-    for part in ("layer", "model"):
-        assert set(result["median_s"][part]) == {"kvcache", "rotating", "morphkv"}
-        assert all(s > 0 for s in result["median_s"][part].values())

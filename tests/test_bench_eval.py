@@ -156,17 +156,15 @@ def test_texts_are_available_without_download():
     assert conv.count("<|im_start|>user") >= 4
 
 
-def test_sweep_quick_ranks_arms_against_streaming(tiny, tmp_path):
-    from morphkv.eval import sweep as S
-
-    args = _args(S, "--quick", "--quiet", "--out", str(tmp_path), "--grid", "recent=0.5/0.75")
-    result = S.execute(args, tiny, ByteTokenizer())
-    data = json.loads((tmp_path / "sweep_tune_quick.json").read_text())
-    assert (tmp_path / "sweep_tune_quick.png").stat().st_size > 0
-    arms = {e["arm"] for e in data["ratios"]}
-    assert {"streaming_llm_w8", "paper", "tuned"} <= arms and len(arms) == 5
-    base = [e for e in result["ratios"] if e["arm"] == "streaming_llm_w8"]
-    assert base and all(abs(e["mean_ratio"] - 1.0) < 1e-12 for e in base)
+def test_fidelity_split_and_grid_choose_among_settings(tiny, tmp_path):
+    """--split tune feeds the texts for choosing (not --texts); --grid adds its combinations."""
+    args = _args(F, "--quick", "--quiet", "--out", str(tmp_path), "--split", "tune",
+                 "--grid", "recent=0.5/0.75", "--no-full-arm")
+    result = F.execute(args, tiny, ByteTokenizer())
+    assert set(result["settings"]["texts"]) == {"prose", "conversation0"}
+    arms = {r["arm"] for r in result["rows"]}
+    assert len(arms) == 5 and {"recent0.5", "recent0.75"} <= {a.split("_")[-1] for a in arms}
+    assert all(r["kl"] >= 0 for r in result["rows"])
 
 
 def test_presets_and_budget_fractions_in_arm_specs():

@@ -1,115 +1,46 @@
-"""The speed benchmark's --quick runs complete on a tiny random-weight llama (no download)
-and write their JSON and PNG files."""
+"""The speed benchmarks' --quick runs complete on a tiny random-weight llama (no download)
+and write their JSON (and PNG) files: ``bench speed`` (in the model: time and memory per
+context), ``--mode kernels``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from morphkv.bench import speed
-from morphkv.eval.models import tiny_llama
+
+def _parse(module, *argv):
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(list(argv))
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    return speed.add_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+def test_overhead_records_time_and_memory_per_context(tmp_path):
+    """Past the budget the unbounded cache holds more than the bounded ones, at every context;
+    the bounded ones hold the same at both contexts (constant size)."""
+    from morphkv.bench import overhead
+
+    args = _parse(overhead, "--quick", "--contexts", "64,600", "--out", str(tmp_path))
+    assert overhead.run(args) == 0
+    by_context = json.loads((tmp_path / "overhead_quick.json").read_text())["by_context"]
+    assert set(by_context) == {"64", "600"}
+    for c in ("64", "600"):
+        kv = {arm: m["kv_mib"] for arm, m in by_context[c].items()}
+        assert kv["kvcache"] > kv["rotating"] > 0 and kv["kvcache"] > kv["morphkv"] > 0
+        assert all(m["peak_mib"] > 0 and m["decode_ms"] > 0 for m in by_context[c].values())
+    grow = {arm: by_context["600"][arm]["kv_mib"] / by_context["64"][arm]["kv_mib"]
+            for arm in by_context["64"]}
+    assert grow["kvcache"] > 1.5 and abs(grow["rotating"] - 1) < 0.01, grow
+    assert abs(grow["morphkv"] - 1) < 0.1, grow
 
 
-def _check_length_result(result: dict, out, arms: list[str]) -> None:
-    data = json.loads((out / "speed_quick.json").read_text())
-    assert set(data["records"]) == set(arms)
-    for arm in arms:
-        recs = data["records"][arm]
-        assert [r["position"] for r in recs] == [50 * i for i in range(1, 7)]
-        for r in recs:
-            assert r["tokens_per_s"] > 0 and r["peak_bytes"] >= r["active_bytes"] > 0
-    budget_bytes = {arm: data["records"][arm][-1]["kv_bytes"] for arm in arms}
-    if "full" in arms and "morphkv" in arms:
-        assert budget_bytes["full"] > budget_bytes["morphkv"]
-    if "morphkv" in arms:
-        kept = [r["tokens_kept_layer0"] for r in data["records"]["morphkv"]]
-        assert 64 - 16 < kept[-1] <= 64  # --quick budget, blocks of 16
-    names = {t["target"].split(" ")[0] for t in data["targets"]}
-    assert names == {"morphkv"}
-    assert len(data["targets"]) == 4
-    for png in ("speed_tokens_per_s.png", "speed_memory.png"):
-        assert (out / png).stat().st_size > 1000
+def test_overhead_quick(tmp_path):
+    from morphkv.bench import overhead
 
-
-def test_quick_in_process_with_model_object(tmp_path, capsys):
-    model = tiny_llama()
-    args = _args("--quick", "--out", str(tmp_path))
-    result = speed.execute(args, model=model)
-    _check_length_result(result, tmp_path, list(speed.DEFAULT_ARMS))
-    printed = capsys.readouterr().out
-    assert "PASS" in printed or "MISS" in printed
-    assert "median ms/token" in printed
-
-
-def test_quick_worker_processes(tmp_path):
-    arms = ["full", "rotating", "morphkv"]
-    args = _args(
-        "--quick", "--model", speed.RANDOM_TINY, "--arms", ",".join(arms), "--out", str(tmp_path)
-    )
-    result = speed.execute(args)
-    assert result["mode"].startswith("one worker process per arm")
-    _check_length_result(result, tmp_path, arms)
-
-
-def test_quick_sampled_full_arm_stops_early(tmp_path):
-    args = _args(
-        "--quick",
-        "--in-process",
-        "--model",
-        speed.RANDOM_TINY,
-        "--arms",
-        "full,morphkv",
-        "--full-max-tokens",
-        "150",
-        "--sample",
-        "10",
-        "--chunk",
-        "16",
-        "--out",
-        str(tmp_path),
-    )
-    result = speed.execute(args)
-    assert result["records"]["full"][-1]["position"] == 150
-    assert result["records"]["morphkv"][-1]["position"] == 300
-    assert all(r["timed_tokens"] == 10 for r in result["records"]["morphkv"])
-
-
-def test_quick_micro_is_the_layer_grid(tmp_path):
-    assert speed.execute(_args("--micro", "--quick", "--out", str(tmp_path))).get("exit", 0) == 0
-    data = json.loads((tmp_path / "layer_quick.json").read_text())
-    assert data["grid"] and {"morphkv", "h2o"} <= {r["method"] for r in data["rows"]}
-    for r in data["rows"]:
-        assert r["decode_us"] > 0 and r["rotating_us"] > 0 and r["chunk_ms"] > 0
-    assert (tmp_path / "layer.png").stat().st_size > 1000
-
-
-def test_layer_overhead_blas_quick(tmp_path):
-    from morphkv.bench import blas, layer, overhead
-
-    def parse(module, *argv):
-        parser = argparse.ArgumentParser()
-        module.add_arguments(parser)
-        return parser.parse_args(list(argv))
-
-    specs = "morphkv:window=4,streaming_llm"
-    args = parse(layer, "--quick", "--methods", specs, "--out", str(tmp_path))
-    result = layer.execute(args)
-    assert [r["method"] for r in result["rows"]] == ["morphkv:window=4", "streaming_llm"]
-    assert [r["window"] for r in result["rows"]] == [4, 8]  # the spec's option over --window
-    assert (tmp_path / "layer.png").stat().st_size > 1000
+    parse = _parse
     assert overhead.run(parse(overhead, "--quick", "--out", str(tmp_path))) == 0
     data = json.loads((tmp_path / "overhead_quick.json").read_text())
     assert set(data["median"]) == {"kvcache", "rotating", "morphkv", "proxy"}
     assert all(m["decode_ms"] > 0 for m in data["median"].values())
-    rc = blas.run(parse(blas, "--quick", "--out", str(tmp_path)))
-    if rc == 0:  # OpenBLAS installed: both runs happened
-        data = json.loads((tmp_path / "blas_quick.json").read_text())
-        assert set(data["speedup"]) == {"matmul_1024_f32", "forward_256_tokens", "prompt_tps",
-                                        "generation_tps"}
 
 
 def test_kernels_counts_a_block_of_decode_steps(tmp_path):

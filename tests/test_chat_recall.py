@@ -1,6 +1,6 @@
 """The conversation-memory evaluation: its data (splits disjoint), the chats (facts placed,
 updated, asked; the no-fact chat lacks every value), the strict judge, the value's own tokens,
-the rule that picks the memory setting, and a smoke run on the embedded model."""
+and a smoke run on the embedded model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 import pytest
 
 from morphkv.eval import chat_items as C
-from morphkv.eval.choose_memory import DTYPE, EIGHT_BIT, choose
 
 
 def test_tune_and_test_share_no_value_question_or_template():
@@ -48,32 +47,6 @@ def test_the_judge_requires_the_current_value_and_nothing_else_of_its_kind(answe
     assert C.judge(answer, q) is ok
 
 
-def test_the_rule_prefers_recall_among_settings_close_enough_in_kl():
-    kl = [
-        {"arm": DTYPE, "mean_kl": 0.13, "kl": {"a": 0.2, "b": 0.03}},
-        {"arm": EIGHT_BIT, "mean_kl": 0.07, "kl": {"a": 0.14, "b": 0.004}},
-        {"arm": "x", "mean_kl": 0.07, "kl": {"a": 0.12, "b": 0.01}},
-        {"arm": "y", "mean_kl": 0.09, "kl": {"a": 0.15, "b": 0.02}},
-        {"arm": "z", "mean_kl": 0.10, "kl": {"a": 0.10, "b": 0.10}},  # worse than dtype on b
-        {"arm": "w", "mean_kl": 0.2, "kl": {"a": 0.1, "b": 0.01}},  # > 1.5x 8-bit
-    ]
-
-    def rec(k):
-        return {"all": {"k": k, "n": 10, "rate": k / 10, "ci95": (0, 1)}}
-
-    out = choose(kl, {"x": rec(5), "y": rec(8), "z": rec(10), "w": rec(10)})
-    assert out["choice"] == "y"
-    assert {p["arm"]: p["admissible"] for p in out["points"]} == {
-        "x": True, "y": True, "z": False, "w": False}
-    # a pinned candidate is judged on its base's KL (a text has no turns to pin)
-    out = choose(kl, {"x": rec(5), "x+pin": rec(9), "z+pin": rec(10), "y": rec(8)})
-    assert out["choice"] == "x+pin"
-    points = {p["arm"]: p for p in out["points"]}
-    assert points["z+pin"]["admissible"] is False
-    assert points["x+pin"]["mean_kl"] == points["x"]["mean_kl"]
-
-
-@pytest.mark.slow
 def test_value_tokens_are_the_values_own_and_chats_reach_the_distance():
     from smollm2_fixture import load_embedded
 
@@ -174,19 +147,6 @@ def test_summary_splits_the_full_caches_items_into_kept_and_updated_facts():
     # distance / 64 tokens held: 100 -> 1.6 (1-2), 150 -> 2.3, 200 -> 3.1, 450 -> 7.0 (>= 6)
     assert by_distance(chats, "h2o@64", 128) == [(1, 1, 1), (2, 0, 1), (3, 1, 1), (5, 0, 1)]
     assert "`kvcache`" in table({"kvcache": summarize(chats, ["kvcache"])["kvcache"]})
-
-
-def test_the_report_section_names_the_command_and_the_table():
-    from morphkv.eval.chat_report import section, summarize
-
-    chats = [_chat(0, [True, True, False], [True, False, True], [100, 150, 400], 64)]
-    result = {"args": {"model": "qwen2.5-0.5b", "split": "test", "chats": 1, "budget": 128,
-                       "arms": "kvcache,h2o@64"},
-              "summary": summarize(chats, ["kvcache", "h2o@64"]),
-              "load_average": {"start": [3.0, 2, 1], "end": [4.0, 2, 1]}}
-    text = section(result)
-    assert "morphkv eval recall --model qwen2.5-0.5b --split test --chats 1" in text
-    assert '--arms "kvcache,h2o@64"' in text and "`h2o@64`" in text and "3.0" in text
 
 
 @pytest.mark.parametrize(("answer", "value", "ok"), [

@@ -38,10 +38,10 @@ def test_the_default_mode_is_the_first(parser):
 
 
 def test_a_mode_keeps_its_options_and_rejects_the_others(parser, capsys):
-    assert parser.parse_args(["bench", "speed", "--mode", "layer", "--grid"]).grid is True
-    assert parser.parse_args(["eval", "recall", "--data=blocks", "--no-kl"]).no_kl is True
-    with pytest.raises(SystemExit) as stop:  # --grid is bench speed --mode layer's, not length's
-        parser.parse_args(["bench", "speed", "--grid"])
+    assert parser.parse_args(["bench", "speed", "--mode", "kernels", "--rows", "4"]).rows == 4
+    assert parser.parse_args(["eval", "recall", "--data=said", "--chats", "2"]).chats == 2
+    with pytest.raises(SystemExit) as stop:  # --rows is bench speed --mode kernels', not length's
+        parser.parse_args(["bench", "speed", "--rows", "4"])
     assert stop.value.code == 2
     with pytest.raises(SystemExit) as stop:
         parser.parse_args(["bench", "serve", "--scenario", "nope"])
@@ -71,3 +71,35 @@ def test_an_old_name_names_the_new_command_and_exits_2(old, capsys, monkeypatch)
     assert f"`morphkv {MOVED[old]} --quick --out 'x y'`" in lines[0]
     new = MOVED[old].split()
     assert callable(build_parser().parse_args(new)._run)  # the named command exists
+
+
+def test_every_command_module_follows_the_contract():
+    """add_arguments, and run(args) or execute(args); its help is the docstring's first line."""
+    modules = [m for _, m in COMMANDS] + [m for _, _, ms in MODES.values() for m in ms.values()]
+    for name in dict.fromkeys(modules):
+        module = __import__(name, fromlist=["x"])
+        assert callable(module.add_arguments), name
+        assert callable(getattr(module, "run", None) or getattr(module, "execute", None)), name
+        assert (module.__doc__ or "").strip().splitlines()[0], name
+
+
+def test_missing_matplotlib_is_one_line_before_any_work(tmp_path, monkeypatch):
+    import argparse
+    import sys
+
+    from morphkv.eval import fidelity
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    parser = argparse.ArgumentParser()
+    fidelity.add_arguments(parser)
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[bench\]'"):
+        fidelity.execute(parser.parse_args(["--quick", "--out", str(tmp_path)]), model=object())
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_lists_the_bench_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for name in ("speed", "serve"):
+        assert name in out

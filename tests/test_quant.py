@@ -270,27 +270,6 @@ def test_kept_sets_at_8_bits_overlap_the_float_cache():
     assert min(overlaps) < 1.0  # the quantized run did decide on its own keys
 
 
-def test_quantized_equal_bytes_command_quick(tmp_path):
-    import argparse
-
-    from morphkv.eval import quantized as Q
-
-    class Bytes:
-        chat_template = None
-
-        def encode(self, text):
-            return list(text.encode("utf-8"))
-
-    parser = argparse.ArgumentParser()
-    Q.add_arguments(parser)
-    args = parser.parse_args(["--quick", "--out", str(tmp_path)])
-    result = Q.execute(args, tiny_llama_hd64(), Bytes())
-    budgets = {(r["method"], r["bits"]): r["budget"] for r in result["rows"]}
-    assert budgets[("morphkv", None)] == 16 and budgets[("morphkv", 8)] == 30  # 16 * 128 / 68
-    assert budgets[("streaming_llm", 4)] == 57
-    assert all(r["kl"] >= 0 and r["positions"] > 0 for r in result["rows"])
-
-
 @pytest.mark.parametrize("bits", [8, 4])
 def test_bound_known_early_equals_bytes_once_full(bits):
     k = mx.random.normal((1, 2, 100, 64)).astype(mx.float16)

@@ -18,20 +18,48 @@ RotatingKVCache (update + mlx_lm's attention) is the reference.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 
+from ..eval.arms import Arm
 from ..eval.flags import add_flags
 from ..eval.output import environment, markdown_table, out_dir, write_json
 from ..mlxlm.hooks import attention_step, queries_by_hand
-from .layer import B, D, H, make_cache, stream
 
 NAME = "kernels"
 VIEWS = {"Slice", "Reshape", "Broadcast", "Transpose", "ExpandDims", "Squeeze", "Copy",
          "AsStrided", "StopGradient"}
+
+
+B, H, D = 1, 4, 64  # one layer: batch 1, 4 KV heads, head_dim 64
+
+
+def stream(n: int, dtype=mx.float16, groups: int = 0, seed: int = 0):
+    """Keys, values (B, H, n, D) and queries (B, H * groups, n, D), or None for proxy."""
+    mx.random.seed(seed)
+    k = mx.random.normal((B, H, n, D)).astype(dtype)
+    v = mx.random.normal((B, H, n, D)).astype(dtype)
+    q = mx.random.normal((B, H * groups, n, D)).astype(dtype) if groups else None
+    mx.eval(k, v, q)
+    return k, v, q
+
+
+def make_cache(spec: str, budget: int, window: int = 8, n_sink: int = 4, groups: int = 0):
+    """``rotating`` (mlx_lm's RotatingKVCache) or any arm spec at ``budget``."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from ..mlxlm.builder import KVCacheBuilder
+
+    if spec == "rotating":
+        return RotatingKVCache(max_size=budget, keep=n_sink)
+    config = Arm.parse(spec, window=window).config(budget, n_sink=n_sink)
+    if groups and config.rule.attention:  # the rules that read attention rows
+        config = dataclasses.replace(config, scoring="attention")
+    return KVCacheBuilder.build(config)
 
 
 def graph_nodes(arrays) -> list[str]:

@@ -9,7 +9,10 @@ per-token median. Ratios: prefill vs ``kvcache``, decode vs ``rotating``. ``--co
 1024,4096,8192`` repeats the measurement at each prompt length and prints one table with the
 ratios the speed targets name (prefill and decode vs ``rotating``, decode vs ``kvcache``).
 Beside wall time each figure has its CPU time (``process_time``: all threads of this
-process), which other processes' load changes far less on a shared machine.
+process), which other processes' load changes far less on a shared machine. Memory at each
+context: MLX peak memory over the arm's run and the bytes its caches hold at the end
+(``nbytes``): with ``--contexts 2000,8000,20000`` the speed and memory at length of the
+removed ``--mode length``.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ NAME = "overhead"
 ALIASES = {"morphkv": "morphkv:attn", "proxy": "morphkv:proxy"}  # the old script's arm names
 
 
-KEYS = ("prefill_s", "decode_ms", "prefill_cpu_s", "decode_cpu_ms")
+KEYS = ("prefill_s", "decode_ms", "prefill_cpu_s", "decode_cpu_ms", "peak_mib", "kv_mib")
 
 
 def run_arm(arm, model, prompt: mx.array, args) -> dict[str, float]:
     caches = arm.caches(model, args.budget, 4)
+    mx.reset_peak_memory()
     start, cpu = time.perf_counter(), time.process_time()
     for i in range(0, prompt.size, args.prefill_step):
         logits = model(prompt[None, i : i + args.prefill_step], cache=caches)
@@ -54,13 +58,16 @@ def run_arm(arm, model, prompt: mx.array, args) -> dict[str, float]:
         times.append(time.perf_counter() - start)
         cpus.append(time.process_time() - cpu)
     return {"prefill_s": prefill, "decode_ms": statistics.median(times) * 1e3,
-            "prefill_cpu_s": prefill_cpu, "decode_cpu_ms": statistics.median(cpus) * 1e3}
+            "prefill_cpu_s": prefill_cpu, "decode_cpu_ms": statistics.median(cpus) * 1e3,
+            "peak_mib": mx.get_peak_memory() / 2**20,
+            "kv_mib": sum(c.nbytes for c in caches) / 2**20}
 
 
 def context_table(by_context: dict) -> str:
     """One row per (context, arm): wall and CPU figures and the ratios the targets name."""
     headers = ["context", "cache", "prefill s", "prefill vs rotating", "decode ms/token",
-               "decode vs rotating", "decode vs kvcache", "prefill cpu s", "decode cpu ms"]
+               "decode vs rotating", "decode vs kvcache", "prefill cpu s", "decode cpu ms",
+               "peak MiB", "KV MiB"]
     rows = []
     for context, median in by_context.items():
         def ratio(m, arm, key, median=median):
@@ -71,7 +78,7 @@ def context_table(by_context: dict) -> str:
             rows.append([context, name, m["prefill_s"], ratio(m, "rotating", "prefill_s"),
                          m["decode_ms"], ratio(m, "rotating", "decode_ms"),
                          ratio(m, "kvcache", "decode_ms"), m["prefill_cpu_s"],
-                         m["decode_cpu_ms"]])
+                         m["decode_cpu_ms"], m["peak_mib"], m["kv_mib"]])
     return markdown_table(headers, rows)
 
 
@@ -125,10 +132,6 @@ def run(args: argparse.Namespace) -> int:
     result = {"benchmark": NAME, "args": vars(args), "runs": all_runs[first],
               "median": by_context[first], "by_context": by_context}
     result["environment"] = environment()
-    from ..eval.report import overhead_section  # the same table the report shows
-
-    print(overhead_section(result))
-
     def plot(path):
         median = by_context[first]
         fig, axes = plots.panels(2, 5, 4)

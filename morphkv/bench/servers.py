@@ -34,14 +34,9 @@ def server_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     args = parser.parse_args(flags)
-    reset = Path(log_path + ".reset")  # the bench asks for a fresh peak through this file
-
     def sample():
         with open(log_path, "a") as f:
             while True:
-                if reset.exists():
-                    mx.reset_peak_memory()
-                    reset.unlink()
                 f.write(f"{time.time():.3f} {_rss_bytes()} {mx.get_active_memory()} "
                         f"{mx.get_peak_memory()}\n")
                 f.flush()
@@ -61,14 +56,13 @@ def server_main(argv: list[str]) -> int:
 
 
 class Server:
-    """One server process on loopback (``server_main``); ``label`` names its files in ``out``
-    (``memory_<label>.log``, ``server_<label>.txt``)."""
+    """One server process on loopback (``server_main``), its files in ``out``
+    (``memory_<kind>.log``, ``server_<kind>.txt``); its memory sampled every 0.25 s."""
 
-    def __init__(self, kind: str, flags: list[str], out: Path, label: str | None = None,
-                 every: float = 0.25):
+    def __init__(self, kind: str, flags: list[str], out: Path):
         from ..runtime.blas import blas_env
 
-        label = label or kind
+        label, every = kind, 0.25
         self.kind, self.port = kind, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log, self.output = out / f"memory_{label}.log", out / f"server_{label}.txt"
@@ -117,22 +111,6 @@ class Server:
         """Every sample so far: (time, RSS, MLX active, MLX peak)."""
         rows = [x.split() for x in self.log.read_text().splitlines() if x.strip()]
         return [(float(t), int(r), int(a), int(p)) for t, r, a, p in rows if p]
-
-    def latest(self) -> tuple[int, int]:
-        """(active, peak) MLX bytes in the server, sampled after now."""
-        start = time.time()
-        while True:
-            samples = self.memory()
-            if samples and samples[-1][0] > start:
-                return samples[-1][2], samples[-1][3]
-            time.sleep(0.05)
-
-    def reset_peak(self) -> None:
-        """Restart the server's MLX peak memory count (it includes model loading before)."""
-        flag = Path(f"{self.log}.reset")
-        flag.touch()
-        while flag.exists():
-            time.sleep(0.05)
 
     def startup(self) -> list[str]:
         text = self.output.read_text()

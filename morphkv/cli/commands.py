@@ -19,14 +19,11 @@ COMMANDS: list[tuple[str, str]] = [
     ("generate", "morphkv.cli.generate"),
     ("serve", "morphkv.cli.serve"),
     ("chat", "morphkv.cli.chat"),
-    ("bench mechanism", "morphkv.bench.mechanism"),
-    ("bench speed", "morphkv.bench.speed"),
-    ("bench blas", "morphkv.bench.blas"),
-    ("bench serve", "morphkv.bench.serve"),
+    ("bench speed", "morphkv.bench.overhead"),
+    ("bench serve", "morphkv.bench.load"),
     ("eval recall", "morphkv.eval.chat_recall"),
     ("eval fidelity", "morphkv.eval.fidelity"),
     ("eval generation", "morphkv.eval.generation"),
-    ("report", "morphkv.eval.report"),
 ]
 
 # a command with modes: its mode option and, per mode, the module that measures it (the
@@ -37,26 +34,19 @@ MODES: dict[str, tuple[str, str, dict[str, str]]] = {
         "said": "morphkv.eval.said_recall",  # names the model invented and user facts, one chat
         "answers": "morphkv.eval.answers",  # identifiers re-used in long answers the model wrote
         "longchat": "morphkv.eval.recall",  # one fact early in a long chat
-        "blocks": "morphkv.eval.blocks",  # recall and KL per eviction block
     }),
     "eval fidelity": ("--mode", "KL and NLL to the full cache on texts, per arm and budget", {
         "texts": "morphkv.eval.fidelity",
-        "sweep": "morphkv.eval.sweep",
-        "quantized": "morphkv.eval.quantized",
         "bytes": "morphkv.eval.bytes",
-        "blocks": "morphkv.eval.blocks",
         "state": "morphkv.eval.state_bytes",  # bytes a slot: K/V and selection state, per rule
     }),
-    "bench speed": ("--mode", "Speed in the model and per layer, against mlx_lm's caches", {
-        "length": "morphkv.bench.speed",
+    "bench speed": ("--mode", "Speed and memory in the model, kernels per step, vs mlx_lm's "
+                    "caches", {
         "overhead": "morphkv.bench.overhead",
-        "layer": "morphkv.bench.layer",
         "kernels": "morphkv.bench.kernels",
-        "batch": "morphkv.bench.batch_step",
     }),
-    "bench serve": ("--scenario", "morphkv serve against mlx_lm's server: throughput, load, "
-                    "faults, fairness, long chats", {
-        "throughput": "morphkv.bench.serve",
+    "bench serve": ("--scenario", "morphkv serve against mlx_lm's server: throughput under "
+                    "load, faults, fairness, long chats", {
         "load": "morphkv.bench.load",
         "chat": "morphkv.bench.chat",
         "fair": "morphkv.bench.fair",
@@ -66,14 +56,10 @@ MODES: dict[str, tuple[str, str, dict[str, str]]] = {
 # old names (one release): one line naming the new command line, exit status 2, nothing run
 MOVED: dict[str, str] = {
     "eval chatrecall": "eval recall",
-    "eval sweep": "eval fidelity --mode sweep",
-    "eval quantized": "eval fidelity --mode quantized",
+    "eval sweep": "eval fidelity --split tune",
     "eval bytes": "eval fidelity --mode bytes",
-    "eval blocks": "eval fidelity --mode blocks",
     "bench overhead": "bench speed --mode overhead",
-    "bench layer": "bench speed --mode layer",
     "bench kernels": "bench speed --mode kernels",
-    "bench batch": "bench speed --mode batch",
     "bench load": "bench serve --scenario load",
     "bench chat": "bench serve --scenario chat",
     "bench fair": "bench serve --scenario fair",

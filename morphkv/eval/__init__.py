@@ -1,4 +1,4 @@
-"""Quality evaluation: the ``morphkv eval`` commands, ``morphkv report``, and the parts every
+"""Quality evaluation: the ``morphkv eval`` commands and the parts every
 measurement shares.
 
 Parts (dependencies point down the list): ``progress``, ``flags`` (command-line helpers),
@@ -10,15 +10,16 @@ mlx_lm cache), ``metrics``, ``texts`` (+ its data in ``data/texts.json``), ``plo
 of any caches), ``equal_bytes``; commands (modes in ``morphkv.cli.commands.MODES``):
 ``eval recall --data`` chats (``chat_recall`` + ``chat_items``, ``chat_report``,
 ``chat_answers``; data in ``data/chat_*.json``), longchat (``recall`` + ``recall_items``,
-``recall_natural``, ``recall_report``; data in ``data/recall_*.json``), blocks (``blocks``);
-``eval fidelity --mode`` texts (``fidelity``), sweep, quantized, bytes, blocks;
-``generation``; ``report`` renders results/report.md from the JSON of every command.
+``recall_natural``, ``recall_report``; data in ``data/recall_*.json``), said (``said_recall`` +
+``said_items``; ``choose_said``), answers, ``--live`` (``live``);
+``eval fidelity --mode`` texts (``fidelity``; ``--split``/``--grid`` to choose settings), bytes,
+state (``state_bytes``); ``generation``.
 
 Adding things (one small change each):
 - a command: a module with ``add_arguments(parser)`` and ``execute(args) -> figures`` (or
   ``run(args)``), one line in ``morphkv.cli.commands.MODES`` (a mode of a merged command),
-  and for the report one entry in ``report.SOURCES`` and one in ``report.SECTIONS``. A sweep
-  is ``fidelity.run_fidelity`` over ``arms.grid_specs(...)``; a recall task scores answers
+  ending in ``output.finish`` (table, JSON, PNG). A sweep
+  is ``fidelity.run_fidelity`` over ``arms.grid_arms(...)``; a recall task scores answers
   with ``models.greedy_tokens``.
 - a knob or quantized storage: nothing here; an arm names any ``KVCacheConfig`` field
   (``morphkv:window=8:recent=64``, ``morphkv:bits=8``) and ``--equal-bytes`` measures its bytes.

@@ -237,3 +237,13 @@ def grid_specs(method: str, **values) -> list[str]:
     return [method + "".join(f":{k}={v}" for k, v in zip(keys, combo, strict=True))
             for combo in itertools.product(*values.values())]
 
+
+def grid_arms(base: str, grid: list[str]) -> list[str]:
+    """``--grid`` items ``key=v1/v2/...``: every combination of them over ``base``."""
+    values = {}
+    for item in grid:
+        key, _, options = item.partition("=")
+        if not options:
+            raise SystemExit(f"morphkv: error: --grid {item!r}: expected key=v1/v2/...")
+        values[key] = options.split("/")
+    return grid_specs(base, **values) if values else []

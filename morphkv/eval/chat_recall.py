@@ -207,13 +207,3 @@ def run(args: argparse.Namespace, build=None, report=None) -> int:
     distance_plot(result["chats"], folder / f"{stem}_distance.png", args.budget)
     print(f"wrote {folder / f'{stem}.json'}, {stem}.png and {stem}_distance.png")
     return 0
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="morphkv eval recall", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -176,22 +176,6 @@ def plot(summary: dict, path: Path) -> None:
                 path)  # fmt: skip
 
 
-def section(result: dict) -> str:
-    """The report's section (``morphkv report``): the command and the table it printed."""
-    args = result.get("args", {})
-    flags = [f"--{k.replace('_', '-')} {args[k]}" for k in ("model", "split", "chats", "budget")
-             if args.get(k) is not None]
-    command = f"morphkv eval recall {' '.join(flags)} --arms \"{args.get('arms', '')}\""
-    load = result.get("load_average", {})
-    note = (f"Load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end."
-            if load else "")
-    chats = result.get("chats")
-    labels = list(dict.fromkeys(k for c in chats or [] for k in c["arms"]))
-    body = table(summarize(chats, labels) if chats else result["summary"])
-    return "\n".join(["## Conversation memory (`morphkv eval recall`)", "", f"`{command}`",
-                      "", body, "", note, ""])
-
-
 def main(argv=None) -> int:
     """Redraw the table and both PNGs of a ``morphkv eval recall`` JSON (a partial one
     too: the run saves it after every chat)."""

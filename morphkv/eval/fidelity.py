@@ -7,7 +7,9 @@ agreement, perplexity ratio exp(mean NLL_method - mean NLL_full); the measured K
 kept K+V, everything held); peak MLX memory and decode tokens/s. ``--equal-bytes ARM`` gives
 every arm, at each budget, the budget at which it holds as many bytes as ARM does there
 (measured, ``equal_bytes.py``). A ``full`` arm (MorphKVCache, method full, fed like the others)
-checks the pipeline itself.
+checks the pipeline itself. Choosing settings: ``--split tune`` feeds the texts for choosing,
+``--split heldout`` the disjoint texts for reporting (``texts.split_texts``); ``--grid``
+adds every combination of ``key=v1/v2`` options over ``--grid-base``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 import mlx.core as mx
 
 from . import plots
-from .arms import Arm, check_specs, parse_arms
+from .arms import Arm, check_specs, grid_arms, parse_arms
 from .equal_bytes import equal_byte_budgets
 from .flags import add_flags, standard
 from .models import load_model
@@ -27,7 +29,7 @@ from .output import environment, finish, markdown_table, out_dir, pivot, write_j
 from .plots import require_matplotlib
 from .progress import Progress
 from .runner import Feeder, evaluate_arms, reference_logprobs
-from .texts import CONVERSATIONS, build_texts
+from .texts import CONVERSATIONS, build_texts, split_texts
 
 NAME = "fidelity"
 N_SINK = 4
@@ -142,6 +144,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--arms", list(DEFAULT_ARMS), "arm specs: method[:fusion][:window][:attn] or "
          "method:field=value:... for any KVCacheConfig field, e.g. morphkv:window=32:attn"),
         ("--texts", ["prose", "conversation"], "text kinds: prose, conversation, continuation"),
+        ("--split", "none", "tune: the texts for choosing settings, heldout: those for "
+         "reporting them (instead of --texts)", ["none", "tune", "heldout"]),
+        ("--grid", [], "options key=v1/v2 (comma between keys): every combination is an arm "
+         "(default: none)"),
+        ("--grid-base", "morphkv:attn", "the arm the --grid options apply to"),
         ("--prose-tokens", 1100, "tokens per prose document"),
         ("--prose-docs", 1, "prose documents"),
         ("--conversations", 1, "conversations"),
@@ -172,6 +179,10 @@ def apply_presets(args: argparse.Namespace) -> None:
 
 
 def texts_of(args: argparse.Namespace, model, tokenizer) -> dict[str, list[int]]:
+    if args.split != "none":
+        texts = split_texts(tokenizer, model, args.split, args.prose_tokens,
+                            args.continuation_tokens, args.conversation_tokens)
+        return {k: v[:96] for k, v in list(texts.items())[:2]} if args.quick else texts
     return build_texts(tokenizer, args.texts, model, prose_tokens=args.prose_tokens,
                        prose_docs=args.prose_docs, conversations=args.conversations,
                        conversation_tokens=args.conversation_tokens,
@@ -181,8 +192,9 @@ def texts_of(args: argparse.Namespace, model, tokenizer) -> dict[str, list[int]]
 def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     """Run with the command-line settings; ``model``/``tokenizer`` bypass loading (tests)."""
     require_matplotlib()
-    check_specs(args.arms + ([args.equal_bytes] if args.equal_bytes else []))
     apply_presets(args)
+    args.arms = list(dict.fromkeys([*args.arms, *grid_arms(args.grid_base, args.grid)]))
+    check_specs(args.arms + ([args.equal_bytes] if args.equal_bytes else []))
     if model is None:
         model, tokenizer = load_model(args.model)
     mx.random.seed(0)

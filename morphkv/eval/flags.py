@@ -15,7 +15,7 @@ def add_flags(parser: argparse.ArgumentParser, flags) -> None:
             kw = {"action": "store_true", "help": text}
         elif isinstance(default, list):
             kw["type"] = csv_ints if default and isinstance(default[0], int) else csv_strs
-            kw["help"] += f" (default {','.join(map(str, default))})"
+            kw["help"] += f" (default {','.join(map(str, default))})" if default else ""
         elif default is not None:
             kw["type"] = type(default)
             kw["help"] += f" (default {default})"

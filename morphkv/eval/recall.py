@@ -28,7 +28,7 @@ from .output import environment, out_dir, write_json
 from .progress import Progress
 from .recall_items import build_item, is_correct
 from .recall_natural import build_natural_item
-from .recall_report import plot, section, summarize, table  # noqa: F401  (section: report)
+from .recall_report import plot, summarize, table
 
 NAME = "recall"
 DEFAULT_ARMS = "full,streaming_llm,tuned,h2o,peak:recent=32:value=true"

@@ -158,19 +158,3 @@ def plot(summary: dict, budgets: list[int], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def section(result: dict) -> str:
-    """The report's section (``morphkv report``): the table the command printed."""
-    args = result.get("args", {})
-
-    def value(v):
-        return ",".join(map(str, v)) if isinstance(v, list) else v
-
-    flags = [f"--{k.replace('_', '-')} {value(v)}" for k, v in args.items()
-             if k in ("arms", "budgets", "distance", "items", "split", "seed") and v is not None]
-    if args.get("screen"):
-        flags.append("--screen")
-    command = "morphkv eval recall --data longchat " + " ".join(flags)
-    return "\n".join(["## Recall of an early fact (`morphkv eval recall --data longchat`)", "",
-                      f"`{command}`", "", result["table"], ""])

@@ -95,13 +95,3 @@ def run(args: argparse.Namespace) -> int:
         return build_said_chat(model, tok, split, index, seed, asks=asks)
 
     return chat_run(args, build=build, report=report)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="morphkv eval recall --data said", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -132,21 +132,3 @@ def build_texts(tokenizer, kinds, model=None, **settings) -> dict[str, list[int]
             raise ValueError(f"unknown text kind {kind!r}; valid: {sorted(TEXTS)}")
         found.update(TEXTS[kind](tokenizer, model, s))
     return found
-
-
-def topic_tokens(tokenizer, n: int, vocab_size: int | None = None) -> list[int]:
-    """``n`` token ids of pydoc topics (repeated if needed), for the length benchmarks;
-    without a tokenizer the UTF-8 bytes (modulo the vocabulary)."""
-    from pydoc_data.topics import topics
-
-    names = list(PROSE_TOPICS) + sorted(k for k in topics if k not in PROSE_TOPICS)
-    ids: list[int] = []
-    i = 0
-    while len(ids) < n:
-        text = topics[names[i % len(names)]] + "\n\n"
-        i += 1
-        if tokenizer is None:
-            ids.extend(t % vocab_size if vocab_size else t for t in text.encode("utf-8"))
-        else:
-            ids.extend(tokenizer.encode(text))
-    return ids[:n]
