@@ -8,7 +8,7 @@ tokens, go after the model's own) and, once the pinned tokens alone overflow, Ke
 them (``pin_rank="keydiff"``). It won the fixed rule of issue 42 on held-out chats and long
 answers (user-said facts 7/7 of the full cache's vs MorphKV's 6/7, re-mention agreement 77% vs
 74%, KL 0.188 vs 0.236 at the float16 bytes of 128 tokens; ``morphkv.eval.choose_said``,
-docs/recall.md), as it had won issue 33's (``morphkv.eval.choose_memory``). No rule won the
+docs/recall.md), as it had won issue 33's (``morphkv.eval.choose_memory``, at commit ee94078). No rule won the
 model's own facts: every bounded setting measured recalled 0 of 7 there.
 The argument says only how much is kept: ``recommended(budget)`` keeps ``budget`` tokens in
 the dtype keys arrive in; ``recommended(memory=N)`` keeps at most ``N`` bytes, stored at
