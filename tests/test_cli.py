@@ -302,13 +302,10 @@ def test_bench_and_eval_commands_are_registered(tmp_path):
         ["bench", "speed", "--quick"],
         ["eval", "fidelity", "--quick"],
         ["eval", "generation", "--quick"],
-        ["bench", "mechanism", "--quick"],
+        ["bench", "speed", "--mode", "kernels", "--quick"],
     ):
         assert callable(parser.parse_args(argv)._run)
-    out = tmp_path / "mech"
-    assert main(["bench", "mechanism", "--quick", "--out", str(out)]) == 0
-    assert (out / "mechanism.json").exists() and (out / "mechanism.png").exists()
     out = tmp_path / "speed"  # its JSON records the parsed arguments: they must stay plain data
-    argv = ["bench", "speed", "--quick", "--model", "random-tiny", "--in-process", "--out"]
+    argv = ["bench", "speed", "--quick", "--model", "random-tiny", "--out"]
     assert main([*argv, str(out)]) == 0
     assert list(out.glob("*.json")) and list(out.glob("*.png"))

@@ -249,3 +249,54 @@ def test_overflowing_pins_rank_by_key_geometry_with_pin_rank_keydiff(engine, met
 def test_pin_rank_is_validated():
     with pytest.raises(ValueError, match="pin_rank='age' is unknown"):
         KVCacheConfig(pin_rank="age").validate()
+
+
+def test_pin_replies_pins_a_short_reply_when_the_next_prompt_arrives():
+    """``pin_replies=N``: at a prompt, the generated tokens since the last pinned range are
+    pinned if at most N (a short answer), not if longer; read from the pins alone, so batches
+    and loaded caches keep the policy with no state of their own."""
+    from morphkv import MorphKVCache
+
+    cache = MorphKVCache(KVCacheConfig(method="streaming_llm", morphkv_budget=64,
+                                       morphkv_n_sink=2, pin="prompt", pin_replies=8))
+    rng = np.random.default_rng(0)
+
+    def feed(n):
+        k = mx.array(rng.standard_normal((1, 2, n, 8)).astype(np.float32))
+        cache.update_and_fetch(k, k)
+
+    feed(10)  # a prompt: [0, 10)
+    for _ in range(5):  # a reply of 5: 10 and 11 pinned with the prompt (PIN_AFTER), 12-14 not
+        feed(1)
+    assert cache.pins.ranges() == [[0, 12]]
+    feed(6)  # the next prompt at 15: the 3-token rest of the reply is pinned with it
+    assert cache.pins.ranges() == [[0, 21]]
+    for _ in range(20):  # a long reply: 21, 22 pinned; 23-40 (18 > 8) are not
+        feed(1)
+    feed(4)
+    assert cache.pins.ranges() == [[0, 23], [41, 45]]
+
+
+def test_pin_replies_through_mlx_lm_on_both_engines():
+    """Through mlx_lm's ``generate_step`` with one prompt cache over two turns: a reply of 4
+    tokens is pinned when the second prompt arrives, with ``pin_replies`` and not without."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    held = {}
+    for engine in ("host", "mlx"):
+        for n in (0, 8):
+            model = model_for("streaming_llm", engine, pin_replies=n, morphkv_budget=64,
+                              scoring="attention")
+            caches = make_prompt_cache(model)
+            first, second = prompts_of([9, 6])
+            single(model, first, 4, cache=caches)
+            single(model, second, 1, cache=caches)
+            held[engine, n] = ranges(caches)
+    assert held["host", 0] == held["mlx", 0] and held["host", 8] == held["mlx", 8]
+    assert len(held["host", 0]) == 2 and held["host", 8] == [[0, held["host", 0][-1][1]]]
+
+
+def test_recommended_pins_short_replies_and_a_bad_count_is_refused():
+    assert recommended(128).pin_replies == 48 == recommended(memory=2**20).pin_replies
+    with pytest.raises(ValueError, match="pin_replies"):
+        KVCacheConfig(method="streaming_llm", pin="prompt", pin_replies=-1).validate()

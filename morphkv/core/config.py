@@ -75,6 +75,10 @@ class KVCacheConfig:
             goes: a template's tokens repeated every turn before a name or number said once);
             ``"keydiff-span"``: that score max-pooled over 5 neighbours, so a word's
             sub-tokens stay or go together. Unpinned tokens always go before pinned ones.
+        pin_replies: with ``pin="prompt"`` (no effect otherwise), when a prompt arrives, the model's tokens since
+            the last pinned range (its reply) are pinned too if there are at most this many:
+            a short answer (a name, a number, a decision) is kept as the user's words are;
+            long explanations are not. 0: off. ``recommended()`` sets 48.
     """
 
     method: str = "morphkv"
@@ -98,6 +102,7 @@ class KVCacheConfig:
     engine: str = "auto"
     pin: str = "none"
     pin_rank: str = "rule"
+    pin_replies: int = 0
 
     @property
     def default_engine(self) -> str:
@@ -203,6 +208,9 @@ class KVCacheConfig:
             raise ValueError(f"pin={self.pin!r} is unknown; valid: {PIN_POLICIES}")
         if self.pin_rank not in PIN_RANKS:
             raise ValueError(f"pin_rank={self.pin_rank!r} is unknown; valid: {PIN_RANKS}")
+        if not isinstance(self.pin_replies, int) or isinstance(self.pin_replies, bool) or \
+                self.pin_replies < 0:
+            raise ValueError(f"pin_replies must be an integer >= 0, got {self.pin_replies!r}")
         if self.engine == "mlx" and not rule.evicts:
             raise ValueError(f"engine='mlx' runs evictions on the device: method={self.method!r} "
                              "evicts nothing (use engine='auto' or 'host')")

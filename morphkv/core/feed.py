@@ -98,10 +98,22 @@ class Feed:
         stored (positions may be pinned ahead), so the pins are there before any eviction
         that could take them. The callers skip it for a plain decode step (no row due)."""
         for i, n in enumerate(counts):
+            if n and C > 1 and self.config.pin_replies:
+                self.pin_reply(i, int(firsts[i]))
             if n and (C > 1 or self.pin_next[i]):
                 self.pin_range(i, int(firsts[i]), int(firsts[i]) + int(n))  # the cache's
             if n:
                 self.pin_next[i] = PIN_AFTER if C > 1 else max(0, self.pin_next[i] - 1)
+
+    def pin_reply(self, i: int, first: int) -> None:
+        """``pin_replies``: a prompt arrives at ``first`` in row i; the tokens since the end of
+        the row's last pinned range before it (the model's reply) are pinned if they are at
+        most ``pin_replies``. Read from the pins themselves: no state of its own, so merged,
+        extracted, saved and loaded rows keep the policy."""
+        pins = self.row_pins[i] if hasattr(self, "row_pins") else self.pins
+        ends = pins.ends[pins.ends <= first]
+        if ends.size and 0 < first - int(ends.max()) <= self.config.pin_replies:
+            self.pin_range(i, int(ends.max()), first)
 
     def set_scale(self, scale: float) -> None:
         if scale != self._scale:

@@ -31,6 +31,7 @@ FIELDS = {  # a knob's name -> the KVCacheConfig field that holds it
     "engine": "engine",
     "pin": "pin",
     "pin_rank": "pin_rank",
+    "pin_replies": "pin_replies",
 }
 OLD = {"n_sink": "sinks", "bits": "kv_bits", "memory": "kv_memory"}  # older spellings
 NAMES = {field: name for name, field in FIELDS.items()}
