@@ -136,7 +136,8 @@ def test_a_missing_optional_dependency_is_one_line(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(blocker), str(REPO)])
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "morphkv", "bench", "mechanism", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "morphkv", "bench", "speed", "--quick", "--model", "random-tiny",
+         "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
