@@ -296,7 +296,19 @@ def test_pin_replies_through_mlx_lm_on_both_engines():
     assert len(held["host", 0]) == 2 and held["host", 8] == [[0, held["host", 0][-1][1]]]
 
 
-def test_recommended_pins_short_replies_and_a_bad_count_is_refused():
-    assert recommended(128).pin_replies == 48 == recommended(memory=2**20).pin_replies
-    with pytest.raises(ValueError, match="pin_replies"):
-        KVCacheConfig(method="streaming_llm", pin="prompt", pin_replies=-1).validate()
+def test_a_pinned_reply_outlives_later_tokens_on_both_engines():
+    """The reply pinned after it was stored is evicted last on both engines alike: the same
+    kept set, every pinned position in it, once later generated tokens overflow the budget."""
+    kept = {}
+    for engine in ("host", "mlx"):
+        model = model_for("streaming_llm", engine, pin_replies=8, scoring="attention",
+                          morphkv_budget=24)
+        caches = model.make_cache()
+        first, second = prompts_of([9, 6])
+        single(model, first, 4, cache=caches)
+        single(model, second, 30, cache=caches)  # ~50 tokens seen, 24 held
+        kept[engine] = caches[0].kept_positions[0, 0].tolist()
+        pinned = {p for a, b in ranges(caches) for p in range(a, b)}
+        assert len(ranges(caches)) == 1 and pinned <= set(kept[engine]), (pinned, kept)
+        assert caches[0].tokens_seen > 40
+    assert kept["host"] == kept["mlx"]
