@@ -30,8 +30,9 @@ def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None, 
     """(output (B, n_heads, k, Dv), rows (B * H, k, n) float32) of ``queries`` (B, n_heads,
     k, D) over stored ``keys`` / ``values`` rows [0, n) (``quant``: (group_size, bits) of
     quantized storage; ``valid``: a (B, 1, 1, n) bool mask of the rows each batch row sees, for
-    one query per row). A KV group's G query heads x k queries are one (G * k, D) matrix, so
-    the products need no broadcast copy of the keys."""
+    one query per row, or a (B, H, k, n) one of the rows each KV head's query i sees, in place
+    of the causal mask: ``core.device_schedule``). A KV group's G query heads x k queries
+    are one (G * k, D) matrix, so the products need no broadcast copy of the keys."""
     B, n_heads, k, D = queries.shape
     H = (keys[0] if isinstance(keys, tuple) else keys).shape[1]
     G = n_heads // H
@@ -42,7 +43,9 @@ def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None, 
     else:
         logits = mx.quantized_matmul(q, *K, transpose=True, group_size=quant[0], bits=quant[1])
     logits = _f32(logits)
-    if k > 1:
+    if valid is not None and valid.shape[2] == k > 1:  # per KV head and query
+        valid = mx.tile(valid, (1, 1, G, 1))
+    elif k > 1:
         logits = mx.where(mx.tile(_causal(n, k), (G, 1)), logits, -mx.inf)
     if valid is not None:
         logits = mx.where(valid, logits, -mx.inf)
