@@ -14,7 +14,6 @@ without output. Nothing here reads an MLX array on the host.
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from . import device_schedule, quant, storage
 from .attention import attend, self_rows
@@ -141,38 +140,13 @@ class DevicePath:
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)
 
     def _feed_scheduled(self, new_keys, new_values, queries, sinks):
-        """A chunk whose evictions need no attention (``core.device_schedule``): decided
-        first, then one attention over [stored rows; chunk] with each query's visibility,
-        then the kept rows gathered into the storage (one host read of the positions)."""
+        """A chunk whose evictions need no attention (``core.device_schedule``)."""
         self._evict_due()
-        engine = self.engine
-        n0, k = engine.slots, quant.dims(new_keys)[2]
-        join = lambda a, b: mx.concatenate([a, b], axis=2)  # noqa: E731
-        if n0:
-            virtual = [quant.apply(join, storage.fetch(x, n0), y)
-                       for x, y in ((self.keys, new_keys), (self.values, new_values))]
-        else:
-            virtual = [new_keys, new_values]
-        pos0 = np.array(engine.positions[:, :n0])
-
-        def keys():
-            floats = storage.floats(virtual[0], self.config)
-            return np.array(floats.astype(mx.float32)).reshape(engine.rows, n0 + k, -1)
-
-        evicted, kept, m = device_schedule.schedule(engine, pos0, k, keys)
-        out = None
-        if queries is not None:
-            mask = device_schedule.visible(evicted, n0, k, engine.B)
-            out, _ = attend(queries, *virtual, n0 + k, engine.scale, sinks, self._quant(),
-                            valid=mask)
-        B, H = engine.B, engine.H
-        index = mx.array(kept.astype(np.int32).reshape(B, H, m, 1))
-        gathered = [quant.apply(lambda p: mx.take_along_axis(p, index, axis=2), x)
-                    for x in virtual]
-        self._write(*gathered, 0)
-        positions = np.concatenate(
-            [pos0, np.broadcast_to(np.arange(engine.seen, engine.seen + k), (engine.rows, k))],
-            axis=1)
-        engine.positions[:, :m] = mx.array(np.take_along_axis(positions, kept, 1), mx.int32)
-        engine.seen, engine.slots = engine.seen + k, m
+        if self.keys is None:
+            cap = self.engine.capacity
+            self.keys = storage.zeros(new_keys, quant.dims(new_keys)[0], cap)
+            self.values = storage.zeros(new_values, quant.dims(new_values)[0], cap)
+        out, (self.keys, self.values) = device_schedule.feed(
+            self.engine, (self.keys, self.values), (new_keys, new_values), queries, sinks,
+            self._quant())
         return out

@@ -21,22 +21,16 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .rules import KeyDiff, Recency
+from . import quant, storage, unpinned
+from .attention import attend
 
 NEVER = np.iinfo(np.int32).max
 
 
 def fits(engine) -> bool:
-    """Can this engine's chunks be scheduled (its rule and pin ranking read no attention)?"""
-    rule, rank = engine.rule, engine.config.pin_rank
-    return (type(rule) in SCORES and rank in ("rule", "keydiff")
-            and engine.running is None and engine.value_norms is None and engine.ring is None)
-
-
-SCORES = {Recency: "recency", KeyDiff: "keydiff"}
-for _cls in list(SCORES):  # SlidingWindow: Recency without sinks (its n_sink is 0)
-    for _sub in _cls.__subclasses__():
-        SCORES[_sub] = SCORES[_cls]
+    """Can this engine's chunks be scheduled (``KVCacheConfig.scheduled``)?"""
+    rank = engine.config.pin_rank in ("rule", "keydiff")
+    return engine.rule.scheduled is not None and rank and engine.value_norms is None
 
 
 class _KeyGeometry:
@@ -88,7 +82,7 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
     alive = np.zeros((R, N), bool)
     alive[:, :n0] = True
     evicted = np.full((R, N), NEVER, np.int32)
-    by_keys = SCORES[type(engine.rule)] == "keydiff"
+    by_keys = engine.rule.scheduled == "keydiff"
     geometry = None
     rows = np.arange(R)
     slots = n0
@@ -139,3 +133,82 @@ def visible(evicted: np.ndarray, n0: int, k: int, B: int) -> mx.array:
     arrived = np.concatenate([np.full(n0, -1), np.arange(k)])[None, :] <= i  # (k, N)
     seen = arrived[None] & (evicted[:, None, :] >= i[None])
     return mx.array(seen.reshape(B, R // B, k, N))
+
+
+def feed(engine, held, new, queries, sinks, quantized):
+    """One chunk of ``engine``'s rows (no eviction due): ``held`` the (keys, values) storages
+    of its rows (``budget + 1`` slots, the first ``engine.slots`` live), ``new`` the chunk's
+    as stored. Returns (the attention output for ``queries`` or None, the storages after):
+    kept stored rows stay in their slots, kept new rows fill the evicted ones and the free
+    slots above (no copy of the storage and the chunk joined). One host read: the positions."""
+    n0, k = engine.slots, quant.dims(new[0])[2]
+    pos0 = np.array(engine.positions[:, :n0])
+    old = [storage.fetch(x, n0) for x in held]
+
+    def keys():
+        parts = [storage.floats(x, engine.config).astype(mx.float32)
+                 for x in ([old[0]] if n0 else []) + [new[0]]]
+        return np.concatenate([np.array(x).reshape(engine.rows, -1, x.shape[-1])
+                               for x in parts], axis=1)
+
+    evicted, kept, m = schedule(engine, pos0, k, keys)
+    out = None
+    if queries is not None:
+        sources = [old[0], new[0]] if n0 else [new[0]], [old[1], new[1]] if n0 else [new[1]]
+        out, _ = attend(queries, *sources, n0 + k, engine.scale, sinks, quantized,
+                        valid=visible(evicted, n0, k, engine.B))
+    (old_dst, old_src), (dst, src) = placement(kept, n0, m)
+    B, H = engine.B, engine.H
+
+    def put(x, y, dst, src):
+        d, g = (mx.array(a.reshape(B, H, -1, 1)) for a in (dst, src))
+        return quant.apply(lambda p, n: mx.put_along_axis(
+            p, d, mx.take_along_axis(n, g, axis=2), axis=2), x, y)
+
+    positions = engine.positions
+    if old_dst is not None:  # kept stored rows above slot m move down first
+        held = [put(x, x, old_dst, old_src) for x in held]
+        positions = mx.put_along_axis(positions, mx.array(old_dst), mx.take_along_axis(
+            positions, mx.array(old_src), axis=1), axis=1)
+    held = [put(x, y, dst, src) for x, y in zip(held, new, strict=True)]
+    engine.positions = mx.put_along_axis(positions, mx.array(dst),
+                                         mx.array(src + engine.seen), axis=1)
+    engine.seen, engine.slots = engine.seen + k, m
+    if engine.unpinned is not None:
+        at = np.concatenate([pos0, np.broadcast_to(np.arange(engine.seen - k, engine.seen),
+                                                   (engine.rows, k))], axis=1)
+        engine.unpinned = unpinned.of_kept(np.take_along_axis(at, kept, 1), engine.pins)
+    return out, held
+
+
+def placement(kept: np.ndarray, n0: int, m: int):
+    """Row moves that leave the kept virtual rows ``kept`` (R, m) in slots [0, m): kept
+    stored rows below m stay; the holes below m (evicted slots, free slots) take the kept
+    stored rows above m, then the kept chunk rows. Returns ((dst, src) of the stored rows, or
+    (None, None) when none moves; (dst, src chunk row) of the chunk's), each (R, J) int32;
+    a row with fewer than J pairs repeats its last one (stored rows with none: slot 0 onto
+    itself; chunk rows with none: the unused slot m, then m <= n0 <= budget)."""
+    R = kept.shape[0]
+    olds, news = [], []
+    for r in range(R):
+        mine = kept[r]
+        stay = mine[mine < min(n0, m)]
+        holes = np.setdiff1d(np.arange(m), stay)  # ascending
+        up = np.sort(mine[(mine >= m) & (mine < n0)])
+        fresh = np.sort(mine[mine >= n0]) - n0
+        olds.append((holes[: len(up)], up))
+        news.append((holes[len(up) :], fresh))
+    return _pad(olds, 0, 0), _pad(news, m, 0)
+
+
+def _pad(pairs: list, dst0: int, src0: int):
+    J = max(len(d) for d, _ in pairs)
+    if J == 0:
+        return None, None
+    dst = np.full((len(pairs), J), dst0, np.int32)
+    src = np.full((len(pairs), J), src0, np.int32)
+    for r, (d, s) in enumerate(pairs):
+        if len(d):
+            dst[r] = np.r_[d, np.full(J - len(d), d[-1])]
+            src[r] = np.r_[s, np.full(J - len(s), s[-1])]
+    return dst, src
