@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .quant import dequantize
 from .storage import fetch
 
 
@@ -50,6 +51,11 @@ def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None, 
     B, n_heads, k, D = queries.shape
     sources = list(zip(keys, values, strict=True)) if isinstance(keys, list) else [
         (fetch(keys, n), fetch(values, n))]
+    if quant is not None and k > 1:
+        # many queries: dequantized once, then float products (on the CPU MLX's quantized
+        # matmul is far slower for a chunk's queries); the same stored values
+        sources = [tuple(dequantize(x, *quant) for x in src) for src in sources]
+        quant = None
     first = sources[0][0]
     H = (first[0] if isinstance(first, tuple) else first).shape[1]
     G = n_heads // H
