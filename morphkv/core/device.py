@@ -261,6 +261,19 @@ class DeviceEngine:
             return _lowest(self.block, norms is not None, True)(scores, norms, pos, bounds, pinned)
         return _lowest(self.block, norms is not None, False)(scores, norms, pos, bounds)
 
+    def replace(self):
+        """Block 1 for a rule that keeps positions only (``device_schedule.fits``): the due
+        eviction and the next token at once: returns the (R, 1) victim slots the token takes
+        (the storage writes it there) and records it; the slots stay ``budget + 1``, so no
+        row moves."""
+        slot = self.select()
+        self.positions = mx.put_along_axis(
+            self.positions, slot, mx.full(slot.shape, self.seen, mx.int32), axis=1)
+        if self.unpinned is not None:
+            self.unpinned = self.unpinned.arrived(self.seen, 1, self.pins)
+        self.seen += 1
+        return slot
+
     def evict(self, keys=None, values=None):
         """The due eviction: returns (src, dst) (R, block) row moves for the storage, the
         engine's own arrays already moved. ``values(start, end)``: stored values rows, for
