@@ -25,6 +25,7 @@ from . import quant, storage, unpinned
 from .attention import attend
 
 NEVER = np.iinfo(np.int32).max
+LAST = np.iinfo(np.int64).max  # a position above every stored one
 
 
 def fits(engine) -> bool:
@@ -47,18 +48,24 @@ class _KeyGeometry:
         self.total += sign * self.units[rows, index]
 
     def scores(self) -> np.ndarray:
-        norm = np.sqrt((self.total * self.total).sum(axis=-1, keepdims=True))
-        anchor = self.total / np.where(norm > 0, norm, 1.0)
-        return np.maximum(1.0 - np.matmul(self.units, anchor[..., None])[..., 0], 0.0)
+        """Lower goes first: -(unit key . sum of unit keys), the order of 1 - cos(key,
+        anchor) (the anchor's norm is one positive factor per row)."""
+        return -np.matmul(self.units, self.total[..., None])[..., 0]
+
+
+def _lowest(score, mask, pos) -> np.ndarray:
+    """(R,) per row the lowest (score, position) among ``mask`` (ties to the oldest)."""
+    if score is pos:  # recency: the oldest
+        return np.where(mask, pos, LAST).argmin(axis=1)
+    key = np.where(mask, score, np.inf)
+    return np.where(mask & (key <= key.min(axis=1, keepdims=True)), pos, LAST).argmin(axis=1)
 
 
 def _pick(score, mask, pos, count: int, out: list) -> np.ndarray:
     """Per row, ``count`` lowest (score, position) among ``mask``; picks appended to ``out``
     as (R,) index arrays; returns the mask without them."""
     for _ in range(count):
-        key = np.where(mask, score, np.inf)
-        low = key.min(axis=1, keepdims=True)
-        victim = np.where(mask & (key <= low), pos, np.iinfo(np.int64).max).argmin(axis=1)
+        victim = _lowest(score, mask, pos)
         out.append(victim)
         mask = mask.copy()
         mask[np.arange(len(victim)), victim] = False
@@ -80,6 +87,7 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
     pins = engine.pins if engine.pins is not None and len(engine.pins) else None
     pinned = pins.host(pos) if pins is not None else np.zeros((R, N), bool)
     alive = np.zeros((R, N), bool)
+    unsunk, unpinned = pos >= c.n_sink, ~pinned
     alive[:, :n0] = True
     evicted = np.full((R, N), NEVER, np.int32)
     by_keys = engine.rule.scheduled == "keydiff"
@@ -93,17 +101,21 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
         slots += 1
         if slots <= budget or i == k - 1:  # the last token's eviction waits (``due``)
             continue
-        cand = alive & (pos >= c.n_sink) & (pos <= t0 + i - c.recent)
-        free = cand & ~pinned
+        cand = alive & unsunk & (pos <= t0 + i - c.recent)
+        free = cand & unpinned
         n_free = np.minimum(free.sum(axis=1), block)
         short = (n_free < block).any()
         if geometry is None and (by_keys or (short and c.pin_rank == "keydiff")):
             geometry = _KeyGeometry(keys(), alive)
-        kd = None if geometry is None else geometry.scores()
+        kd = None if geometry is None or not (by_keys or short) else geometry.scores()
         score = kd if by_keys else pos
         picks: list = []
         if not short:
             _pick(score, free, pos, block, picks)
+        elif block == 1:  # rows without an unpinned candidate take their lowest pinned one
+            pinned_score = kd if c.pin_rank == "keydiff" else score
+            picks = [np.where(n_free > 0, _lowest(score, free, pos),
+                              _lowest(pinned_score, cand & pinned, pos))]
         else:  # a row with too few unpinned candidates takes its lowest pinned ones too
             pinned_score = kd if c.pin_rank == "keydiff" else score
             per_row = []
