@@ -159,3 +159,16 @@ def test_pinned_quantized_and_pooled_rows_equal_single_runs(extra):
         assert_same_cache(caches, reference)
         assert [c.pins.ranges() for c in caches] == [c.pins.ranges() for c in reference]
         assert bool(caches[0].pins.ranges()) == (config.pin == "prompt")
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_the_recommended_rule_batches_as_single_runs(kv_bits):
+    """Pinned recency, per token, pins ranked by keys (``recommended``): its prompts are
+    scheduled chunks (``core.device_schedule``), row by row, as a sequence alone."""
+    config = device_config("streaming_llm", 1, pin="prompt", pin_rank="keydiff",
+                           kv_bits=kv_bits, kv_group_size=32)
+    model = device_model(config, seed=3)
+    prompts, max_tokens = prompts_of([70, 9, 33], seed=6), [30, 45, 20]
+    for ids, caches, tokens, reference in batch_rows(model, prompts, max_tokens):
+        assert ids == tokens
+        assert_same_cache(caches, reference)

@@ -30,7 +30,9 @@ def served_config(*flags):
     ([], "mlx", DeviceBatchCache),  # auto: the MLX engine for the recommended preset
     (["--engine", "mlx"], "mlx", DeviceBatchCache),
     (["--engine", "host"], "host", BatchMorphKVCache),
-    (["--block", "1"], "host", BatchMorphKVCache),  # auto: the per-token rule runs on the host
+    (["--block", "1"], "mlx", DeviceBatchCache),  # auto: per-token recency is scheduled on MLX
+    # auto: the per-token rule of a rule that reads attention runs on the host
+    (["--preset", "tuned", "--block", "1"], "host", BatchMorphKVCache),
 ])
 def test_the_engine_flag_reaches_the_batches(flags, engine, batch_class):
     model, config = served_config(*flags)

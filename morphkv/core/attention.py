@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .quant import dequantize
 from .storage import fetch
 
 
@@ -26,23 +27,44 @@ def _f32(x):
     return x if x.dtype == mx.float32 else x.astype(mx.float32)
 
 
+def _keys_product(q, K, quant):
+    if quant is None:
+        return q @ _f32(K).swapaxes(-1, -2)
+    return _f32(mx.quantized_matmul(q, *K, transpose=True, group_size=quant[0], bits=quant[1]))
+
+
+def _values_product(probs, V, quant):
+    if quant is None:
+        return probs @ _f32(V)
+    return mx.quantized_matmul(probs, *V, transpose=False, group_size=quant[0], bits=quant[1])
+
+
 def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None, valid=None):
     """(output (B, n_heads, k, Dv), rows (B * H, k, n) float32) of ``queries`` (B, n_heads,
     k, D) over stored ``keys`` / ``values`` rows [0, n) (``quant``: (group_size, bits) of
     quantized storage; ``valid``: a (B, 1, 1, n) bool mask of the rows each batch row sees, for
-    one query per row). A KV group's G query heads x k queries are one (G * k, D) matrix, so
-    the products need no broadcast copy of the keys."""
+    one query per row, or a (B, H, k, n) one of the rows each KV head's query i sees, in place
+    of the causal mask: ``core.device_schedule``). ``keys`` / ``values`` may be lists of
+    storages read one after the other (all their rows; ``n`` their total: no copy joins
+    them). A KV group's G query heads x k queries are one (G * k, D) matrix, so the products
+    need no broadcast copy of the keys."""
     B, n_heads, k, D = queries.shape
-    H = (keys[0] if isinstance(keys, tuple) else keys).shape[1]
+    sources = list(zip(keys, values, strict=True)) if isinstance(keys, list) else [
+        (fetch(keys, n), fetch(values, n))]
+    if quant is not None and k > 1:
+        # many queries: dequantized once, then float products (on the CPU MLX's quantized
+        # matmul is far slower for a chunk's queries); the same stored values
+        sources = [tuple(dequantize(x, *quant) for x in src) for src in sources]
+        quant = None
+    first = sources[0][0]
+    H = (first[0] if isinstance(first, tuple) else first).shape[1]
     G = n_heads // H
     q = (_f32(queries) * scale).reshape(B, H, G * k, D)
-    K, V = fetch(keys, n), fetch(values, n)
-    if quant is None:
-        logits = q @ _f32(K).swapaxes(-1, -2)
-    else:
-        logits = mx.quantized_matmul(q, *K, transpose=True, group_size=quant[0], bits=quant[1])
-    logits = _f32(logits)
-    if k > 1:
+    parts = [_keys_product(q, K, quant) for K, _ in sources]
+    logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    if valid is not None and valid.shape[2] == k > 1:  # per KV head and query
+        valid = mx.tile(valid, (1, 1, G, 1))
+    elif k > 1:
         logits = mx.where(mx.tile(_causal(n, k), (G, 1)), logits, -mx.inf)
     if valid is not None:
         logits = mx.where(valid, logits, -mx.inf)
@@ -53,10 +75,12 @@ def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None, 
         probs = probs[..., :n]
     else:
         probs = mx.softmax(logits, axis=-1, precise=True)
-    if quant is None:
-        out = probs @ _f32(V)
-    else:
-        out = mx.quantized_matmul(probs, *V, transpose=False, group_size=quant[0], bits=quant[1])
+    out, at = None, 0
+    for K, V in sources:
+        width = (K[0] if isinstance(K, tuple) else K).shape[2]
+        part = _values_product(probs if len(sources) == 1 else probs[..., at : at + width], V,
+                               quant)
+        out, at = part if out is None else out + part, at + width
     out = out.reshape(B, n_heads, k, out.shape[-1])
     out = out if out.dtype == queries.dtype else out.astype(queries.dtype)
     probs = probs.reshape(B, H, G, k, n)

@@ -28,7 +28,7 @@ from . import quant, storage
 from .engine import Engine
 from .feed import Feed, no_reader
 from .masks import offsets
-from .pins import Pins, keep_bounded
+from .pins import Pins, keep_bounded, repinned
 
 _SHARED = (int, float, bool, str, type(None))
 ROW_LISTS = ("seen", "stored", "waiting", "lead", "pin_next", "row_pins")  # one entry a row
@@ -220,7 +220,7 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
         pins, engine = self.row_pins[i], self.engines[i]
         pins.add(np.arange(start, end))
         if engine is not None:
-            keep_bounded(pins, lambda: self._held_positions(i), engine.seen)
+            repinned(engine, keep_bounded(pins, lambda: self._held_positions(i), engine.seen))
 
     def _held_positions(self, i: int) -> np.ndarray:
         self.flush()

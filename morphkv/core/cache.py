@@ -37,9 +37,10 @@ from .config import KVCacheConfig
 from .device_batch import DeviceBatchCache
 from .device_cache import DevicePath
 from .feed import Feed
-from .pins import MAX_NBYTES, keep_bounded
+from .pins import MAX_NBYTES, keep_bounded, repinned
 from .quant import QuantizedAttributes
 from .saved import SavedState
+from .unpinned import follows, of_kept
 
 
 class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache._BaseCache):
@@ -72,7 +73,8 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
         ``MAX_RANGES`` (the newest) are kept."""
         self.pins.add(positions)  # the engines share this object (``Feed.init_feed``)
         if self.engine is not None:  # reads the kept positions once a turn at most
-            keep_bounded(self.pins, lambda: self.kept_positions, self.engine.seen)
+            dropped = keep_bounded(self.pins, lambda: self.kept_positions, self.engine.seen)
+            repinned(self.engine, dropped)
 
     def pin_range(self, i: int, start: int, end: int) -> None:
         """``pin="prompt"`` (``Feed.pin_arrived``): one engine, every row."""
@@ -92,6 +94,9 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
         if engine is not None:
             self.seen, self.stored = [engine.seen], [engine.slots]
             engine.stored_keys = self._stored_float_keys if self._device else self._host_keys
+            if self._device and follows(engine.rule):  # one read: the kept positions
+                kept = np.array(engine.positions[:, : engine.slots])
+                engine.unpinned = of_kept(kept, engine.pins)
 
     def key_reader(self):
         return self._host_keys

@@ -108,17 +108,27 @@ class KVCacheConfig:
     def default_engine(self) -> str:
         """What ``engine="auto"`` selects once ``scoring`` is resolved: ``"mlx"`` where it is
         at least as fast as the host (real-query scoring through the attention hook: one
-        softmax for the output and the statistics), ``"host"`` for keys as proxy queries (a
-        cache used alone: per-token proxy rows and evictions cost more MLX ops than the host
-        engine's compiled kernels), for ``full``, and for the per-token rule (block 1: about 40
+        softmax for the output and the statistics; rules that rank without attention,
+        ``scheduled``, at every block: a chunk's evictions decided first, one attention per
+        chunk), ``"host"`` for keys as proxy queries (a cache used alone: per-token proxy rows
+        and evictions cost more MLX ops than the host engine's compiled kernels), for
+        ``full``, and for the per-token rule (block 1) of rules that read attention (about 40
         small MLX ops per token; in the model 2.4x / 3.8x RotatingKVCache's prefill at 1k / 4k
         against the host's 1.4x / 1.6x, ``morphkv bench speed --mode overhead``) unless a
         memory size asks for the bound only the MLX engine keeps inside a prefill."""
         if not self.rule.evicts or self.scoring != "attention":
             return "host"
-        if self.morphkv_block == 1 and self.kv_memory is None:
+        if self.morphkv_block == 1 and self.kv_memory is None and not self.scheduled:
             return "host"
         return "mlx"
+
+    @property
+    def scheduled(self) -> bool:
+        """Does the rule, pinned tokens included, rank without attention (recency, KeyDiff;
+        ``pin_rank`` "rule" or "keydiff")? The MLX engine then decides a chunk's evictions
+        before its queries attend, one attention per chunk (``core.device_schedule``)."""
+        rule = make_rule(self)
+        return rule.scheduled is not None and self.pin_rank in ("rule", "keydiff")
 
     @property
     def rule(self):

@@ -26,6 +26,7 @@ import numpy as np
 from .blocks import running_kind
 from .engine import next_eviction
 from .rules import make_rule, pin_scorer
+from .unpinned import Unpinned, follows
 
 RTOL = 2.0**-9  # two float16 ulps: rows rounded from float32 instead of float64 (+ value norms)
 TOP_BITS = mx.array(0xFFFFFFFF, mx.uint32)  # above every float32's bits (NaN included)
@@ -117,6 +118,8 @@ class DeviceEngine:
         self.newest_only = self.rule.window_rows == "newest"
         self.seen = self.slots = self.norms_from = 0
         self.due = False  # an eviction is due before the next token
+        # recency: the unpinned stored positions, followed on the host (core.unpinned)
+        self.unpinned = Unpinned() if follows(self.rule) else None
         self._keys = None  # float stored keys (R, n, D) while a proxy window is scored
         self.stored_keys = None  # () -> the float stored keys (R, >= slots, D); set by the cache
         R, cap = self.rows, config.budget + 1
@@ -206,6 +209,8 @@ class DeviceEngine:
             self._running(rows, n0, n, k)
         self.seen, self.slots = t0 + k, n
         self.due = self.rule.evicts and n > self.config.budget
+        if self.unpinned is not None:
+            self.unpinned = self.unpinned.arrived(t0, k, self.pins)
 
     def _ring(self, rows, t0: int, k: int, n: int) -> None:
         W = self.ring_rows
@@ -222,10 +227,25 @@ class DeviceEngine:
         running_update(self.accumulated, rows, n, k, self.running, self.decay)
 
     # ---- selection -----------------------------------------------------------------------
+    def unpinned_victims(self):
+        """The due eviction's victims by position when the mirror knows them all (the
+        ``block`` oldest unpinned candidates: ``core.unpinned``), else None; the mirror
+        follows the eviction either way."""
+        if self.unpinned is None:
+            return None
+        c = self.config
+        victims, self.unpinned = self.unpinned.due(c.n_sink, self.seen - 1 - c.recent,
+                                                   self.block)
+        return victims if len(victims) == self.block else None
+
     def select(self, keys=None):
         """(R, block) uint32 slots to evict: the lowest (score, position) keys among the
         unprotected slots. ``keys``: the stored keys (R, n, D) float, for proxy windows."""
         c, n = self.config, self.slots
+        victims = self.unpinned_victims()
+        if victims is not None:  # known by position: find their slots
+            wanted = mx.array(np.array(victims, np.int32))
+            return mx.argmax(self.stored_positions[:, :, None] == wanted, axis=1)
         self._keys = keys
         pos = self.stored_positions
         pinned = self.pins.device(pos) if self.pins else None
@@ -240,6 +260,19 @@ class DeviceEngine:
         if pinned is not None:
             return _lowest(self.block, norms is not None, True)(scores, norms, pos, bounds, pinned)
         return _lowest(self.block, norms is not None, False)(scores, norms, pos, bounds)
+
+    def replace(self):
+        """Block 1 for a rule that keeps positions only (``device_schedule.fits``): the due
+        eviction and the next token at once: returns the (R, 1) victim slots the token takes
+        (the storage writes it there) and records it; the slots stay ``budget + 1``, so no
+        row moves."""
+        slot = self.select()
+        self.positions = mx.put_along_axis(
+            self.positions, slot, mx.full(slot.shape, self.seen, mx.int32), axis=1)
+        if self.unpinned is not None:
+            self.unpinned = self.unpinned.arrived(self.seen, 1, self.pins)
+        self.seen += 1
+        return slot
 
     def evict(self, keys=None, values=None):
         """The due eviction: returns (src, dst) (R, block) row moves for the storage, the

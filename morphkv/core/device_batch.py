@@ -27,7 +27,7 @@ import copy
 import mlx.core as mx
 import numpy as np
 
-from . import device_chunk, device_rows, quant, storage
+from . import device_chunk, device_rows, device_schedule, quant, storage
 from .attention import attend
 from .batch import BatchMorphKVCache
 from .device import DeviceEngine, move
@@ -191,7 +191,10 @@ class DeviceBatchCache(BatchMorphKVCache):
             self._remaining = np.subtract(self._remaining, counts).tolist()
         self.seen = np.add(self.seen, counts).tolist()
         if C == 1 and (counts == 1).all():  # a plain decode step
-            self.evict_rows([i for i, e in enumerate(self.engines) if e.due])
+            due = [i for i, e in enumerate(self.engines) if e.due]
+            if due and self.config.block == 1 and device_schedule.fits(self.engines[0]):
+                return self._replace_decode(due, sk, sv, values.shape[-1])
+            self.evict_rows(due)
             slots = [e.slots for e in self.engines]
             self.keys = storage.write(self.keys, slots, sk)
             self.values = storage.write(self.values, slots, sv)
@@ -201,6 +204,34 @@ class DeviceBatchCache(BatchMorphKVCache):
             return storage.fetch(self.keys, n), storage.fetch(self.values, n)
         self._held = ("chunk", (sk, sv), starts, counts, values.shape[-1])
         return keys, values
+
+    def _replace_decode(self, due: list[int], sk, sv, Dv: int):
+        """A decode step of a position-only rule at block 1 (``DeviceEngine.replace`` for
+        every row at once): each due row's token takes its victim's slot, the others' their
+        next slot; one scatter per array, no row moves, every row's bookkeeping done here."""
+        B, H, n = self.B, self._H, self.capacity
+        picks = device_rows.victim_slots(self._arrays, self.engines, due, self.row_pins, H,
+                                         lambda: self._floats(self.keys, 0, n))
+        mine = np.zeros(B, bool)
+        mine[due] = True
+        nxt = np.repeat([e.slots for e in self.engines], H)[:, None].astype(np.int32)
+        index = mx.where(mx.array(np.repeat(mine, H)[:, None]), picks.astype(mx.int32),
+                         mx.array(nxt))
+        seen = np.repeat([e.seen for e in self.engines], H)[:, None].astype(np.int32)
+        self._arrays["positions"] = mx.put_along_axis(self._arrays["positions"], index,
+                                                      mx.array(seen), axis=1)
+        slot = index.reshape(B, H, 1, 1)
+        put = lambda p, x: mx.put_along_axis(p, slot, x, axis=2)  # noqa: E731
+        self.keys, self.values = quant.apply(put, self.keys, sk), quant.apply(put, self.values, sv)
+        for i, e in enumerate(self.engines):
+            if e.unpinned is not None:
+                e.unpinned = e.unpinned.arrived(e.seen, 1, e.pins)
+            e.seen, e.slots = e.seen + 1, e.slots + (0 if mine[i] else 1)
+            e.due = e.slots > self.config.budget
+        self.stored = [e.slots for e in self.engines]
+        self._held = ("replaced", self.stored, Dv)
+        n = max(self.stored)
+        return storage.fetch(self.keys, n), storage.fetch(self.values, n)
 
     def _new_engine(self, i: int, H: int, head_dim: int) -> DeviceEngine:
         e = DeviceEngine(self.config, 1, H, head_dim, True)
@@ -247,6 +278,10 @@ class DeviceBatchCache(BatchMorphKVCache):
         self.set_scale(float(scale))
         if held[0] == "decode":
             return self._attend_decode(queries, sinks, held[1])
+        if held[0] == "replaced":  # written and observed already (``_replace_decode``)
+            counts = held[1]
+            return attend(queries, self.keys, self.values, max(counts), self._scale, sinks,
+                          self._quant(), valid=decode_mask(counts))[0]
         return device_chunk.attend_chunk(self, queries, sinks, *held[1:])
 
     def _attend_decode(self, queries, sinks, slots):

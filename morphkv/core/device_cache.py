@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import quant, storage
+from . import device_schedule, quant, storage
 from .attention import attend, self_rows
 from .device import DeviceEngine, move
+
+REPLACED = "replaced"  # a held decode token written into its victim's slot
 
 
 class DevicePath:
@@ -39,8 +41,16 @@ class DevicePath:
         if self.engine is None:
             self.engine = DeviceEngine(self.config, B, H, D, self.config.scoring == "attention")
             self.engine.stored_keys = self._stored_float_keys
-        self._evict_due()
         engine = self.engine
+        if C == 1 and engine.due and engine.block == 1 and device_schedule.fits(engine):
+            slot = engine.replace().reshape(B, H, 1, 1)  # the token takes the victim's slot
+            put = lambda p, n: mx.put_along_axis(p, slot, n, axis=2)  # noqa: E731
+            self.keys = quant.apply(put, self.keys, stored_keys)
+            self.values = quant.apply(put, self.values, stored_values)
+            self._held = (stored_keys, stored_values, keys, values, REPLACED)
+            self.offset += 1
+            return self._fetch()
+        self._evict_due()
         written = 0
         if engine.piece(C) == C:  # one piece: written in place now, fetched as a view
             self._write(stored_keys, stored_values, engine.slots)
@@ -117,6 +127,13 @@ class DevicePath:
     def _feed(self, held, queries, sinks):
         stored_keys, stored_values, keys, values, written = held
         engine, C = self.engine, keys.shape[2]
+        if written is REPLACED:  # already written and observed (``DeviceEngine.replace``)
+            if queries is None:
+                return None
+            return attend(queries, self.keys, self.values, engine.slots, engine.scale, sinks,
+                          self._quant())[0]
+        if not written and device_schedule.fits(engine):
+            return self._feed_scheduled(stored_keys, stored_values, queries, sinks)
         outputs, i = [], 0
         while i < C:
             self._evict_due()
@@ -136,3 +153,15 @@ class DevicePath:
         if queries is None:
             return None
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)
+
+    def _feed_scheduled(self, new_keys, new_values, queries, sinks):
+        """A chunk whose evictions need no attention (``core.device_schedule``)."""
+        self._evict_due()
+        if self.keys is None:
+            cap = self.engine.capacity
+            self.keys = storage.zeros(new_keys, quant.dims(new_keys)[0], cap)
+            self.values = storage.zeros(new_values, quant.dims(new_values)[0], cap)
+        out, (self.keys, self.values) = device_schedule.feed(
+            self.engine, (self.keys, self.values), (new_keys, new_values), queries, sinks,
+            self._quant())
+        return out

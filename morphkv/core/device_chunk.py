@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import device_rows, quant
+from . import device_rows, device_schedule, quant, storage
 from .attention import attend
 
 
@@ -40,6 +40,18 @@ def feed_row(cache, i: int, queries, sinks, new, s: int, c: int) -> list:
     """Row i's c real tokens (columns [s, s + c) of ``new``), piece by piece up to its
     eviction grid, as ``MorphKVCache`` feeds one sequence."""
     e, outs, j = cache.engines[i], [], 0
+    if device_schedule.fits(e) and c > 1:  # decided first, one attention
+        if e.due:
+            cache.evict_rows([i])
+        device_rows.load(cache._arrays, e, i, cache._H)
+        cut = tuple(quant.apply(lambda p: p[i : i + 1, :, s : s + c], x) for x in new)
+        held = (row(cache.keys, i), row(cache.values, i))
+        out, held = device_schedule.feed(e, held, cut, queries, sinks, cache._quant())
+        for x, y in zip((cache.keys, cache.values), held, strict=True):
+            storage.put_row(x, i, y, e.capacity)
+        device_rows.store(cache._arrays, e, i, cache._H)
+        cache.stored[i] = e.slots
+        return [out]
     while j < c:
         if e.due:
             cache.evict_rows([i])

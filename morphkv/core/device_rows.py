@@ -94,6 +94,8 @@ def observe(arrays: dict, engines: list, rows, H: int) -> None:
         running_update(arrays["accumulated"], rows, L, 1, e0.running, e0.decay)
     budget = e0.config.budget
     for e in engines:
+        if e.unpinned is not None:
+            e.unpinned = e.unpinned.arrived(e.seen, 1, e.pins)
         e.seen, e.slots = e.seen + 1, e.slots + 1
         e.due = e.rule.evicts and e.slots > budget
 
@@ -153,14 +155,8 @@ def evict(arrays: dict, engines: list, due: list[int], pins: list, H: int, keys,
         start = min(engines[i].norms_from for i in due)
         if start < n:
             arrays["value_norms"][:, start:n] = _norms16(values(start, n))
-    rows = RowsEngine(e0, arrays, engines, H, keys)
-    pinned = None
-    if any(len(pins[i]) for i in due):
-        pos = rows.stored_positions
-        pinned = mx.concatenate([
-            pins[i].device(pos[i * H : (i + 1) * H]) if len(pins[i])
-            else mx.zeros((H, n), mx.bool_) for i in range(len(engines))])
-    src, dst = moves(rows.lowest(pinned), n, block)
+    picks = victim_slots(arrays, engines, due, pins, H, keys)
+    src, dst = moves(picks, n, block)
     same = mx.broadcast_to(mx.arange(block, dtype=src.dtype), (R, block))
     due_rows = mx.array(mine)
     src, dst = mx.where(due_rows, src, same), mx.where(due_rows, dst, same)
@@ -179,3 +175,26 @@ def evict(arrays: dict, engines: list, due: list[int], pins: list, H: int, keys,
         e = engines[i]
         e.slots, e.due, e.norms_from = n - block, False, n - block
     return src, dst
+
+
+def victim_slots(arrays: dict, engines: list, due: list[int], pins: list, H: int, keys):
+    """(B * H, block) the slots the due rows evict (other rows: anything): by position when
+    every due row's mirror knows its victims (recency, ``core.unpinned``), else scored."""
+    e0 = engines[due[0]]
+    n, block = e0.config.budget + 1, e0.block
+    known = [engines[i].unpinned_victims() for i in due]  # recency: by position
+    if all(v is not None for v in known):
+        wanted = np.zeros((len(engines), block), np.int32)
+        wanted[due] = known
+        wanted = mx.array(np.repeat(wanted, H, axis=0))[:, None, :]
+        picks = mx.argmax(arrays["positions"][:, :n, None] == wanted, axis=1)
+    else:
+        rows = RowsEngine(e0, arrays, engines, H, keys)
+        pinned = None
+        if any(len(pins[i]) for i in due):
+            pos = rows.stored_positions
+            pinned = mx.concatenate([
+                pins[i].device(pos[i * H : (i + 1) * H]) if len(pins[i])
+                else mx.zeros((H, n), mx.bool_) for i in range(len(engines))])
+        picks = rows.lowest(pinned)
+    return picks

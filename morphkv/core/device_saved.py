@@ -74,6 +74,7 @@ def restore(config, B: int, H: int, head_dim: int, stored_rows: int, spec: str, 
             _need(bool(((a >= 0) & np.isfinite(a)).all()), f"{name} negative or not finite")
     engine.seen, engine.slots, engine.due, engine.scale = seen, slots, bool(due), scale
     engine.norms_from = slots  # a snapshot has every norm filled
+    engine.unpinned = None  # its pins come with the cache (``MorphKVCache.adopt`` rebuilds it)
     for name in NAMES:
         if name in saved:
             setattr(engine, name, saved[name])

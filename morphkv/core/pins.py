@@ -134,13 +134,24 @@ def host_select(scores, norm_bits, positions, n_sink: int, last: int, block: int
         out[r] = np.concatenate([mine, rest[0]])
 
 
-def keep_bounded(pins: Pins, held, seen: int) -> None:
+def keep_bounded(pins: Pins, held, seen: int) -> bool:
     """After an ``add``: past ``PRUNE_AT`` ranges drop those no longer holding a kept or future
     token (``held``: a callable giving the kept positions, read only then), then keep at most
-    ``MAX_RANGES``."""
+    ``MAX_RANGES``. Returns whether ranges that may hold kept tokens were unpinned."""
     if len(pins.starts) > PRUNE_AT:
         pins.prune(held(), seen)
+        dropped = len(pins.starts) > MAX_RANGES
         pins.limit()
+        return dropped
+    return False
+
+
+def repinned(engine, dropped: bool) -> None:
+    """An MLX engine's mirror of the unpinned positions (``core.unpinned``) after its pins
+    changed: filtered, or gone when held positions were unpinned (``keep_bounded``)."""
+    mirror = getattr(engine, "unpinned", None)
+    if mirror is not None:
+        engine.unpinned = None if dropped else mirror.repinned(engine.pins)
 
 
 def check_ranges(ranges) -> list[list[int]]:

@@ -23,7 +23,10 @@ class Rule:
     - ``running``: a running score per slot, ``"sum"`` (h2o) or ``"peak"`` (a running max,
       decaying by ``decay`` per token), or None;
     - ``evicts``: False for the no-eviction reference; ``sinks``: False when the first tokens
-      are not protected.
+      are not protected;
+    - ``scheduled``: how a rule that reads no attention ranks (``"recency"`` by position,
+      ``"keydiff"`` by key geometry): the MLX engine then decides a chunk's evictions before
+      its queries attend (``morphkv.core.device_schedule``); None for every other rule.
 
     Value norms (``morphkv_value``) and span pooling (``morphkv_pool``) apply to the scores of
     ``attention`` rules; stored keys are read through ``engine.slot_keys()`` at an eviction."""
@@ -34,6 +37,7 @@ class Rule:
     window_rows: ClassVar[str | None] = None
     running: ClassVar[str | None] = None
     decay: ClassVar[float] = 1.0
+    scheduled: ClassVar[str | None] = None
 
     @property
     def observes(self) -> bool:

@@ -22,6 +22,8 @@ def unit(xp, x: Array) -> Array:
 class KeyDiff(Rule):
     """Evict the unprotected key most similar in direction to the mean stored key."""
 
+    scheduled = "keydiff"
+
     def score(self, engine) -> Array:
         xp = engine.xp
         keys = unit(xp, engine.slot_keys().astype(engine.float))  # (rows, slots, D)

@@ -18,6 +18,8 @@ class Full(Rule):
 class Recency(Rule):
     """Evict the oldest unprotected token (``streaming_llm``)."""
 
+    scheduled = "recency"
+
     def score(self, engine) -> Array:
         return engine.stored_positions.astype(engine.float)
 

@@ -1,0 +1,226 @@
+"""A multi-token update for rules that read no attention: every eviction decided first, then ONE
+attention with a visibility mask.
+
+Recency (``streaming_llm``, ``sliding_window``) and KeyDiff rank the stored tokens by position
+or key geometry alone, pinned tokens too (``pin_rank`` ``"rule"`` or ``"keydiff"``). So the
+evictions a chunk's tokens cause, one token (or block) at a time, can be decided before any of
+its queries attend: ``schedule`` replays the per-token rule on the host over the "virtual"
+rows [stored rows; the chunk's rows] (positions and pins; the keys' unit vectors only once an
+eviction must rank keys), and records, for each virtual row, after which chunk token it went.
+Query i then sees exactly the rows arrived by i and not evicted before it (``visible``): what
+token-by-token feeding stores when i arrives, so the output and the kept set are those of the
+per-token rule (``tests/reference.py``), with one attention instead of one per token, and one
+gather of the kept rows into the storage instead of a row move per token.
+
+Costs one host read per chunk and layer (the stored positions; the keys when a key-ranked pick
+is due); a decode step never comes here (``DevicePath._feed``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from . import quant, storage, unpinned
+from .attention import attend
+
+NEVER = np.iinfo(np.int32).max
+LAST = np.iinfo(np.int64).max  # a position above every stored one
+
+
+def fits(engine) -> bool:
+    """Can this engine's chunks be scheduled (``KVCacheConfig.scheduled``)?"""
+    rank = engine.config.pin_rank in ("rule", "keydiff")
+    return engine.rule.scheduled is not None and rank and engine.value_norms is None
+
+
+class _KeyGeometry:
+    """KeyDiff's scores over the virtual rows (``rules.KeyDiff``: 1 - cos(unit key, unit mean
+    of the stored unit keys)), the mean kept as a running sum over the alive rows."""
+
+    def __init__(self, keys: np.ndarray, alive: np.ndarray) -> None:
+        keys = keys.astype(np.float64)
+        norm = np.sqrt((keys * keys).sum(axis=-1, keepdims=True))
+        self.units = keys / np.where(norm > 0, norm, 1.0)
+        self.total = (self.units * alive[..., None]).sum(axis=1)
+
+    def add(self, rows, index, sign: float) -> None:
+        self.total += sign * self.units[rows, index]
+
+    def scores(self) -> np.ndarray:
+        """Lower goes first: -(unit key . sum of unit keys), the order of 1 - cos(key,
+        anchor) (the anchor's norm is one positive factor per row)."""
+        return -np.matmul(self.units, self.total[..., None])[..., 0]
+
+
+def _lowest(score, mask, pos) -> np.ndarray:
+    """(R,) per row the lowest (score, position) among ``mask`` (ties to the oldest)."""
+    if score is pos:  # recency: the oldest
+        return np.where(mask, pos, LAST).argmin(axis=1)
+    key = np.where(mask, score, np.inf)
+    return np.where(mask & (key <= key.min(axis=1, keepdims=True)), pos, LAST).argmin(axis=1)
+
+
+def _pick(score, mask, pos, count: int, out: list) -> np.ndarray:
+    """Per row, ``count`` lowest (score, position) among ``mask``; picks appended to ``out``
+    as (R,) index arrays; returns the mask without them."""
+    for _ in range(count):
+        victim = _lowest(score, mask, pos)
+        out.append(victim)
+        mask = mask.copy()
+        mask[np.arange(len(victim)), victim] = False
+    return mask
+
+
+def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.ndarray, int]:
+    """Replay the per-token rule over k new tokens at an engine holding the rows ``pos0``
+    (R, n0) (no eviction due). Returns (evicted_at (R, n0 + k): the chunk token after whose
+    attention each virtual row went, NEVER if kept; kept (R, m) virtual indices, ascending;
+    m), and leaves ``engine.due`` as token-by-token feeding would (the last token's
+    eviction waits for the next update). ``keys()``: (R, n0 + k, D) float host keys, read
+    only when a pick ranks keys."""
+    c = engine.config
+    R, n0 = pos0.shape
+    N, t0, block, budget = n0 + k, engine.seen, c.block, c.budget
+    pos = np.concatenate([pos0.astype(np.int64),
+                          np.broadcast_to(np.arange(t0, t0 + k, dtype=np.int64), (R, k))], 1)
+    pins = engine.pins if engine.pins is not None and len(engine.pins) else None
+    pinned = pins.host(pos) if pins is not None else np.zeros((R, N), bool)
+    alive = np.zeros((R, N), bool)
+    unsunk, unpinned = pos >= c.n_sink, ~pinned
+    alive[:, :n0] = True
+    evicted = np.full((R, N), NEVER, np.int32)
+    by_keys = engine.rule.scheduled == "keydiff"
+    geometry = None
+    rows = np.arange(R)
+    slots = n0
+    for i in range(k):
+        alive[:, n0 + i] = True
+        if geometry is not None:
+            geometry.add(rows, n0 + i, 1.0)
+        slots += 1
+        if slots <= budget or i == k - 1:  # the last token's eviction waits (``due``)
+            continue
+        cand = alive & unsunk & (pos <= t0 + i - c.recent)
+        free = cand & unpinned
+        n_free = np.minimum(free.sum(axis=1), block)
+        short = (n_free < block).any()
+        if geometry is None and (by_keys or (short and c.pin_rank == "keydiff")):
+            geometry = _KeyGeometry(keys(), alive)
+        kd = None if geometry is None or not (by_keys or short) else geometry.scores()
+        score = kd if by_keys else pos
+        picks: list = []
+        if not short:
+            _pick(score, free, pos, block, picks)
+        elif block == 1:  # rows without an unpinned candidate take their lowest pinned one
+            pinned_score = kd if c.pin_rank == "keydiff" else score
+            picks = [np.where(n_free > 0, _lowest(score, free, pos),
+                              _lowest(pinned_score, cand & pinned, pos))]
+        else:  # a row with too few unpinned candidates takes its lowest pinned ones too
+            pinned_score = kd if c.pin_rank == "keydiff" else score
+            per_row = []
+            for r in range(R):
+                mine: list = []
+                _pick(score[r : r + 1], free[r : r + 1], pos[r : r + 1], int(n_free[r]), mine)
+                _pick(pinned_score[r : r + 1], (cand & pinned)[r : r + 1], pos[r : r + 1],
+                      block - int(n_free[r]), mine)
+                per_row.append([int(m[0]) for m in mine])
+            picks = list(np.array(per_row).T)
+        for victim in picks:
+            alive[rows, victim] = False
+            evicted[rows, victim] = i
+            if geometry is not None:
+                geometry.add(rows, victim, -1.0)
+        slots -= block
+    engine.due = slots > budget and engine.rule.evicts
+    kept = np.argsort(~alive, axis=1, kind="stable")[:, :slots]
+    return evicted, kept, slots
+
+
+def visible(evicted: np.ndarray, n0: int, k: int, B: int) -> mx.array:
+    """(B, H, k, n0 + k) bool: chunk token i sees the virtual rows arrived by i (stored rows,
+    and chunk rows j <= i) and not evicted before it (evicted at i or later)."""
+    R, N = evicted.shape
+    i = np.arange(k)[:, None]
+    arrived = np.concatenate([np.full(n0, -1), np.arange(k)])[None, :] <= i  # (k, N)
+    seen = arrived[None] & (evicted[:, None, :] >= i[None])
+    return mx.array(seen.reshape(B, R // B, k, N))
+
+
+def feed(engine, held, new, queries, sinks, quantized):
+    """One chunk of ``engine``'s rows (no eviction due): ``held`` the (keys, values) storages
+    of its rows (``budget + 1`` slots, the first ``engine.slots`` live), ``new`` the chunk's
+    as stored. Returns (the attention output for ``queries`` or None, the storages after):
+    kept stored rows stay in their slots, kept new rows fill the evicted ones and the free
+    slots above (no copy of the storage and the chunk joined). One host read: the positions."""
+    n0, k = engine.slots, quant.dims(new[0])[2]
+    pos0 = np.array(engine.positions[:, :n0])
+    old = [storage.fetch(x, n0) for x in held]
+
+    def keys():
+        parts = [storage.floats(x, engine.config).astype(mx.float32)
+                 for x in ([old[0]] if n0 else []) + [new[0]]]
+        return np.concatenate([np.array(x).reshape(engine.rows, -1, x.shape[-1])
+                               for x in parts], axis=1)
+
+    evicted, kept, m = schedule(engine, pos0, k, keys)
+    out = None
+    if queries is not None:
+        sources = [old[0], new[0]] if n0 else [new[0]], [old[1], new[1]] if n0 else [new[1]]
+        out, _ = attend(queries, *sources, n0 + k, engine.scale, sinks, quantized,
+                        valid=visible(evicted, n0, k, engine.B))
+    (old_dst, old_src), (dst, src) = placement(kept, n0, m)
+    B, H = engine.B, engine.H
+
+    def put(x, y, dst, src):
+        d, g = (mx.array(a.reshape(B, H, -1, 1)) for a in (dst, src))
+        return quant.apply(lambda p, n: mx.put_along_axis(
+            p, d, mx.take_along_axis(n, g, axis=2), axis=2), x, y)
+
+    positions = engine.positions
+    if old_dst is not None:  # kept stored rows above slot m move down first
+        held = [put(x, x, old_dst, old_src) for x in held]
+        positions = mx.put_along_axis(positions, mx.array(old_dst), mx.take_along_axis(
+            positions, mx.array(old_src), axis=1), axis=1)
+    held = [put(x, y, dst, src) for x, y in zip(held, new, strict=True)]
+    engine.positions = mx.put_along_axis(positions, mx.array(dst),
+                                         mx.array(src + engine.seen), axis=1)
+    engine.seen, engine.slots = engine.seen + k, m
+    if engine.unpinned is not None:
+        at = np.concatenate([pos0, np.broadcast_to(np.arange(engine.seen - k, engine.seen),
+                                                   (engine.rows, k))], axis=1)
+        engine.unpinned = unpinned.of_kept(np.take_along_axis(at, kept, 1), engine.pins)
+    return out, held
+
+
+def placement(kept: np.ndarray, n0: int, m: int):
+    """Row moves that leave the kept virtual rows ``kept`` (R, m) in slots [0, m): kept
+    stored rows below m stay; the holes below m (evicted slots, free slots) take the kept
+    stored rows above m, then the kept chunk rows. Returns ((dst, src) of the stored rows, or
+    (None, None) when none moves; (dst, src chunk row) of the chunk's), each (R, J) int32;
+    a row with fewer than J pairs repeats its last one (stored rows with none: slot 0 onto
+    itself; chunk rows with none: the unused slot m, then m <= n0 <= budget)."""
+    R = kept.shape[0]
+    olds, news = [], []
+    for r in range(R):
+        mine = kept[r]
+        stay = mine[mine < min(n0, m)]
+        holes = np.setdiff1d(np.arange(m), stay)  # ascending
+        up = np.sort(mine[(mine >= m) & (mine < n0)])
+        fresh = np.sort(mine[mine >= n0]) - n0
+        olds.append((holes[: len(up)], up))
+        news.append((holes[len(up) :], fresh))
+    return _pad(olds, 0, 0), _pad(news, m, 0)
+
+
+def _pad(pairs: list, dst0: int, src0: int):
+    J = max(len(d) for d, _ in pairs)
+    if J == 0:
+        return None, None
+    dst = np.full((len(pairs), J), dst0, np.int32)
+    src = np.full((len(pairs), J), src0, np.int32)
+    for r, (d, s) in enumerate(pairs):
+        if len(d):
+            dst[r] = np.r_[d, np.full(J - len(d), d[-1])]
+            src[r] = np.r_[s, np.full(J - len(s), s[-1])]
+    return dst, src
