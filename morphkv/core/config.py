@@ -75,10 +75,10 @@ class KVCacheConfig:
             goes: a template's tokens repeated every turn before a name or number said once);
             ``"keydiff-span"``: that score max-pooled over 5 neighbours, so a word's
             sub-tokens stay or go together. Unpinned tokens always go before pinned ones.
-        pin_replies: with ``pin="prompt"`` (no effect otherwise), when a prompt arrives, the model's tokens since
-            the last pinned range (its reply) are pinned too if there are at most this many:
-            a short answer (a name, a number, a decision) is kept as the user's words are;
-            long explanations are not. 0: off. ``recommended()`` sets 48.
+        pin_replies: with ``pin="prompt"`` (no effect otherwise), when a prompt arrives,
+            the model's tokens since the last pinned range (its reply) are pinned too if there
+            are at most this many: a short answer (a name, a number, a decision) is kept as the
+            user's words are; long explanations are not. 0: off. ``recommended()`` sets 48.
     """
 
     method: str = "morphkv"
