@@ -30,7 +30,7 @@ CASES = [
     (["--budget", "many"], None, "--budget: must be an integer >= 2, got 'many'"),
     (["--window", "0"], None, "--window: must be an integer >= 1, got 0"),
     (["--sinks", "-1"], None, "--sinks: must be an integer >= 0, got -1"),
-    (["--budget", "10"], None, "--budget must exceed --sinks + --recent = 4 + 16 = 20, got 10"),
+    (["--budget", "10"], None, "--budget must exceed --sinks + --window = 4 + 8 = 12, got 10"),
     (["--budget", "8", "--sinks", "2", "--window", "6"], None, "--budget must exceed --sinks"),
     (["--method", "lru"], None, "--method: invalid choice: 'lru'"),
     (["--model", "/no/such/model.gguf"], None, "--model: no such file or directory"),

@@ -106,10 +106,9 @@ class Feed:
                 self.pin_next[i] = PIN_AFTER if C > 1 else max(0, self.pin_next[i] - 1)
 
     def pin_reply(self, i: int, first: int) -> None:
-        """``pin_replies``: a prompt arrives at ``first`` in row i; the tokens since the end of
-        the row's last pinned range before it (the model's reply) are pinned if they are at
-        most ``pin_replies``. Read from the pins themselves: no state of its own, so merged,
-        extracted, saved and loaded rows keep the policy."""
+        """``pin_replies``: a prompt arrives at ``first`` in row i; the row's tokens since its
+        last pinned range (the model's reply) are pinned if at most ``pin_replies``. Read from
+        the pins alone: merged, extracted, saved and loaded rows keep the policy."""
         pins = self.row_pins[i] if hasattr(self, "row_pins") else self.pins
         ends = pins.ends[pins.ends <= first]
         if ends.size and 0 < first - int(ends.max()) <= self.config.pin_replies:

@@ -74,8 +74,8 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                      "over 5 neighbours) (default: the preset's)."),
     "pin_replies": dict(type=Number(int, lo=0), help="With --pin prompt: when a prompt "
                         "arrives, also pin the model's reply before it if it is at most this "
-                        "many tokens (a name, a number, a decision; 0: off; default: the "
-                        "preset's, 48 for recommended)."),
+                        "many tokens (a name, a number, a decision; an integer >= 0, 0: off; "
+                        "default: the preset's, 48 for recommended)."),
     "kv_bits": dict(type=int, choices=(4, 8), help="Store keys and values quantized to 4 or 8 "
                     "bits (default: as they arrive, unquantized)."),
     "kv_group_size": dict(type=int, choices=(32, 64, 128), help="Quantization group size with "
