@@ -77,6 +77,8 @@ def server():
         "serve",
         "--port",
         str(port),
+        "--preset",  # MorphKV: the bound below counts its selection state
+        "tuned",
         "--budget",
         str(BUDGET),
         "--window",
@@ -126,7 +128,7 @@ def test_startup_line_states_cache_and_bound(server):
     _, lines = server
     line = next(x for x in lines if x.startswith("morphkv serve:"))
     # storage: 30 layers x 3 KV heads x (32 + 1) slots x (64 + 64) x 4 bytes (float32 keys);
-    # selection state per layer and KV head (recommended preset, --window 4, block
+    # selection state per layer and KV head (tuned preset, --window 4, block
     # min(16, 32 - 4 - 16) = 12, the MLX engine: fixed arrays, no pending queries): per slot an
     # int32 position, a float16 peak, a float16 value norm and the window's 4 float16 rows
     storage = 30 * 3 * 33 * 128 * 4

@@ -42,7 +42,8 @@ def test_kept_caches_do_not_keep_their_batch_alive():
     p = argparse.ArgumentParser()
     add_cache_flags(p, budget=64)
     # the host engine's batches share host arrays between rows (MLX-engine batches hold none)
-    patch_model(model, config_from_flags(p.parse_args(["--budget", "64", "--engine", "host"])))
+    patch_model(model, config_from_flags(p.parse_args(["--preset", "tuned", "--budget", "64",
+                                                       "--engine", "host"])))
     ids = tokenizer.encode(long_text(600))
     prompts = [ids[7 * i : 7 * i + 100 + 60 * i] for i in range(4)]
     g = BatchGenerator(model, prefill_step_size=256)
