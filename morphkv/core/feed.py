@@ -109,8 +109,8 @@ class Feed:
         """``pin_replies``: a prompt arrives at ``first`` in row i; the row's tokens since its
         last pinned range (the model's reply) are pinned if at most ``pin_replies``. Read from
         the pins alone: merged, extracted, saved and loaded rows keep the policy."""
-        pins = self.row_pins[i] if hasattr(self, "row_pins") else self.pins
-        ends = pins.ends[pins.ends <= first]
+        ends = self.pins_of(i).ends
+        ends = ends[ends <= first]
         if ends.size and 0 < first - int(ends.max()) <= self.config.pin_replies:
             self.pin_range(i, int(ends.max()), first)
 

@@ -58,8 +58,9 @@ def field_name(key: str) -> str:
         raise ValueError(f"arm option {e}") from None
 
 
-PIN = "+pin"  # an arm spec ending so pins the user turns of chats (``morphkv.pin``)
-_PIN = re.compile(r"\+pin(\d*)$")  # ``+pinN``: also the assistant's replies of <= N tokens
+# an arm spec ending ``+pin`` pins the user turns of chats (``morphkv.pin``); ``+pinN`` also
+# the assistant's replies of at most N tokens
+_PIN = re.compile(r"\+pin(\d*)$")
 
 
 def unpinned(spec: str) -> tuple[str, bool]:
