@@ -21,7 +21,9 @@ bootstrap over chats (the questions of one chat are not independent).
 from __future__ import annotations
 
 import copy
+import json
 import os
+import random
 import shlex
 import subprocess
 import sys
@@ -30,7 +32,7 @@ import urllib.request
 
 import numpy as np
 
-from .chat_items import build_chat
+from .chat_items import DATA, build_chat
 from .process import free_port, stop_process
 
 NOFACT = ":nofact"  # an arm name ending so runs the chats without their facts
@@ -49,8 +51,24 @@ def parse_arms(text: str) -> list[tuple[str, list[str]]]:
 
 
 def user_turns(chat, turns: int, nofact: bool) -> list[str]:
+    """The chat's first ``turns`` user turns; past the chat's own (16 test, 13 tune), more
+    questions of its split (``data/chat_questions.json``, never a fact clause) in an order
+    fixed by the chat: the long conversations whose user turns alone overflow the budget."""
     msgs = chat.nofact if nofact else chat.messages
-    return [m["content"] for m in msgs if m["role"] == "user"][:turns]
+    said = [m["content"] for m in msgs if m["role"] == "user"]
+    if turns > len(said):
+        own = {m["content"] for m in chat.nofact if m["role"] == "user"}
+        more = [q for q in questions(chat.split) if q not in own]
+        random.Random(f"live:{chat.split}:{chat.index}").shuffle(more)
+        said += more
+    if turns > len(said):
+        raise SystemExit(f"morphkv: error: --turns {turns}: the {chat.split} split has "
+                         f"{len(said)} user turns")
+    return said[:turns]
+
+
+def questions(split: str) -> list[str]:
+    return json.loads((DATA / "chat_questions.json").read_text())[split]
 
 
 def cluster_interval(hits: list[list[bool]], draws: int = 2000, seed: int = 0):
