@@ -198,3 +198,20 @@ def test_live_serve_runs_chats_through_the_real_server_and_stops_it():
     assert proc.poll() is not None  # stopped
     with pytest.raises(OSError):
         os.kill(proc.pid, 0)
+
+
+def test_long_live_chats_add_questions_of_their_split_never_a_fact_clause():
+    """``--turns`` past a chat's own user turns: more questions of the same split, the same
+    ones with and without the facts, a fixed order per chat; too many turns is an error."""
+    from morphkv.eval import live
+
+    chat = live.held_out_chats("test", 24, 1, 0)[0]
+    own = sum(m["role"] == "user" for m in chat.messages)
+    turns, bare = live.user_turns(chat, own + 10, False), live.user_turns(chat, own + 10, True)
+    assert len(turns) == own + 10 and turns[own:] == bare[own:]
+    assert len(set(turns[own:])) == 10 and set(turns[own:]) <= set(live.questions("test"))
+    assert not set(turns[own:]) & {m["content"] for m in chat.nofact if m["role"] == "user"}
+    assert live.user_turns(chat, own + 10, False) == turns  # the same order every run
+    assert live.user_turns(live.held_out_chats("test", 25, 1, 0)[0], own + 10, True) != bare
+    with pytest.raises(SystemExit, match="--turns 500"):
+        live.user_turns(chat, 500, False)
