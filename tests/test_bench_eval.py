@@ -13,9 +13,9 @@ from morphkv.eval import generation as G
 from morphkv.eval import texts as T
 from morphkv.eval.arms import Arm, grid_specs
 from morphkv.eval.equal_bytes import budget_for_bytes, measure_bytes
+from morphkv.eval.forced import Feeder
 from morphkv.eval.metrics import distinct, repetition_rate
 from morphkv.eval.models import tiny_llama
-from morphkv.eval.runner import Feeder
 
 
 class ByteTokenizer:

@@ -30,10 +30,10 @@ from ..mlxlm.turns import user_positions
 from . import plots
 from .arms import check_specs, parse_arms, unpinned
 from .flags import add_flags, csv_ints, standard
+from .forced import position_kl, reference_logprobs
 from .metrics import held_bytes
 from .models import load_model
 from .output import environment, finish, markdown_table
-from .runner import position_kl, reference_logprobs
 from .texts import CONVERSATIONS, split_texts
 
 NAME = "bytes"

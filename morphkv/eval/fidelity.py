@@ -24,11 +24,11 @@ from . import plots
 from .arms import Arm, check_specs, grid_arms, parse_arms
 from .equal_bytes import equal_byte_budgets
 from .flags import add_flags, standard
+from .forced import Feeder, evaluate_arms, reference_logprobs
 from .models import load_model
 from .output import environment, finish, markdown_table, out_dir, pivot, write_json
 from .plots import require_matplotlib
 from .progress import Progress
-from .runner import Feeder, evaluate_arms, reference_logprobs
 from .texts import CONVERSATIONS, build_texts, split_texts
 
 NAME = "fidelity"
