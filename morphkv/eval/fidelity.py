@@ -157,8 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--n-sink", N_SINK, "protected first tokens"),
         ("--equal-bytes", None, "compare at equal total bytes: at each budget every arm gets the "
          "budget at which its caches hold what this arm's hold (measured), e.g. streaming_llm"),
-        ("--feed", "auto", "auto: exact chunks with morphkv.attach, else stacked token-by-token",
-         ["auto", "stacked", "step", "chunked"]),
+        ("--feed", "auto", "auto, chunked: exact chunks through the attention hook; step: token "
+         "by token (the reference)", ["auto", "step", "chunked"]),
         ("--chunk", 256, "chunk size of the chunked feed"),
         ("--no-full-arm", False, "skip the full-cache check arm"),
     ])
