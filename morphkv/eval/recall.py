@@ -57,15 +57,11 @@ class LongChats(Evaluation):
         self.full = next((a for a in arms if is_full(a)), None) or parse_arms("full")[0]
         return [(a, b) for a in arms if not is_full(a) for b in self.budgets]
 
-    def indices(self):
-        a = self.args
-        return getattr(a, "indices", None) or range(a.first, a.first + a.items)
-
     def items(self, model, tok):
-        return iter(self.indices())
+        return range(self.args.first, self.args.first + self.args.items)
 
     def steps(self, arms) -> int:
-        return len(self.indices()) * (len(arms) + (not self.args.screen))
+        return self.args.items * (len(arms) + (not self.args.screen))
 
     def one(self, model, tok, item, caches, answer: bool) -> dict:
         """Prefill all but the prompt's last token, read the retention, then (``answer``) feed
@@ -152,23 +148,18 @@ def _settings(args: argparse.Namespace) -> tuple[list, list[int]]:
     try:
         budgets = [int(b) for b in str(args.budgets).split(",") if b.strip()]
     except ValueError:
-        msg = f"--budgets must be comma-separated integers, got {args.budgets!r}"
-        raise ValueError(msg) from None
-    if not budgets:
-        raise ValueError("--budgets is empty")
+        raise ValueError(f"--budgets: comma-separated integers, not {args.budgets!r}") from None
+    if not budgets or args.items < 1 or args.first < 0:
+        raise ValueError("need --budgets, --items >= 1 and --first >= 0")
     arms = parse_arms(args.arms)
-    for arm in arms:
+    for c in (c for c in arms if not c.arm.is_baseline):
         for budget in budgets:
-            if arm.arm.is_baseline:
-                continue
             try:
-                arm.arm.config(budget, n_sink=args.n_sink)
+                c.arm.config(budget, n_sink=args.n_sink)
             except (TypeError, ValueError) as e:
-                raise ValueError(f"arm {arm.label!r} at budget {budget}: {e}") from None
+                raise ValueError(f"arm {c.label!r} at budget {budget}: {e}") from None
     args.budgets = budgets
     args.distance = args.distance or 3 * max(budgets)
-    if args.items < 1 or args.first < 0:
-        raise ValueError(f"need --items >= 1 and --first >= 0, got {args.items}, {args.first}")
     return arms, budgets
 
 
