@@ -146,7 +146,7 @@ def _settings(args: argparse.Namespace) -> tuple[list, list[int]]:
         args.arms, args.budgets, args.items = "full,streaming_llm,morphkv", "32", min(args.items, 2)
         args.distance = args.distance or 48
     try:
-        budgets = [int(b) for b in str(args.budgets).split(",") if b.strip()]
+        budgets = [int(b) for b in str(args.budgets).strip("[]").split(",") if b.strip()]
     except ValueError:
         raise ValueError(f"--budgets: comma-separated integers, not {args.budgets!r}") from None
     if not budgets or args.items < 1 or args.first < 0:
