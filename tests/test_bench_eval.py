@@ -13,9 +13,9 @@ from morphkv.eval import generation as G
 from morphkv.eval import texts as T
 from morphkv.eval.arms import Arm, grid_specs
 from morphkv.eval.equal_bytes import budget_for_bytes, measure_bytes
+from morphkv.eval.forced import Feeder
 from morphkv.eval.metrics import distinct, repetition_rate
 from morphkv.eval.models import tiny_llama
-from morphkv.eval.runner import Feeder
 
 
 class ByteTokenizer:
@@ -56,17 +56,16 @@ def test_fidelity_quick_writes_json_and_png(tiny, tmp_path):
 
 
 def test_feeding_modes_agree_with_token_by_token(tiny):
-    """Stacked arms and exact chunks must give the token-by-token numbers."""
+    """Exact chunks must give the token-by-token numbers."""
     toks = [int(x) for x in np.random.default_rng(0).integers(0, 256, 110)]
     arms = ["streaming_llm", "h2o", "morphkv:mean:8", "random", "morphkv:max:8:attn"]
     out = {}
-    for mode in ("step", "stacked", "chunked"):
+    for mode in ("step", "chunked"):
         res = F.run_fidelity(tiny, {"t": toks}, arms, [24], feeder=Feeder(mode, 32), quiet=True)
         out[mode] = [(r["arm"], r["kl"], r["top1"], r["positions"]) for r in res["rows"]]
-    for mode in ("stacked", "chunked"):
-        for a, b in zip(out["step"], out[mode], strict=True):
-            assert a[0] == b[0] and a[2:] == b[2:]
-            assert a[1] == pytest.approx(b[1], rel=1e-3, abs=1e-6)
+    for a, b in zip(out["step"], out["chunked"], strict=True):
+        assert a[0] == b[0] and a[2:] == b[2:]
+        assert a[1] == pytest.approx(b[1], rel=1e-3, abs=1e-6)
     kls = {a: kl for a, kl, _, _ in out["step"]}
     assert kls["full"] < 1e-5 and min(v for k, v in kls.items() if k != "full") > 1e-4
 

@@ -64,10 +64,10 @@ def test_smoke_run_on_the_embedded_model(tmp_path, monkeypatch):
     from smollm2_fixture import load_embedded
 
     from morphkv.cli import main
-    from morphkv.eval import chat_recall
+    from morphkv.eval import runner
 
     pair = load_embedded()  # the module's one load of the model
-    monkeypatch.setattr(chat_recall, "load_model", lambda name: pair)
+    monkeypatch.setattr(runner, "load_model", lambda name: pair)
 
     rc = main(["eval", "recall", "--split", "tune", "--chats", "1", "--budget", "32",
                "--min-distance", "3", "--max-tokens", "3", "--arms",
@@ -108,21 +108,21 @@ def test_the_memory_preset_is_the_chosen_arm_and_can_be_overridden():
 
 
 def test_arm_sizes_parse_and_bad_ones_are_named():
-    from morphkv.eval.chat_recall import arm_budget, parse, pins_user
+    from morphkv.eval.arms import cells
 
-    arms = parse("kvcache,nofact,h2o@64,recommended:memory=f16@256")
-    assert [label for label, _ in arms] == ["kvcache", "nofact", "h2o@64",
-                                            "recommended:memory=f16@256"]
-    assert arms[1][1] is None and arms[3][1].method == "recommended"
-    assert [arm_budget(label, 128) for label, _ in arms] == [128, 128, 64, 256]
+    arms = cells("kvcache,nofact,h2o@64,recommended:memory=f16@256", 128, nofact=True)
+    assert [c.label for c in arms] == ["kvcache", "nofact", "h2o@64",
+                                       "recommended:memory=f16@256"]
+    assert arms[1].arm is None and arms[3].arm.method == "recommended"
+    assert [c.size for c in arms] == [128, 128, 64, 256]
     for bad in ("h2o@", "h2o@x", "h2o@0"):
         with pytest.raises(ValueError, match="positive token count"):
-            parse(bad)
-    label, arm = parse("recommended:memory=f16+pin@64")[0]
-    assert pins_user(label) and arm.method == "recommended" and arm_budget(label, 128) == 64
-    assert not pins_user("h2o@64")
+            cells(bad, 128, nofact=True)
+    (c,) = cells("recommended:memory=f16+pin48@64", 128, nofact=True)
+    assert c.pins and c.replies == 48 and c.arm.method == "recommended" and c.size == 64
+    assert not cells("h2o@64", 128)[0].pins
     with pytest.raises(ValueError, match="nothing to pin"):
-        parse("nofact+pin")
+        cells("nofact+pin", 128, nofact=True)
 
 
 def _chat(index, full, arm, distances, size):

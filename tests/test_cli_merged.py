@@ -75,11 +75,14 @@ def test_an_old_name_names_the_new_command_and_exits_2(old, capsys, monkeypatch)
 
 def test_every_command_module_follows_the_contract():
     """add_arguments, and run(args) or execute(args); its help is the docstring's first line."""
+    from morphkv.eval import runner
+
     modules = [m for _, m in COMMANDS] + [m for _, _, ms in MODES.values() for m in ms.values()]
     for name in dict.fromkeys(modules):
         module = __import__(name, fromlist=["x"])
         assert callable(module.add_arguments), name
         assert callable(getattr(module, "run", None) or getattr(module, "execute", None)), name
+        assert getattr(module, "run", None) is not runner.run, name  # not the shared runner's
         assert (module.__doc__ or "").strip().splitlines()[0], name
 
 

@@ -77,10 +77,10 @@ def test_natural_items_are_deterministic_split_apart_and_far():
 def test_eval_bytes_writes_kl_at_equal_bytes(tmp_path, capsys, monkeypatch):
     from smollm2_fixture import load_embedded
 
-    from morphkv.eval import bytes as equal_bytes_command
+    from morphkv.eval import runner
 
     pair = load_embedded()  # the module's one load of the model
-    monkeypatch.setattr(equal_bytes_command, "load_model", lambda name: pair)
+    monkeypatch.setattr(runner, "load_model", lambda name: pair)
     out = tmp_path / "bytes"
     argv = ["eval", "fidelity", "--mode", "bytes", "--split", "tune", "--tokens", "32",
             "--prose-tokens", "160",

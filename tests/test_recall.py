@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from morphkv.cli import main
+from morphkv.eval import asking, runner
 from morphkv.eval import recall as R
 from morphkv.eval import recall_items as I
 from morphkv.eval.recall_report import wilson
@@ -23,7 +24,7 @@ def one_load(monkeypatch):
     from smollm2_fixture import load_embedded
 
     pair = load_embedded()
-    monkeypatch.setattr(R, "load_model", lambda name: pair)
+    monkeypatch.setattr(runner, "load_model", lambda name: pair)
 
 
 def test_arm_specs_map_onto_config_fields():
@@ -33,16 +34,16 @@ def test_arm_specs_map_onto_config_fields():
         "full", "streaming_llm", "morphkv:window=32,fusion=max", "tova:morphkv_n_sink=2",
         "peak:recent=32:value=true:pool=3", "tuned:peak=0.25", "rotating",
     ]
-    config = arms[2].config(128, n_sink=4)
+    config = arms[2].arm.config(128, n_sink=4)
     assert (config.method, config.morphkv_budget) == ("morphkv", 128)
     assert (config.morphkv_window, config.morphkv_fusion, config.morphkv_n_sink) == (32, "max", 4)
-    assert arms[3].config(64, n_sink=4).morphkv_n_sink == 2  # the spec beats --n-sink
-    peak = arms[4].config(128, n_sink=4)
+    assert arms[3].arm.config(64, n_sink=4).morphkv_n_sink == 2  # the spec beats --n-sink
+    peak = arms[4].arm.config(128, n_sink=4)
     assert (peak.method, peak.recent, peak.morphkv_value, peak.morphkv_pool) == (
         "peak", 32, True, 3)
-    fused = arms[5].config(128, n_sink=4)
+    fused = arms[5].arm.config(128, n_sink=4)
     assert fused.morphkv_peak == 0.25 and fused.recent == 64 and fused.morphkv_value
-    assert arms[0].is_full and arms[6].spec.is_baseline
+    assert R.is_full(arms[0]) and arms[6].arm.is_baseline
 
 
 @pytest.mark.parametrize(
@@ -105,16 +106,16 @@ class _Rotating:  # what stored_positions reads of mlx_lm's RotatingKVCache
 
 
 def test_retention_reads_morphkv_and_mlx_lm_caches():
-    assert R.stored_positions(_Rotating(10, 32, 4)).tolist() == [list(range(10))]
-    kept = R.stored_positions(_Rotating(100, 32, 4))[0]
+    assert asking.stored_positions(_Rotating(10, 32, 4)).tolist() == [list(range(10))]
+    kept = asking.stored_positions(_Rotating(100, 32, 4))[0]
     assert kept.tolist() == [0, 1, 2, 3, *range(72, 100)]
-    assert R.retention([_Rotating(100, 32, 4)], (2, 3, 50, 80)) == [0.75]
-    assert R.retention([_Rotating(100, 32, 4)], ()) is None
+    assert asking.retention([_Rotating(100, 32, 4)], (2, 3, 50, 80)) == [0.75]
+    assert asking.retention([_Rotating(100, 32, 4)], ()) is None
 
     class Kept:
         kept_positions = np.array([[[0, 5, 7], [1, 5, 9]]])
 
-    assert R.retention([Kept()], (5, 7)) == [0.75]
+    assert asking.retention([Kept()], (5, 7)) == [0.75]
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from morphkv.eval import answers as A
+from morphkv.eval import runner
 from morphkv.eval import said_items as S
 from morphkv.eval.choose_said import CANDIDATES, choose
 
@@ -91,7 +92,7 @@ def test_answers_smoke_on_the_embedded_model(tmp_path, monkeypatch):
     from morphkv.cli import main
 
     pair = load_embedded()
-    monkeypatch.setattr(A, "load_model", lambda name: pair)
+    monkeypatch.setattr(runner, "load_model", lambda name: pair)
     rc = main(["eval", "recall", "--data", "answers", "--texts", "1", "--length", "80",
                "--chunk", "16", "--arms", "kvcache@16,recommended:memory=f16+pin@16,h2o@16",
                "--free", "24", "--out", str(tmp_path)])
@@ -110,10 +111,9 @@ def test_said_smoke_on_the_embedded_model(tmp_path, monkeypatch):
     from smollm2_fixture import load_embedded
 
     from morphkv.cli import main
-    from morphkv.eval import chat_recall
 
     pair = load_embedded()
-    monkeypatch.setattr(chat_recall, "load_model", lambda name: pair)
+    monkeypatch.setattr(runner, "load_model", lambda name: pair)
     rc = main(["eval", "recall", "--data", "said", "--chats", "1", "--budget", "16",
                "--min-distance", "1", "--max-tokens", "4", "--arms",
                "kvcache,nofact,recommended:memory=f16+pin", "--out", str(tmp_path), "--quiet"])

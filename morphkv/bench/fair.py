@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 from ..eval import plots
 from .load import server_flags
 from .load_clients import QUESTIONS, long_text
-from .servers import Server, in_threads, settings_of, stream_chat, write_report
+from .servers import Server, each_server, in_threads, stream_chat
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,17 +154,12 @@ def plot(results: dict, path: Path) -> None:
 def run(args) -> int:
     if args.quick:
         args.long_tokens, args.max_tokens, args.budget = 600, 4, min(args.budget, 32)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    long_prompt = "Summarize this text. " + long_text(args.long_tokens)
-    loads, results = [os.getloadavg()], {}
-    for kind in args.servers.split(","):
-        print(f"{kind} server ...", flush=True)
-        results[kind] = bench_server(kind, args, out, long_prompt)
-        loads.append(os.getloadavg())
-        print(json.dumps({kind: results[kind]["summary"]}, indent=1), flush=True)
-    report = {"settings": settings_of(args), "load_average": loads, "results": results}
-    name = "serve_fair_quick" if args.quick else "serve_fair"
-    write_report(out, name, report, lambda path: plot(results, path))
-    print(f"wrote {out / name}.json and .png (load averages {loads})")
+
+    def bench(kind, args, out, long_prompt):
+        result = bench_server(kind, args, out, long_prompt)
+        print(json.dumps({kind: result["summary"]}, indent=1), flush=True)
+        return result
+
+    each_server(args, "serve_fair", bench, "Summarize this text. " + long_text(args.long_tokens),
+                lambda results: {"results": results}, plot)
     return 0

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .load_clients import PROBE_BAD, User, long_text, raw_post
 from .load_mixed import MixedUser, by_class, drive_mixed
-from .servers import Server, in_threads, loadavg, model_flag, settings_of, write_report
+from .servers import Server, each_server, in_threads, loadavg, model_flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,19 +192,12 @@ def run(args) -> int:
         args.levels, args.rounds, args.short, args.turns = [4], 4, 1, 3
         args.mixed = min(args.mixed, 12)
         args.budget = min(args.budget, 32)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    long_prompt = long_text(10 * args.budget)
-    results, loads = {}, [loadavg()]
-    for kind in args.servers.split(","):
-        print(f"{kind} server ...", flush=True)
-        results[kind] = bench_server(kind, args, out, long_prompt)
-        loads.append(loadavg())
-    summary = summarize(results, args)
-    report = {"settings": settings_of(args), "load_average": loads, "summary": summary,
-              "results": results}
-    name = "serve_load_quick" if args.quick else "serve_load"
-    write_report(out, name, report, lambda path: plot(results, args, path))
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {out / name}.json and .png ({', '.join(loads)})")
+
+    def report(results):
+        summary = summarize(results, args)
+        print(json.dumps(summary, indent=2))
+        return {"summary": summary, "results": results}
+
+    each_server(args, "serve_load", bench_server, long_text(10 * args.budget), report,
+                lambda results, path: plot(results, args, path))
     return 0

@@ -28,25 +28,18 @@ def summarize(results: dict, args) -> dict:
         phases, marks, memory = r["phases"], r["marks"], r["memory"]
         loads = [v for k, v in phases.items() if k.startswith("load_")]
         warm, end = _at(memory, marks.get("warm", 0)), _at(memory, marks.get("end", 1e18))
-        s = {
-            "requests": sum(p["requests"] for k, p in phases.items() if k != "probe"),
-            "failed_good": sum(p["failed_good"] for k, p in phases.items() if k != "probe"),
-            "responses_5xx": sum(p["responses_5xx"] for k, p in phases.items() if k != "probe"),
+        s = {key: sum(p[key] for k, p in phases.items() if k != "probe")
+             for key in ("requests", "failed_good", "responses_5xx")}
+        s |= {
             "bad_4xx": f"{sum(p['bad_4xx'] for p in loads)}/{sum(p['bad'] for p in loads)}",
             "dropped_streams": sum(p["dropped"] for p in loads),
             "exit_status": r["exit_status"],
             "tracebacks_in_log": r["tracebacks_in_log"],
         }
         if warm and end:
-            s["rss_after_warmup_mib"] = warm[1] / 2**20
-            s["rss_end_mib"] = end[1] / 2**20
-            s["rss_growth"] = end[1] / warm[1] - 1
-            s["mlx_peak_after_warmup_mib"] = warm[3] / 2**20
-            s["mlx_peak_end_mib"] = end[3] / 2**20
-            s["mlx_peak_growth"] = end[3] / warm[3] - 1
-            s["mlx_active_after_warmup_mib"] = warm[2] / 2**20
-            s["mlx_active_end_mib"] = end[2] / 2**20
-            s["mlx_active_growth"] = end[2] / warm[2] - 1
+            for n, i in (("rss", 1), ("mlx_peak", 3), ("mlx_active", 2)):
+                s[f"{n}_after_warmup_mib"], s[f"{n}_end_mib"] = warm[i] / 2**20, end[i] / 2**20
+                s[f"{n}_growth"] = end[i] / warm[i] - 1
             s["memory_at_marks_mib"] = {  # (RSS, MLX active, MLX peak) at the end of each phase
                 name: [round(x / 2**20, 1) for x in _at(memory, t)[1:]]
                 for name, t in sorted(marks.items(), key=lambda kv: kv[1])}

@@ -158,11 +158,21 @@ def model_flag(args) -> list[str]:
     return ["--model", args.model] if args.model else []
 
 
-def settings_of(args) -> dict:
-    return {k: v for k, v in vars(args).items() if not callable(v)}
-
-
-def write_report(out: Path, name: str, report: dict, plot) -> None:
-    """``<out>/<name>.json`` (the report) and ``<name>.png`` (``plot(path)``)."""
+def each_server(args, name: str, bench, long_prompt: str, report, plot) -> dict:
+    """``bench(kind, args, out, long_prompt)`` per server of ``--servers``, one after the other;
+    ``<out>/<name>[_quick].json`` (``report(results)`` with the settings and load averages) and
+    ``.png`` (``plot(results, path)``)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results, loads = {}, [loadavg()]
+    for kind in args.servers.split(","):
+        print(f"{kind} server ...", flush=True)
+        results[kind] = bench(kind, args, out, long_prompt)
+        loads.append(loadavg())
+    name += "_quick" if args.quick else ""
+    settings = {k: v for k, v in vars(args).items() if not callable(v)}
+    report = {"settings": settings, "load_average": loads, **report(results)}
     (out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
-    plot(out / f"{name}.png")
+    plot(results, out / f"{name}.png")
+    print(f"wrote {out / name}.json and .png ({', '.join(loads)})")
+    return results

@@ -26,16 +26,15 @@ import argparse
 import builtins
 import json
 import keyword
-import os
 import re
 import time
 
 from ..core.pins import pin
-from .arms import Arm, unpinned
-from .chat_recall import arm_budget, pins_user
+from .arms import cells
 from .live import cluster_interval
-from .models import load_model
-from .output import environment, markdown_table, out_dir, write_json
+from .output import markdown_table, out_dir, write_json
+from .runner import Evaluation
+from .runner import run as run_evaluation
 
 DATA_FILE = "answer_prompts.json"
 RARE = 3  # a re-mention's token occurred at most this many times before
@@ -76,12 +75,12 @@ def free_repetition(model, tok, text: dict, arms, tokens: int) -> dict:
     from .metrics import repetition_rate
 
     out = {}
-    for label, arm, size in arms:
-        caches = arm.caches(model, size)
-        if pins_user(label):
+    for c in arms:
+        caches = c.arm.caches(model, c.size)
+        if c.pins:
             pin(caches, range(len(text["prompt_ids"])))
         ids = write(model, tok, text["prompt_ids"], caches, tokens)
-        out[label] = {"repetition": repetition_rate(ids), "tokens": len(ids)}
+        out[c.label] = {"repetition": repetition_rate(ids), "tokens": len(ids)}
     return out
 
 
@@ -129,7 +128,7 @@ def _log_probs(logits):
 
 
 def read_back(model, text: dict, arms, chunk: int) -> dict:
-    """Every arm (label, Arm, size) and the full cache over one text, chunk by chunk: per
+    """Every arm (``arms.Cell``) and the full cache over one text, chunk by chunk: per
     arm, per answer position, (KL, agreement with the full cache's top-1, written-token top-1,
     NLL of the written token)."""
     import mlx.core as mx
@@ -138,10 +137,10 @@ def read_back(model, text: dict, arms, chunk: int) -> dict:
     ids, n0 = text["prompt_ids"] + text["answer_ids"], len(text["prompt_ids"])
     full = make_prompt_cache(model)
     caches = {}
-    for label, arm, size in arms:
-        caches[label] = arm.caches(model, size)
-        if pins_user(label):
-            pin(caches[label], range(n0))
+    for c in arms:
+        caches[c.label] = c.arm.caches(model, c.size)
+        if c.pins:
+            pin(caches[c.label], range(n0))
     x = mx.array(ids)[None]
     stats = {label: [] for label in caches}
     cuts = [0, n0, *range(n0 + chunk, len(ids), chunk), len(ids)]
@@ -217,39 +216,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and measure their 10-gram repetition (default 0: not run)")
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        arms = [(s, Arm.parse(unpinned(s.rsplit("@", 1)[0])[0]), arm_budget(s, 128))
-                for s in filter(None, (a.strip() for a in args.arms.split(",")))]
-    except ValueError as e:
-        raise SystemExit(f"morphkv eval recall: error: --arms: {e}") from None
-    model, tok = load_model(args.model)
-    folder = out_dir(args, "answers")
-    name = re.sub(r"[^A-Za-z0-9.]+", "-", args.model or "smollm2")
-    texts = write_texts(model, tok, args.split, args.length,
-                        folder / f"answers_texts_{args.split}_{name}.json", args.texts)
-    stem, start = args.stem or f"answers_{args.split}", time.perf_counter()
-    result = {"benchmark": "answers", "args": vars(args), "environment": environment(),
-              "load_average": {"start": os.getloadavg()}, "texts": []}
-    for t in texts:
+class Answers(Evaluation):
+    """Long answers the full cache wrote, read back by every arm."""
+
+    name, key, command = "answers", "texts", "morphkv eval recall"
+
+    def stem(self) -> str:
+        return self.args.stem or f"answers_{self.args.split}"
+
+    def arms(self) -> list:
+        try:
+            return cells(self.args.arms, 128)
+        except ValueError as e:
+            raise ValueError(f"--arms: {e}") from None
+
+    def items(self, model, tok):
+        a = self.args
+        name = re.sub(r"[^A-Za-z0-9.]+", "-", a.model or "smollm2")
+        path = out_dir(a, "answers") / f"answers_texts_{a.split}_{name}.json"
+        return write_texts(model, tok, a.split, a.length, path, a.texts)
+
+    def measure(self, model, tok, t, arms, bar) -> dict:
         rec = {"index": t["index"], "answer_tokens": len(t["answer_ids"]), "arms": {}}
-        sizes = {label: size for label, _, size in arms}
-        for label, stats in read_back(model, t, arms, args.chunk).items():
-            size = sizes[label]
+        sizes = {c.label: c.size for c in arms}
+        for label, stats in read_back(model, t, arms, self.args.chunk).items():
             stats["remention"] = [p - len(t["prompt_ids"]) for p in rementions(
-                tok, t["prompt_ids"] + t["answer_ids"], len(t["prompt_ids"]), size)]
+                tok, t["prompt_ids"] + t["answer_ids"], len(t["prompt_ids"]), sizes[label])]
             rec["arms"][label] = stats
-        if args.free:
-            for label, r in free_repetition(model, tok, t, arms, args.free).items():
+        if self.args.free:
+            for label, r in free_repetition(model, tok, t, arms, self.args.free).items():
                 rec["arms"][label].update(free=r)
-        result["texts"].append(rec)
-        result["summary"] = summarize(result["texts"], [a[0] for a in arms])
-        result["seconds"] = time.perf_counter() - start
-        result["load_average"]["end"] = os.getloadavg()
-        write_json(folder / f"{stem}.json", result)
         print(f"text {t['index']}: read back by {len(arms)} arms", flush=True)
-    result["table"] = table(result["summary"])
-    print(result["table"])
-    write_json(folder / f"{stem}.json", result)
-    print(f"wrote {folder / f'{stem}.json'}")
+        return rec
+
+    def report(self, records: list, arms) -> tuple:
+        summary = summarize(records, [c.label for c in arms])
+        return summary, table(summary)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_evaluation(Answers(args))
     return 0

@@ -118,7 +118,7 @@ class Arm:
             elif part in SHORTHANDS:
                 options.append(SHORTHANDS[part])
             else:
-                raise ValueError(f"cannot parse arm part {part!r} in {text!r}")
+                raise ValueError(f"cannot parse arm part {part!r} in {text!r} (not field=value)")
         defaults = tuple((field_name(k), v) for k, v in defaults.items())
         return cls(method, tuple(options), defaults)
 
@@ -215,6 +215,44 @@ def memory_bytes(value, budget: int, model) -> int:
 
         return parse_size(value)
     return int(value)
+
+
+NOFACT = "nofact"  # a chat arm: the full cache on the chat without its facts (guessing)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One arm of a command's ``--arms``: ``spec[+pin[N]][@N]``; ``arm`` None for ``nofact``."""
+
+    label: str  # as written
+    arm: Arm | None
+    size: int  # tokens: N of ``@N``, else the command's
+    pins: bool = False  # ``+pin``: the chat's user turns (a prompt) pinned (``morphkv.pin``)
+    replies: int = 0  # ``+pinN``: and the assistant's replies of at most N tokens
+
+
+def cells(text: str, size: int, nofact: bool = False, **defaults) -> list[Cell]:
+    """``--arms``: comma-separated labels; a piece ``field=value`` with no ``:`` continues the
+    previous spec (``morphkv:window=32,fusion=max``). ValueError names a bad one."""
+    specs: list[str] = []
+    for piece in filter(None, (p.strip() for p in text.split(","))):
+        if "=" in piece and ":" not in piece and specs:
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    if not specs:
+        raise ValueError("--arms is empty")
+    out = []
+    for label in specs:
+        spec, at, n = label.rpartition("@") if "@" in label else (label, "", "")
+        if at and (not n.isdigit() or int(n) < 1):
+            raise ValueError(f"arm {label!r}: the size after '@' must be a positive token count")
+        base, pinned = unpinned(spec)
+        if nofact and base == NOFACT and pinned:
+            raise ValueError(f"arm {label!r}: nofact is the full cache, nothing to pin")
+        arm = None if nofact and base == NOFACT else Arm.parse(base.replace(",", ":"), **defaults)
+        out.append(Cell(label, arm, int(n) if at else size, pinned, pinned_replies(spec)))
+    return out
 
 
 def parse_arms(specs, aliases: dict | None = None, **defaults) -> list[Arm]:

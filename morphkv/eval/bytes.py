@@ -22,18 +22,17 @@ a multi-token chunk do not see the kept sinks, which would flatter every other a
 from __future__ import annotations
 
 import argparse
-import os
-import time
 
 from ..core.pins import pin
 from ..mlxlm.turns import user_positions
 from . import plots
-from .arms import check_specs, parse_arms, unpinned
+from .arms import cells
 from .flags import add_flags, csv_ints, standard
+from .forced import position_kl, reference_logprobs
 from .metrics import held_bytes
-from .models import load_model
-from .output import environment, finish, markdown_table
-from .runner import position_kl, reference_logprobs
+from .output import markdown_table
+from .runner import Evaluation
+from .runner import run as run_evaluation
 from .texts import CONVERSATIONS, split_texts
 
 NAME = "bytes"
@@ -78,39 +77,50 @@ def user_pins(tokenizer, name: str):
     return user_positions(tokenizer, CONVERSATIONS[int(name.removeprefix("conversation"))])
 
 
-def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
-    specs = [s.strip() for s in args.arms.split(",") if s.strip()]
-    if args.reference not in specs:
-        specs.insert(0, args.reference)
-    bases = [unpinned(s)[0] for s in specs]  # spec+pin: the conversations' user turns pinned
-    check_specs(bases)
-    arms = parse_arms(bases)
-    if model is None:
-        model, tokenizer = load_model(args.model)
-    start, load = time.perf_counter(), os.getloadavg()
-    texts = split_texts(tokenizer, model, args.split, args.prose_tokens, args.continuation_tokens,
-                        getattr(args, "conversation_tokens", 0))
-    rows = []
-    for name, tokens in texts.items():
-        ref = reference_logprobs(model, tokens)
-        for budget in csv_ints(str(args.tokens)):
-            for spec, arm in zip(specs, arms, strict=True):
-                pins = user_pins(tokenizer, name) if unpinned(spec)[1] else None
-                row = {"text": name, "arm": spec, "f16_tokens": budget,
-                       **kl_of(model, arm, tokens, ref, budget, budget + 1, pins)}
+class Bytes(Evaluation):
+    """Texts x token counts x arms: KL to the unquantized full cache, bytes held."""
+
+    name, key, command, pngs = NAME, "rows", "morphkv eval fidelity --mode bytes", ("",)
+
+    def stem(self) -> str:
+        return self.args.stem or f"{NAME}_{self.args.split}"
+
+    def arms(self) -> list:
+        found = cells(self.args.arms, 0)  # spec+pin: the conversations' user turns pinned
+        if self.args.reference not in [c.label for c in found]:
+            found.insert(0, cells(self.args.reference, 0)[0])
+        return found
+
+    def items(self, model, tok):
+        a = self.args
+        texts = split_texts(tok, model, a.split, a.prose_tokens, a.continuation_tokens,
+                            getattr(a, "conversation_tokens", 0))
+        self.info["texts"] = {k: len(v) for k, v in texts.items()}
+        return ((name, tokens, user_pins(tok, name)) for name, tokens in texts.items())
+
+    def measure(self, model, tok, item, arms, bar) -> list:
+        name, tokens, pins = item
+        ref, rows = reference_logprobs(model, tokens), []
+        for budget in csv_ints(str(self.args.tokens)):
+            for c in arms:
+                row = {"text": name, "arm": c.label, "f16_tokens": budget,
+                       **kl_of(model, c.arm, tokens, ref, budget, budget + 1,
+                               pins if c.pins else None)}
                 rows.append(row)
-                print(f"{name} {spec} @{budget}: KL {row['kl']:.4f}, {row['tokens']} tokens, "
+                print(f"{name} {c.label} @{budget}: KL {row['kl']:.4f}, {row['tokens']} tokens, "
                       f"{row['nbytes'] / 2**20:.2f} MiB", flush=True)
-        del ref
-    summary = summarize(rows, args.reference)
-    result = {"benchmark": NAME, "rows": rows, "summary": summary, "args": vars(args),
-              "texts": {k: len(v) for k, v in texts.items()}, "environment": environment(),
-              "seconds": time.perf_counter() - start,
-              "load_average": {"start": load, "end": os.getloadavg()}}
-    result["table"] = table(summary, list(texts))
-    finish(args, NAME, result, args.stem or f"{NAME}_{args.split}",
-           lambda path: plot(summary, path), result["table"])
-    return result
+        return rows
+
+    def report(self, rows: list, arms) -> tuple:
+        summary = summarize(rows, self.args.reference)
+        return summary, table(summary, list(dict.fromkeys(r["text"] for r in rows)))
+
+    def plot(self, result: dict, suffix: str, path) -> None:
+        plot(result["summary"], path)
+
+
+def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
+    return run_evaluation(Bytes(args), model, tokenizer)
 
 
 def summarize(rows: list[dict], reference: str) -> list[dict]:

@@ -37,14 +37,13 @@ def trim(text: str) -> str:
 def answer(model, tok, question: str, max_tokens: int) -> str:
     from mlx_lm.models.cache import KVCache
 
+    from .asking import until_end
     from .models import greedy_tokens
 
     prompt = tok.apply_chat_template([{"role": "user", "content": question}],
                                      add_generation_prompt=True)  # fmt: skip
-    ids = greedy_tokens(model, [KVCache() for _ in model.layers], prompt, max_tokens)
-    eos = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])
-    ids = ids[: next((i for i, t in enumerate(ids) if t in eos), len(ids))]
-    return trim(tok.decode(ids))
+    return trim(until_end(tok, greedy_tokens(model, [KVCache() for _ in model.layers], prompt,
+                                             max_tokens)))
 
 
 def main(argv=None) -> int:

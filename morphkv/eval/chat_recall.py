@@ -25,77 +25,84 @@ distance / size differs, the distance plot shows it).
 from __future__ import annotations
 
 import argparse
-import copy
 import os
-import sys
 import time
 
 from ..core.pins import pin
-from ..mlxlm.turns import common_prefix, user_positions
-from .arms import Arm, pinned_replies, unpinned
+from ..mlxlm.turns import user_positions
+from .arms import Arm, cells
+from .asking import ask, until_end
 from .chat_items import build_chat, encode, judge, tokenize
 from .chat_report import distance_plot, plot, summarize, table
-from .models import load_model
 from .output import environment, out_dir, write_json
-from .progress import Progress
-from .recall import retention
+from .runner import Evaluation
+from .runner import run as run_evaluation
 
 NAME = "chatrecall"
-NOFACT = "nofact"
 LIVE_MEM = 1572864  # the float16 bytes of 128 tokens on Qwen2.5-0.5B (24 layers x 2 KV heads x 64)
 DEFAULT_ARMS = ("kvcache,nofact,recommended:memory=f16,h2o,streaming_llm,"
                 "streaming_llm:memory=f16:bits=8")
 
 
-def answer(model, tok, caches, suffix: list[int], max_tokens: int) -> str:
-    from .models import greedy_tokens
+class Chats(Evaluation):
+    """Chats of ``chat_items``, three questions each, every arm prefilled once per chat."""
 
-    ids = greedy_tokens(model, copy.deepcopy(caches), suffix, max_tokens)
-    eos = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])
-    ids = ids[: next((i for i, t in enumerate(ids) if t in eos), len(ids))]
-    return tok.decode(ids).strip()
+    name, key, command, pngs = NAME, "chats", "morphkv eval recall", ("", "_distance")
 
+    def stem(self) -> str:
+        return self.args.stem or f"{self.name}_{self.args.split}_{self.args.budget}"
 
-def prefill(model, caches, ids: list[int], chunk: int) -> None:
-    import mlx.core as mx
+    def arms(self) -> list:
+        found = cells(self.args.arms, self.args.budget, nofact=True)
+        for c in found:
+            if c.arm is not None and not c.arm.is_baseline:
+                c.arm.config(c.size, n_sink=self.args.n_sink)
+        return found
 
-    x = mx.array(ids)[None]
-    for s in range(0, len(ids), chunk):
-        mx.eval(model(x[:, s : s + chunk], cache=caches))
+    def build(self, model, tok, index: int):
+        return build_chat(self.args.split, index, self.args.seed)
 
+    def items(self, model, tok):
+        a = self.args
+        return (self.build(model, tok, i) for i in range(a.first, a.first + a.chats))
 
-def run_chat(model, tok, chat, arms, args, bar) -> dict:
-    """Every arm on one chat: one prefill, then each question from a copy of the cache."""
-    tokenize(tok, chat, args.min_distance * args.budget)
-    rec = {"index": chat.index, "turns": len(chat.messages) // 2, "arms": {},
-           "questions": [{"kind": q.kind, "value": q.value, "updated": q.updated,
-                          "distance": q.distance, "value_tokens": len(q.positions)}
-                         for q in chat.questions]}  # fmt: skip
-    for label, arm in arms:
-        msgs = chat.nofact if arm is None else chat.messages
-        full = [encode(tok, msgs, q) for q in chat.questions]
-        n = min(common_prefix(full[0], f) for f in full[1:])
-        spec = Arm.parse("kvcache") if arm is None else arm
-        caches = spec.caches(model, arm_budget(label, args.budget), args.n_sink)
-        if pins_user(label):  # the chat's user turns are evicted last (morphkv.pin)
-            pin(caches, user_positions(tok, msgs, replies=pinned_replies(label.rsplit("@", 1)[0])))
-        t0 = time.perf_counter()
-        prefill(model, caches, full[0][:n], args.chunk)
-        budgets = [c.config.budget for c in caches if hasattr(c, "config")]
-        out = {"nbytes": int(sum(c.nbytes for c in caches)), "prefix": n,
-               "tokens": max(budgets) if budgets else None, "answers": [], "correct": [],
-               "retention": []}
-        for q, ids in zip(chat.questions, full, strict=True):
-            if arm is not None:
-                out["retention"].append(retention(caches, q.positions))
-            text = answer(model, tok, caches, ids[n:], args.max_tokens)
-            out["answers"].append(text)
-            out["correct"].append(judge(text, q))
-        out["seconds"] = time.perf_counter() - t0
-        out["size"] = arm_budget(label, args.budget)
-        rec["arms"][label] = out
-        bar.update(1, f"chat {chat.index}: {label} {sum(out['correct'])}/{len(out['correct'])}")
-    return rec
+    def steps(self, arms) -> int:
+        return self.args.chats * len(arms)
+
+    def measure(self, model, tok, chat, arms, bar) -> dict:
+        """Every arm on one chat: one prefill, then each question from a copy of the cache."""
+        a = self.args
+        tokenize(tok, chat, a.min_distance * a.budget)
+        rec = {"index": chat.index, "turns": len(chat.messages) // 2, "arms": {},
+               "questions": [{"kind": q.kind, "value": q.value, "updated": q.updated,
+                              "distance": q.distance, "value_tokens": len(q.positions)}
+                             for q in chat.questions]}  # fmt: skip
+        for c in arms:
+            msgs = chat.nofact if c.arm is None else chat.messages
+            caches = (c.arm or Arm.parse("kvcache")).caches(model, c.size, a.n_sink)
+            if c.pins:  # the chat's user turns are evicted last (morphkv.pin)
+                pin(caches, user_positions(tok, msgs, replies=c.replies))
+            t0 = time.perf_counter()
+            qs = chat.questions
+            out = ask(model, caches, [encode(tok, msgs, q) for q in qs], a.chunk, a.max_tokens,
+                      None if c.arm is None else [q.positions for q in qs])
+            texts = [until_end(tok, ids) for ids in out.pop("answers")]
+            out.update(answers=texts, correct=[judge(t, q) for t, q in zip(texts, qs, strict=True)],
+                       retention=out.get("retention", []), seconds=time.perf_counter() - t0,
+                       size=c.size)
+            rec["arms"][c.label] = out
+            bar.update(1, f"chat {chat.index}: {c.label} {sum(out['correct'])}/{len(texts)}")
+        return rec
+
+    def report(self, records: list, arms) -> tuple:
+        summary = summarize(records, [c.label for c in arms])
+        return summary, table(summary)
+
+    def plot(self, result: dict, suffix: str, path) -> None:
+        if suffix:
+            distance_plot(result["chats"], path, self.args.budget)
+        else:
+            plot(result["summary"], path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,39 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     live.add_argument("--verbose", action="store_true", help="show the server's log")
 
 
-def arm_budget(label: str, budget: int) -> int:
-    """The token count of an arm label: N for ``spec@N``, else the command's ``budget``."""
-    if "@" not in label:
-        return budget
-    size = label.rsplit("@", 1)[1]
-    if not size.isdigit() or int(size) < 1:
-        raise ValueError(f"arm {label!r}: the size after '@' must be a positive token count")
-    return int(size)
 
-
-def pins_user(label: str) -> bool:
-    """``spec+pin`` (before any ``@N``): the arm pins the chat's user turns."""
-    return unpinned(label.rsplit("@", 1)[0])[1]
-
-
-def parse(text: str) -> list[tuple[str, Arm | None]]:
-    out = []
-    for spec in filter(None, (s.strip() for s in text.split(","))):
-        arm_budget(spec, 1)  # checks the size
-        base = unpinned(spec.rsplit("@", 1)[0])[0]
-        if base == NOFACT and pins_user(spec):
-            raise ValueError(f"arm {spec!r}: nofact is the full cache, nothing to pin")
-        out.append((spec, None if base == NOFACT else Arm.parse(base)))
-    if not out:
-        raise ValueError("--arms is empty")
-    return out
-
-
-def run(args: argparse.Namespace, build=None, report=None) -> int:
-    """``build(model, tok, split, index, seed)`` makes a chat (default ``build_chat``);
-    ``report(chats, labels)`` gives (summary, table) (default ``summarize`` / ``table``)."""
-    build = build or (lambda model, tok, split, index, seed: build_chat(split, index, seed))
-    report = report or (lambda chats, labels: (summarize(chats, labels), None))
+def run(args: argparse.Namespace, evaluation=Chats) -> int:
     if args.live:
         from .live import run_live
 
@@ -179,31 +155,5 @@ def run(args: argparse.Namespace, build=None, report=None) -> int:
         run_live(args, save)
         print(f"wrote {path}")
         return 0
-    try:
-        arms = parse(args.arms)
-        for label, arm in arms:
-            if arm is not None and not arm.is_baseline:
-                arm.config(arm_budget(label, args.budget), n_sink=args.n_sink)
-    except ValueError as e:
-        print(f"morphkv eval recall: error: {e}", file=sys.stderr)
-        return 2
-    model, tok = load_model(args.model)
-    folder = out_dir(args, NAME)
-    stem = args.stem or f"{NAME}_{args.split}_{args.budget}"
-    start, load = time.perf_counter(), os.getloadavg()
-    bar = Progress(args.chats * len(arms), NAME, args.quiet, every=5.0)
-    result = {"benchmark": NAME, "args": vars(args), "environment": environment(), "chats": []}
-    for index in range(args.first, args.first + args.chats):
-        chat = build(model, tok, args.split, index, args.seed)
-        result["chats"].append(run_chat(model, tok, chat, arms, args, bar))
-        result["summary"], text = report(result["chats"], [label for label, _ in arms])
-        result["seconds"] = time.perf_counter() - start
-        result["load_average"] = {"start": load, "end": os.getloadavg()}
-        write_json(folder / f"{stem}.json", result)  # partial results as we go
-    result["table"] = text or table(result["summary"])
-    print(result["table"])
-    write_json(folder / f"{stem}.json", result)
-    plot(result["summary"], folder / f"{stem}.png")
-    distance_plot(result["chats"], folder / f"{stem}_distance.png", args.budget)
-    print(f"wrote {folder / f'{stem}.json'}, {stem}.png and {stem}_distance.png")
+    run_evaluation(evaluation(args))
     return 0

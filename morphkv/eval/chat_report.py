@@ -93,18 +93,6 @@ def table(summary: dict) -> str:
     return markdown_table(headers, rows) + note
 
 
-def recall_plot(points: list[tuple], xlabel: str, ylabel: str, path: Path, vline=None) -> None:
-    """One point per (x, rate, (lo, hi), label, marker) with its 95% interval as error bars."""
-    fig, ax = plt().subplots(figsize=(7.5, 4.5))
-    for x, r, (lo, hi), label, marker in points:
-        err = [[100 * max(0.0, r - lo)], [100 * max(0.0, hi - r)]]  # rounding: never < 0
-        ax.errorbar([x], [100 * r], yerr=err, marker=marker,
-                    capsize=3, label=label)  # fmt: skip
-    if vline is not None:
-        ax.axvline(vline, color="grey", ls="--", lw=1)
-    finish(fig, ax, xlabel, ylabel, path)
-
-
 def finish(fig, ax, xlabel: str, ylabel: str, path: Path) -> None:
     """Labels, a 0-100% axis, grid and legend; saved as a PNG and closed."""
     ax.set_xlabel(xlabel)
@@ -170,33 +158,11 @@ def distance_plot(chats: list[dict], path: Path, default_size: int, edges=EDGES)
 
 def plot(summary: dict, path: Path) -> None:
     """Recall of the full cache's items per arm, with its 95% interval, against bytes held."""
-    points = [(s["mib"], s["of_full"]["rate"], s["of_full"]["ci95"], label, "o")
-              for label, s in summary.items() if not label.startswith("_") and s["of_full"]["n"]]
-    recall_plot(points, "bytes held over all layers (MiB)", "recall of the full cache's items (%)",
-                path)  # fmt: skip
-
-
-def main(argv=None) -> int:
-    """Redraw the table and both PNGs of a ``morphkv eval recall`` JSON (a partial one
-    too: the run saves it after every chat)."""
-    import argparse
-    import json
-
-    p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    p.add_argument("json")
-    p.add_argument("--budget", type=int, default=None, help="default: the run's --budget")
-    args = p.parse_args(argv)
-    path = Path(args.json)
-    result = json.loads(path.read_text())
-    labels = list(dict.fromkeys(k for c in result["chats"] for k in c["arms"]))
-    summary = summarize(result["chats"], labels)
-    print(table(summary))
-    plot(summary, path.with_suffix(".png"))
-    budget = args.budget or result.get("args", {}).get("budget", 128)
-    distance_plot(result["chats"], path.with_name(path.stem + "_distance.png"), budget)
-    print(f"wrote {path.with_suffix('.png')} and {path.stem}_distance.png")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    fig, ax = plt().subplots(figsize=(7.5, 4.5))
+    for label, s in summary.items():
+        if not label.startswith("_") and s["of_full"]["n"]:
+            r, (lo, hi) = s["of_full"]["rate"], s["of_full"]["ci95"]
+            err = [[100 * max(0.0, r - lo)], [100 * max(0.0, hi - r)]]  # rounding: never < 0
+            ax.errorbar([s["mib"]], [100 * r], yerr=err, marker="o", capsize=3, label=label)
+    finish(fig, ax, "bytes held over all layers (MiB)", "recall of the full cache's items (%)",
+           path)

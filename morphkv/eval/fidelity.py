@@ -24,11 +24,11 @@ from . import plots
 from .arms import Arm, check_specs, grid_arms, parse_arms
 from .equal_bytes import equal_byte_budgets
 from .flags import add_flags, standard
+from .forced import Feeder, evaluate_arms, reference_logprobs
 from .models import load_model
 from .output import environment, finish, markdown_table, out_dir, pivot, write_json
 from .plots import require_matplotlib
 from .progress import Progress
-from .runner import Feeder, evaluate_arms, reference_logprobs
 from .texts import CONVERSATIONS, build_texts, split_texts
 
 NAME = "fidelity"
@@ -157,8 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--n-sink", N_SINK, "protected first tokens"),
         ("--equal-bytes", None, "compare at equal total bytes: at each budget every arm gets the "
          "budget at which its caches hold what this arm's hold (measured), e.g. streaming_llm"),
-        ("--feed", "auto", "auto: exact chunks with morphkv.attach, else stacked token-by-token",
-         ["auto", "stacked", "step", "chunked"]),
+        ("--feed", "auto", "auto, chunked: exact chunks through the attention hook; step: token "
+         "by token (the reference)", ["auto", "step", "chunked"]),
         ("--chunk", 256, "chunk size of the chunked feed"),
         ("--no-full-arm", False, "skip the full-cache check arm"),
     ])

@@ -16,109 +16,91 @@ over the items the full cache answers correctly, with a 95% Wilson interval. Tot
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import time
 
-import numpy as np
-
-from .arms import Arm as SpecArm
-from .models import load_model
-from .output import environment, out_dir, write_json
-from .progress import Progress
+from .arms import cells
+from .asking import ask
 from .recall_items import build_item, is_correct
 from .recall_natural import build_natural_item
 from .recall_report import plot, summarize, table
+from .runner import Evaluation
+from .runner import run as run_evaluation
 
 NAME = "recall"
 DEFAULT_ARMS = "full,streaming_llm,tuned,h2o,peak:recent=32:value=true"
 FIXED = ("method", "morphkv_budget", "budget", "head_dim")  # set by the arm name / --budgets
 
 
-class Arm:
-    """One setting, budget aside: ``label`` as given, parsed by the bench's arm parser."""
-
-    def __init__(self, label: str, spec: SpecArm) -> None:
-        self.label, self.spec = label, spec
-
-    @property
-    def is_full(self) -> bool:
-        return self.spec.method in ("full", "kvcache")
-
-    def config(self, budget: int, n_sink: int):
-        return self.spec.config(budget, n_sink=n_sink)  # the spec's own sinks win
-
-    def caches(self, model, budget: int, n_sink: int) -> list:
-        return self.spec.caches(model, budget, n_sink)
-
-
-def parse_arms(text: str) -> list[Arm]:
-    """Comma-separated specs ``method[:field=value]...``; a piece ``field=value`` with no ``:``
-    continues the previous spec (``morphkv:window=32,fusion=max``)."""
-    specs: list[str] = []
-    for piece in filter(None, (p.strip() for p in text.split(","))):
-        if "=" in piece and ":" not in piece and specs:
-            specs[-1] += "," + piece
-        else:
-            specs.append(piece)
-    if not specs:
-        raise ValueError("--arms is empty")
-    arms = []
-    for spec in specs:
-        method, _, rest = spec.partition(":")
-        parts = [p.strip() for p in rest.replace(",", ":").split(":") if p.strip()]
-        for part in parts:
-            if "=" not in part:
-                raise ValueError(f"arm {spec!r}: {part!r} is not field=value")
-            key = part.partition("=")[0].strip()
+def parse_arms(text: str) -> list:
+    """``--arms`` as ``arms.cells`` (size 0: ``--budgets`` sets it), a budget in a spec named."""
+    found = cells(text, 0)
+    for c in found:
+        for key in dict(c.arm.options):
             if key in FIXED or f"morphkv_{key}" in FIXED:
-                raise ValueError(f"arm {spec!r}: {key} is set by the command (--budgets)")
-        arms.append(Arm(spec, SpecArm.parse(":".join([method, *parts]))))
-    return arms
+                raise ValueError(f"arm {c.label!r}: {key} is set by the command (--budgets)")
+    return found
 
 
-def stored_positions(cache) -> np.ndarray:
-    """(KV heads, n) absolute positions a layer's cache holds (morphkv or mlx_lm's caches)."""
-    if hasattr(cache, "kept_positions"):
-        return cache.kept_positions[0]
-    offset = int(cache.offset)
-    if hasattr(cache, "max_size") and offset > cache.max_size:  # RotatingKVCache
-        keep = cache.keep
-        kept = np.r_[np.arange(keep), np.arange(offset - cache.max_size + keep, offset)]
-    else:
-        kept = np.arange(offset)
-    return kept[None, :]
+def is_full(cell) -> bool:
+    return cell.arm.method in ("full", "kvcache")
 
 
-def retention(caches, positions: tuple[int, ...]) -> list[float] | None:
-    """Per layer: the fraction of ``positions`` stored, mean over KV heads."""
-    if not positions:
-        return None
-    want = np.asarray(positions)
-    return [float(np.isin(want, p).mean(axis=-1) if p.ndim == 1 else
-                  np.mean([np.isin(want, row).mean() for row in p]))
-            for p in map(stored_positions, caches)]
+class LongChats(Evaluation):
+    """Long chats with one early fact (``recall_items`` or ``recall_natural``), per budget."""
 
+    name, command, pngs = NAME, "morphkv eval recall --data longchat", ("",)
 
-def run_arm(model, tok, item, caches, args, answer: bool) -> dict:
-    """Prefill all but the prompt's last token in ``--chunk`` chunks, read the retention, then
-    (``answer``) feed the last token and decode ``--max-tokens`` greedily."""
-    import mlx.core as mx
+    def stem(self) -> str:
+        return self.args.stem or f"{NAME}{'_screen' if self.args.screen else ''}"
 
-    from .models import greedy_tokens
+    def arms(self) -> list:
+        arms, self.budgets = _settings(self.args)
+        self.full = next((a for a in arms if is_full(a)), None) or parse_arms("full")[0]
+        return [(a, b) for a in arms if not is_full(a) for b in self.budgets]
 
-    ids = mx.array(list(item.ids))[None]
-    for s in range(0, len(item.ids) - 1, args.chunk):
-        mx.eval(model(ids[:, s : min(s + args.chunk, len(item.ids) - 1)], cache=caches))
-    kept = retention(caches, item.fact_positions)
-    out = {"retention": kept, "nbytes": int(sum(c.nbytes for c in caches))}
-    budgets = {c.config.budget for c in caches if hasattr(c, "config")}
-    if budgets:  # tokens per KV head the arm held (resolved from a memory size, or as given)
-        out["tokens"] = max(budgets)
-    if answer:
-        text = tok.decode(greedy_tokens(model, caches, [item.ids[-1]], args.max_tokens))
-        out.update(answer=text, correct=is_correct(text, item.value))
-    return out
+    def items(self, model, tok):
+        return range(self.args.first, self.args.first + self.args.items)
+
+    def steps(self, arms) -> int:
+        return self.args.items * (len(arms) + (not self.args.screen))
+
+    def one(self, model, tok, item, caches, answer: bool) -> dict:
+        """Prefill all but the prompt's last token, read the retention, then (``answer``) feed
+        the last token and decode ``--max-tokens`` greedily."""
+        a = self.args
+        out = ask(model, caches, [list(item.ids)], a.chunk, a.max_tokens if answer else 0,
+                  [item.fact_positions])
+        out["retention"] = out["retention"][0]
+        if answer:
+            text = tok.decode(out.pop("answers")[0])
+            out.update(answer=text, correct=is_correct(text, item.value))
+        return out
+
+    def measure(self, model, tok, index, cells, bar) -> dict:
+        """Screen every arm, or answer with every arm when the full cache answers correctly."""
+        a = self.args
+        item = make_item(tok, a, index)
+        rec = {"index": index, "kind": item.kind, "value": item.value, "tokens": len(item.ids),
+               "distance": item.distance, "turns": item.turns,
+               "distractors": list(item.distractors), "arms": {}}
+        ok = True
+        if not a.screen:
+            full = self.full.arm.caches(model, max(self.budgets), a.n_sink)
+            rec["full"] = self.one(model, tok, item, full, answer=True)
+            ok = rec["full"]["correct"]
+            bar.total -= 0 if ok else len(cells)
+            bar.update(1, f"item {index}: full {'ok' if ok else 'wrong'}")
+        for c, budget in cells if ok else []:
+            caches = c.arm.caches(model, budget, a.n_sink)
+            rec["arms"][f"{c.label}@{budget}"] = self.one(model, tok, item, caches, not a.screen)
+            bar.update(1, f"item {index}: {c.label} @ {budget}")
+        return rec
+
+    def report(self, records: list, cells) -> tuple:
+        summary = summarize(records, self.full.label, cells, self.args.screen)
+        return summary, table(summary, self.budgets)
+
+    def plot(self, result: dict, suffix: str, path) -> None:
+        plot(result["summary"], self.budgets, path)
 
 
 def make_item(tok, args, index: int):
@@ -127,39 +109,6 @@ def make_item(tok, args, index: int):
     if args.set == "natural":
         return build_natural_item(tok, args.seed, args.split, index, max(args.budgets))
     return build_item(tok, args.seed, args.split, index, args.distance)
-
-
-def evaluate(model, tok, args, arms: list[Arm]) -> dict:
-    """Build items one by one (``args.indices`` when set, else ``--first`` on); screen every
-    arm, or answer with every arm on the items the full cache answers correctly."""
-    screen = args.screen
-    full = next((a for a in arms if a.is_full), None) or parse_arms("full")[0]
-    cells = [(a, b) for a in arms if not a.is_full for b in args.budgets]
-    indices = getattr(args, "indices", None) or range(args.first, args.first + args.items)
-    bar = Progress(len(indices) * (len(cells) + (not screen)), NAME, args.quiet, every=5.0)
-    records, start = [], time.perf_counter()
-    for index in indices:
-        if args.max_minutes and time.perf_counter() - start > 60 * args.max_minutes:
-            print(f"[recall] --max-minutes reached before item {index}", file=sys.stderr)
-            break
-        item = make_item(tok, args, index)
-        rec = {"index": index, "kind": item.kind, "value": item.value, "tokens": len(item.ids),
-               "distance": item.distance, "turns": item.turns,
-               "distractors": list(item.distractors), "arms": {}}
-        ok = True
-        if not screen:
-            caches = full.caches(model, max(args.budgets), args.n_sink)
-            rec["full"] = run_arm(model, tok, item, caches, args, answer=True)
-            ok = rec["full"]["correct"]
-            bar.total -= 0 if ok else len(cells)
-            bar.update(1, f"item {index}: full {'ok' if ok else 'wrong'}")
-        for arm, budget in cells if ok else []:
-            caches = arm.caches(model, budget, args.n_sink)
-            rec["arms"][f"{arm.label}@{budget}"] = run_arm(model, tok, item, caches, args,
-                                                           answer=not screen)
-            bar.update(1, f"item {index}: {arm.label} @ {budget}")
-        records.append(rec)
-    return {"items": records, "summary": summarize(records, full.label, cells, screen)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,58 +140,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--quiet", action="store_true")
 
 
-def _settings(args: argparse.Namespace) -> tuple[list[Arm], list[int]]:
+def _settings(args: argparse.Namespace) -> tuple[list, list[int]]:
     """Arms and budgets checked before any work; ValueError names the problem."""
     if args.quick:
         args.arms, args.budgets, args.items = "full,streaming_llm,morphkv", "32", min(args.items, 2)
         args.distance = args.distance or 48
     try:
-        budgets = [int(b) for b in str(args.budgets).split(",") if b.strip()]
+        budgets = [int(b) for b in str(args.budgets).strip("[]").split(",") if b.strip()]
     except ValueError:
-        msg = f"--budgets must be comma-separated integers, got {args.budgets!r}"
-        raise ValueError(msg) from None
-    if not budgets:
-        raise ValueError("--budgets is empty")
+        raise ValueError(f"--budgets: comma-separated integers, not {args.budgets!r}") from None
+    if not budgets or args.items < 1 or args.first < 0:
+        raise ValueError("need --budgets, --items >= 1 and --first >= 0")
     arms = parse_arms(args.arms)
-    for arm in arms:
+    for c in (c for c in arms if not c.arm.is_baseline):
         for budget in budgets:
-            if arm.spec.is_baseline:
-                continue
             try:
-                arm.config(budget, args.n_sink)
+                c.arm.config(budget, n_sink=args.n_sink)
             except (TypeError, ValueError) as e:
-                raise ValueError(f"arm {arm.label!r} at budget {budget}: {e}") from None
+                raise ValueError(f"arm {c.label!r} at budget {budget}: {e}") from None
     args.budgets = budgets
     args.distance = args.distance or 3 * max(budgets)
-    if args.items < 1 or args.first < 0:
-        raise ValueError(f"need --items >= 1 and --first >= 0, got {args.items}, {args.first}")
     return arms, budgets
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print("morphkv eval recall --data longchat needs matplotlib: pip install matplotlib",
-              file=sys.stderr)
-        return 2
-    try:
-        arms, budgets = _settings(args)
-    except ValueError as e:
-        print(f"morphkv eval recall --data longchat: error: {e}", file=sys.stderr)
-        return 2
-    model, tok = load_model(args.model)
-    start, load = time.perf_counter(), os.getloadavg()
-    result = evaluate(model, tok, args, arms)
-    result["table"] = table(result["summary"], budgets)
-    print(result["table"])
-    folder = out_dir(args, NAME)
-    stem = args.stem or f"{NAME}{'_screen' if args.screen else ''}"
-    result["args"] = vars(args) | {"arms": args.arms}
-    result["environment"] = environment()
-    result["seconds"] = time.perf_counter() - start
-    result["load_average"] = {"start": load, "end": os.getloadavg()}
-    write_json(folder / f"{stem}.json", result)
-    plot(result["summary"], budgets, folder / f"{stem}.png")
-    print(f"wrote {folder / f'{stem}.json'} and {folder / f'{stem}.png'}")
+    run_evaluation(LongChats(args))
     return 0

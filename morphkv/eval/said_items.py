@@ -51,13 +51,11 @@ def invent(model, tok, messages: list[dict]) -> str:
     """The full cache's greedy reply to the chat so far (its last turn is the user's ask)."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    from .asking import until_end
     from .models import greedy_tokens
 
     ids = list(tok.apply_chat_template(messages, add_generation_prompt=True))
-    out = greedy_tokens(model, make_prompt_cache(model), ids, REPLY_TOKENS)
-    eos = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])
-    out = out[: next((i for i, t in enumerate(out) if t in eos), len(out))]
-    return tok.decode(out).strip()
+    return until_end(tok, greedy_tokens(model, make_prompt_cache(model), ids, REPLY_TOKENS))
 
 
 def build_said_chat(model, tok, split: str, index: int, seed: int = 0,

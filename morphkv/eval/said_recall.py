@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+from .chat_recall import Chats
 from .chat_recall import add_arguments as chat_arguments
 from .chat_recall import run as chat_run
 from .chat_report import FULL, summarize
@@ -83,15 +84,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "asks come from (default: --split's)")
 
 
+class Said(Chats):
+    """The chats of ``said_items``: the model's inventions woven in, written now."""
+
+    def stem(self) -> str:
+        return self.args.stem or f"said_{self.args.split}_{self.args.budget}"
+
+    def build(self, model, tok, index: int):
+        a = self.args
+        return build_said_chat(model, tok, a.split, index, a.seed, asks=getattr(a, "asks", None))
+
+    def report(self, records: list, arms) -> tuple:
+        return report(records, [c.label for c in arms])
+
+
 def run(args: argparse.Namespace) -> int:
     if args.live:
         raise SystemExit("morphkv: error: --data said runs prefilled chats; --live is for "
                          "--data chats")
-    if args.stem is None:
-        args.stem = f"said_{args.split}_{args.budget}"
-    asks = getattr(args, "asks", None)
-
-    def build(model, tok, split, index, seed):
-        return build_said_chat(model, tok, split, index, seed, asks=asks)
-
-    return chat_run(args, build=build, report=report)
+    return chat_run(args, Said)
