@@ -10,8 +10,9 @@ hooked model runs it (``attention_step``); keys-as-proxy arms time the update al
 ``decode_us``, one single-token update once full (the mean over each eviction block, the
 median over blocks), interleaved token by token with a RotatingKVCache (``decode_ratio``);
 ``chunk_ms``, one ``--chunk``-token update into an empty cache (median of
-``--chunk-repeats``, interleaved with the RotatingKVCache's, ``chunk_ratio``). Every update is
-timed until the cache holds its result (the output and every stored array evaluated).
+``--chunk-repeats``, interleaved with the RotatingKVCache's); each also in CPU time
+(``_cpu_``). Every update is timed until the cache holds its result (the output and every
+array it keeps evaluated).
 ``--velox`` adds veloxquant-mlx's MorphKV cache (``veloxquant_mlx.cache.morphkv_cache``, when
 importable) on the same stream as an arm ``velox``, timed like ``seed``.
 """
@@ -35,8 +36,8 @@ from ..mlxlm.hooks import attention_step, queries_by_hand
 NAME = "layer"
 B, H, D = 1, 4, 64
 DTYPES = {"float16": mx.float16, "float32": mx.float32, "bfloat16": mx.bfloat16}
-COLUMNS = ("arm", "engine", "queries", "decode_us", "rotating_us", "decode_ratio", "chunk_ms",
-           "rotating_chunk_ms", "chunk_ratio")
+COLUMNS = ("arm", "engine", "queries", "decode_us", "rotating_us", "decode_ratio",
+           "decode_cpu_ratio", "chunk_ms", "chunk_cpu_ms", "rotating_chunk_ms")
 
 
 def stream(n: int, dtype, groups: int, seed: int = 0):
@@ -81,19 +82,32 @@ def engine_of(cache) -> str:
     return config.engine if config.engine != "auto" else config.default_engine
 
 
-def held(cache) -> list:
-    """Every array the cache holds (its state: for morphkv caches the engine's too)."""
-    state = cache.state
-    flat = [p for x in state for p in (x if isinstance(x, (tuple, list)) else (x,))]
-    return [x for x in flat if isinstance(x, mx.array)]
+def held(cache, depth: int = 3) -> list:
+    """Every MLX array the cache holds (its own attributes, its engine's and theirs),
+    without building a saved state (``state`` snapshots, which decode never does)."""
+    found = []
+    for value in vars(cache).values():
+        for x in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(x, mx.array):
+                found.append(x)
+            elif depth > 1 and hasattr(x, "__dict__") and type(x).__module__.startswith(
+                    ("morphkv", "veloxquant")):
+                found += held(x, depth - 1)
+    return found
 
 
-def timed(cache, k, v, q=None) -> float:
-    """Seconds of one update (with ``q``: and its attention) until its result is held."""
-    start = time.perf_counter()
+def timed(cache, k, v, q=None, read: bool = False) -> tuple[float, float]:
+    """Seconds of one update (with ``q``: and its attention) until its result is held: wall
+    and CPU (``process_time``, all threads: what other processes' load changes far less).
+    ``read``: then read ``tokens_kept`` (a morphkv cache's deferred work joins the graph; a
+    decode step is timed without it: its deferred work lands in the next step, as in a model,
+    where a read between tokens would also evict early)."""
+    start, cpu = time.perf_counter(), time.process_time()
     out = cache.update_and_fetch(k, v) if q is None else attention_step(cache, q, k, v, D**-0.5)
+    if read:
+        getattr(cache, "tokens_kept", None)
     mx.eval(out, held(cache))
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _cut(x, i: int, j: int):
@@ -115,28 +129,33 @@ def measure(spec: str, args, k, v, q) -> dict:
     for c in caches.values():
         timed(c, _cut(k, 0, warm), _cut(v, 0, warm), None if qs is None else _cut(qs, 0, warm))
     first = warm + (-(warm - args.budget) % block)  # the first token after an eviction
-    times = {name: [] for name in caches}
+    times = {(name, w): [] for name in caches for w in (0, 1)}
     for t in range(warm, first + args.repeats * block):
         token = [None if x is None else _cut(x, t, t + 1) for x in (k, v, qs)]
         mx.eval([x for x in token if x is not None])
         for name, c in caches.items():
             seconds = timed(c, *token)
-            if t >= first:
-                times[name].append(seconds)
-    decode = {name: statistics.median(per_block(ts, block)) for name, ts in times.items()}
-    n, chunk = args.chunk, {"arm": [], "rotating": []}
+            for w in (0, 1):
+                if t >= first:
+                    times[name, w].append(seconds[w])
+    decode = {key: statistics.median(per_block(ts, block)) for key, ts in times.items()}
+    n, chunk = args.chunk, {(name, w): [] for name in caches for w in (0, 1)}
     for _ in range(args.chunk_repeats):
-        for name in chunk:
+        for name in caches:
             c = make_cache(spec if name == "arm" else "rotating", args.budget, args.window)[0]
-            chunk[name].append(timed(c, _cut(k, 0, n), _cut(v, 0, n),
-                                     None if qs is None else _cut(qs, 0, n)))
-    chunk = {name: statistics.median(ts) for name, ts in chunk.items()}
-    return {"arm": spec, "engine": engine_of(cache), "queries": "real" if real else "proxy",
-            "block": block, "decode_us": decode["arm"] * 1e6,
-            "rotating_us": decode["rotating"] * 1e6,
-            "decode_ratio": decode["arm"] / decode["rotating"], "chunk_tokens": n,
-            "chunk_ms": chunk["arm"] * 1e3, "rotating_chunk_ms": chunk["rotating"] * 1e3,
-            "chunk_ratio": chunk["arm"] / chunk["rotating"]}
+            seconds = timed(c, _cut(k, 0, n), _cut(v, 0, n), _cut(qs, 0, n) if real else None, True)
+            for w in (0, 1):
+                chunk[name, w].append(seconds[w])
+    chunk = {key: statistics.median(ts) for key, ts in chunk.items()}
+    row = {"arm": spec, "engine": engine_of(cache), "queries": "real" if real else "proxy",
+           "block": block, "chunk_tokens": n}
+    for w, tag in ((0, ""), (1, "cpu_")):
+        row.update({f"decode_{tag}us": decode["arm", w] * 1e6,
+                    f"rotating_{tag}us": decode["rotating", w] * 1e6,
+                    f"decode_{tag}ratio": decode["arm", w] / decode["rotating", w],
+                    f"chunk_{tag}ms": chunk["arm", w] * 1e3,
+                    f"rotating_chunk_{tag}ms": chunk["rotating", w] * 1e3})
+    return row
 
 
 def velox_importable() -> bool:
@@ -197,15 +216,16 @@ def execute(args: argparse.Namespace) -> dict:
     with queries_by_hand():
         for spec in arms:
             rows.append(measure(spec, args, k, v, q))
-            bar.update(1, f"{spec}: decode x{rows[-1]['decode_ratio']:.2f}, "
+            bar.update(1, f"{spec}: decode x{rows[-1]['decode_cpu_ratio']:.2f} (CPU), "
                           f"chunk {rows[-1]['chunk_ms']:.0f} ms")
     result = {"benchmark": NAME, "budget": args.budget, "window": args.window,
               "chunk": args.chunk, "groups": args.groups, "dtype": args.dtype,
               "repeats": args.repeats, "rows": rows, "environment": environment()}
     print("decode_us: one single-token update once full (mean over each eviction block, "
           "median over blocks), interleaved with RotatingKVCache's (rotating_us); chunk_ms: "
-          "one chunk into an empty cache, median, beside RotatingKVCache's; queries: real "
-          "(timed with the layer's attention, the reference too) or proxy (update alone)")
+          "one chunk into an empty cache, median, beside RotatingKVCache's; _cpu_: the same "
+          "in CPU time; queries: real (timed with the layer's attention, the reference too) "
+          "or proxy (update alone)")
     table = markdown_table(list(COLUMNS), [[r[c] for c in COLUMNS] for r in rows])
     finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}",
            lambda path: plot(result, path), table, png=NAME)

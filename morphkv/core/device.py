@@ -104,6 +104,7 @@ class DeviceEngine:
 
     xp, float = mx, mx.float32  # what rules read
     pins = None  # positions evicted last (core.pins.Pins), set by the cache
+    proxy = None  # the compiled proxy step's state (core.device_proxy), built on first use
     ARRAYS = ("positions", "accumulated", "value_norms", "ring")
 
     def __init__(self, config, B: int, H: int, head_dim: int, real_queries: bool) -> None:
@@ -173,10 +174,19 @@ class DeviceEngine:
     @property
     def nbytes(self) -> int:
         arrays = (getattr(self, n) for n in self.ARRAYS)
-        return sum(int(a.nbytes) for a in arrays if a is not None)
+        held = sum(int(a.nbytes) for a in arrays if a is not None)
+        return held + (0 if self.proxy is None else self.proxy.nbytes)
+
+    key_bytes = 2  # bytes of a stored key element (set by the cache)
 
     def bound_nbytes(self, query_bytes: int | None = None) -> int:
-        return self.nbytes  # fixed-size arrays: what is held is the most ever held
+        """Fixed-size arrays: what is held is the most ever held (with the proxy step's state,
+        ``core.device_proxy``, once it is built)."""
+        if self.proxy is not None:
+            return self.nbytes
+        from .device_proxy import bound_nbytes
+
+        return self.nbytes + bound_nbytes(self, self.key_bytes, self.head_dim)
 
     def piece(self, remaining: int) -> int:
         """Tokens of the next piece: up to and including the next eviction point."""
@@ -198,6 +208,7 @@ class DeviceEngine:
         float32 their attention rows over the n = slots + k stored rows (when
         ``needs_rows``). Their value norms wait for ``fill_norms``."""
         n0, n, t0 = self.slots, self.slots + k, self.seen
+        self.proxy = None  # another path changes the storage: rebuilt when next needed
         self.positions[:, n0:n] = t0 if k == 1 else mx.arange(t0, t0 + k, dtype=mx.int32)
         if self.real and rows is not None:
             rows = rows.astype(mx.float16)  # the host engine's rounding
@@ -280,6 +291,7 @@ class DeviceEngine:
         the value norms (``fill_norms``)."""
         self.fill_norms(values)
         n, block = self.slots, self.block
+        self.proxy = None  # rows move: the proxy step's state is rebuilt when next needed
         src, dst = moves(self.select(keys), n, block)
         self.positions = move(self.positions, src, dst, 1)
         for name in ("accumulated", "value_norms"):
