@@ -26,16 +26,28 @@ from .device import SHIFT, TOP_BITS
 from .rules import Tova, WindowAttention
 
 _STEPS: dict = {}
+E_DUMMY = mx.zeros((1,))  # the mirror's place when the stored keys are float32
 
 
 def fits(engine, config) -> bool:
     """Can this engine's tokens take the compiled proxy step? A MorphKV / TOVA window rule
     scored by keys as proxies, per token, no running score, value norms, pins, pooling or
     quantized storage."""
-    rule = engine.rule
-    return (not engine.real and engine.block == 1 and type(rule) in (WindowAttention, Tova)
-            and not engine.running and engine.value_norms is None and not engine.pins
-            and config.kv_bits is None)
+    static = engine.__dict__.get("_proxy_fits")
+    if static is None:
+        rule = engine.rule
+        static = engine._proxy_fits = (
+            not engine.real and engine.block == 1 and type(rule) in (WindowAttention, Tova)
+            and not engine.running and engine.value_norms is None and config.kv_bits is None)
+    return static and _unpinned(engine.pins)
+
+
+def _unpinned(pins) -> bool:
+    """No position pinned (``core.pins.Pins``: an empty range list; its ``len`` sums them)."""
+    if pins is None:
+        return True
+    starts = getattr(pins, "starts", None)
+    return not len(starts) if starts is not None else not pins
 
 
 def bound_nbytes(engine, dtype_size: int, head_dim: int) -> int:
@@ -66,18 +78,24 @@ class _Rows:
         return mx.take_along_axis(self.probs, self.newest[..., None], axis=1)[:, 0]
 
 
-def _step_fn(rule, mirrored: bool):
-    """The compiled step for ``rule`` (traced per shape)."""
-    if (rule, mirrored) not in _STEPS:
+def _step_fn(rule, mirrored: bool, n_sink: int, recent: int, scale: float):
+    """The compiled step for ``rule`` and these constants (traced per shape)."""
+    key = (rule, mirrored, n_sink, recent, scale)
+    if key not in _STEPS:
 
-        def step(K, V, kf, pos, ring, E, M, k_new, v_new, ints, scale):
+        def step(K, V, kf, pos, ring, E, M, k_new, v_new, t):
             B, H, n, D = K.shape
             R, W = ring.shape[0], ring.shape[1]
-            t, at, newest, low, high = (ints[i] for i in range(5))
-            probs = E / E.sum(axis=-1, keepdims=True)
-            scores = rule.score(_Rows(probs, mx.broadcast_to(newest, (R, 1)))).astype(
-                mx.float32)
-            protected = (pos < low) | (pos > high)
+            at = mx.remainder(t, W)
+            if isinstance(rule, WindowAttention) and rule.window_rows == "all" and (
+                    rule.fusion == "mean"):  # the window mean as one product
+                weights = 1.0 / (E.sum(axis=-1) * W)  # (R, W)
+                scores = (weights[:, None, :] @ E)[:, 0]
+            else:
+                probs = E / E.sum(axis=-1, keepdims=True)
+                newest = mx.broadcast_to(mx.remainder(t - 1, W).astype(mx.int32), (R, 1))
+                scores = rule.score(_Rows(probs, newest)).astype(mx.float32)
+            protected = (pos < n_sink) | (pos > t - 1 - recent)
             bits = mx.where(protected, TOP_BITS, mx.maximum(scores, 0.0).view(mx.uint32))
             victim = mx.argmin((bits.astype(mx.uint64) << SHIFT) | pos.astype(mx.uint64),
                                axis=1, keepdims=True)  # (R, 1)
@@ -100,14 +118,14 @@ def _step_fn(rule, mirrored: bool):
             E = mx.put_along_axis(E, mx.broadcast_to(victim[:, None], (R, W, 1)),
                                   mx.exp(column - grown), axis=2)
             top = row.max(axis=-1, keepdims=True)
-            mine = mx.broadcast_to(at, (R, 1, 1))  # the row the token takes
+            mine = mx.broadcast_to(at.astype(mx.int32), (R, 1, 1))  # the row the token takes
             E = mx.put_along_axis(E, mine, mx.exp(row - top), axis=1)
             M = mx.put_along_axis(grown, mine, top, axis=1)
             ring = mx.put_along_axis(ring, mine, kt, axis=1)
             return K, V, kf, pos, ring, E, M
 
-        _STEPS[rule, mirrored] = mx.compile(step)
-    return _STEPS[rule, mirrored]
+        _STEPS[key] = mx.compile(step)
+    return _STEPS[key]
 
 
 class ProxyState:
@@ -140,14 +158,13 @@ class ProxyState:
 def step(engine, storage_kv, state: ProxyState, k_new, v_new):
     """Token ``engine.seen``: evict the due slot and write the token there. Returns the new
     (keys, values) storage; the engine's positions and ``state`` follow."""
-    c, t, W = engine.config, engine.seen, state.window
-    ints = mx.array([t, t % W, (t - 1) % W, c.n_sink, t - 1 - c.recent], mx.int32)
+    c, t = engine.config, engine.seen
     K, V = storage_kv
     mirrored = state.kf is not None
-    fn = _step_fn(engine.rule, mirrored)
+    fn = _step_fn(engine.rule, mirrored, c.n_sink, c.recent, state.scale)
     K, V, kf, engine.positions, state.ring, state.E, state.M = fn(
-        K, V, state.kf if mirrored else ints, engine.positions, state.ring, state.E, state.M,
-        k_new.astype(K.dtype), v_new.astype(V.dtype), ints, mx.array(state.scale, mx.float32))
+        K, V, state.kf if mirrored else E_DUMMY, engine.positions, state.ring, state.E, state.M,
+        k_new, v_new, mx.array(t, mx.int32))
     state.kf = kf if mirrored else None
     if engine.unpinned is not None:
         engine.unpinned = engine.unpinned.arrived(t, 1, engine.pins)
