@@ -157,9 +157,10 @@ class DevicePath:
             return self._feed_scheduled(stored_keys, stored_values, queries, sinks,
                                         proxy_schedule.schedule)
         outputs, i = [], 0
+        proxy = not written and device_proxy.fits(engine, self.config)
         while i < C:
-            if not written and self._proxy_step(*(storage.fetch(s, i + 1, i)
-                                                  for s in (stored_keys, stored_values))):
+            if proxy and self._proxy_step(*(storage.fetch(s, i + 1, i)
+                                            for s in (stored_keys, stored_values))):
                 if queries is not None:
                     outputs.append(attend(queries[:, :, i : i + 1], self.keys, self.values,
                                           engine.slots, engine.scale, sinks, self._quant())[0])
