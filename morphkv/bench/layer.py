@@ -30,6 +30,7 @@ import mlx.core as mx
 from ..eval.arms import Arm
 from ..eval.flags import add_flags, standard
 from ..eval.output import environment, finish, markdown_table
+from ..eval.plots import require_matplotlib
 from ..eval.progress import Progress
 from ..mlxlm.hooks import attention_step, queries_by_hand
 
@@ -198,6 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def execute(args: argparse.Namespace) -> dict:
+    require_matplotlib(args)
     if args.dtype not in DTYPES:
         raise SystemExit(f"morphkv: error: --dtype must be one of {sorted(DTYPES)}")
     if args.quick:
