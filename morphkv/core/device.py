@@ -23,6 +23,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from . import device_proxy
 from .blocks import running_kind
 from .engine import next_eviction
 from .rules import make_rule, pin_scorer
@@ -105,6 +106,7 @@ class DeviceEngine:
     xp, float = mx, mx.float32  # what rules read
     pins = None  # positions evicted last (core.pins.Pins), set by the cache
     proxy = None  # the compiled proxy step's state (core.device_proxy), built on first use
+    key_bytes = 2  # bytes of a stored key element (set by the cache)
     ARRAYS = ("positions", "accumulated", "value_norms", "ring")
 
     def __init__(self, config, B: int, H: int, head_dim: int, real_queries: bool) -> None:
@@ -175,18 +177,11 @@ class DeviceEngine:
     def nbytes(self) -> int:
         arrays = (getattr(self, n) for n in self.ARRAYS)
         held = sum(int(a.nbytes) for a in arrays if a is not None)
-        return held + (0 if self.proxy is None else self.proxy.nbytes)
-
-    key_bytes = 2  # bytes of a stored key element (set by the cache)
+        return held + (self.proxy.nbytes if self.proxy else 0)
 
     def bound_nbytes(self, query_bytes: int | None = None) -> int:
-        """Fixed-size arrays: what is held is the most ever held (with the proxy step's state,
-        ``core.device_proxy``, once it is built)."""
-        if self.proxy is not None:
-            return self.nbytes
-        from .device_proxy import bound_nbytes
-
-        return self.nbytes + bound_nbytes(self, self.key_bytes, self.head_dim)
+        """Fixed-size arrays: the most ever held (the proxy step's state included)."""
+        return self.nbytes + (0 if self.proxy else device_proxy.bound_nbytes(self))
 
     def piece(self, remaining: int) -> int:
         """Tokens of the next piece: up to and including the next eviction point."""
@@ -290,8 +285,7 @@ class DeviceEngine:
         engine's own arrays already moved. ``values(start, end)``: stored values rows, for
         the value norms (``fill_norms``)."""
         self.fill_norms(values)
-        n, block = self.slots, self.block
-        self.proxy = None  # rows move: the proxy step's state is rebuilt when next needed
+        n, block, self.proxy = self.slots, self.block, None  # (rows move: proxy state stale)
         src, dst = moves(self.select(keys), n, block)
         self.positions = move(self.positions, src, dst, 1)
         for name in ("accumulated", "value_norms"):

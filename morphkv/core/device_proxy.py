@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .device import SHIFT, TOP_BITS
 from .rules import Tova, WindowAttention
+
+TOP_BITS = mx.array(0xFFFFFFFF, mx.uint32)  # as ``core.device``: above every score's bits
+SHIFT = mx.array(32, mx.uint64)
 
 _STEPS: dict = {}
 E_DUMMY = mx.zeros((1,))  # the mirror's place when the stored keys are float32
@@ -50,13 +52,14 @@ def _unpinned(pins) -> bool:
     return not len(starts) if starts is not None else not pins
 
 
-def bound_nbytes(engine, dtype_size: int, head_dim: int) -> int:
+def bound_nbytes(engine) -> int:
     """Bytes ``ProxyState`` holds for ``engine`` once built (0 when it does not fit)."""
     if not fits(engine, engine.config):
         return 0
     R, W, cap = engine.rows, engine.config.window, engine.capacity
-    mirror = 0 if dtype_size == 4 else R * cap * head_dim * 4
-    return mirror + 4 * (R * W * head_dim + R * W * cap + R * W)
+    D = engine.head_dim
+    mirror = 0 if engine.key_bytes == 4 else R * cap * D * 4
+    return mirror + 4 * (R * W * D + R * W * cap + R * W)
 
 
 class _Rows:
