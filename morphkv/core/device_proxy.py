@@ -98,6 +98,7 @@ def _step_fn(rule, mirrored: bool, n_sink: int, recent: int, scale: float):
                 probs = E / E.sum(axis=-1, keepdims=True)
                 newest = mx.broadcast_to(mx.remainder(t - 1, W).astype(mx.int32), (R, 1))
                 scores = rule.score(_Rows(probs, newest)).astype(mx.float32)
+            scores = mx.where(mx.isnan(scores), mx.inf, scores)  # NaN ranks as +inf
             protected = (pos < n_sink) | (pos > t - 1 - recent)
             bits = mx.where(protected, TOP_BITS, mx.maximum(scores, 0.0).view(mx.uint32))
             victim = mx.argmin((bits.astype(mx.uint64) << SHIFT) | pos.astype(mx.uint64),

@@ -25,7 +25,7 @@ FUSIONS = {"mean": 0, "max": 1, "newest": 2}
 BLOCK = 256  # chunk tokens per BLAS product
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _replay(G, col, i0, row_vi, E, M, valid, live, n_live, pos, evicted, n0, t0, W, budget,
             recent, n_sink, fusion):
     """Chunk tokens [i0, i0 + len(G)) of one KV head: ``G`` (rows, cols) their logits against
@@ -73,12 +73,14 @@ def _replay(G, col, i0, row_vi, E, M, valid, live, n_live, pos, evicted, n0, t0,
                 for s in range(n_live):
                     x = E[w, s] / z
                     score[s] = max(score[s], x) if fusion == 1 else score[s] + x
-        best, best_pos, victim = np.inf, np.iinfo(np.int64).max, -1
+        best, best_pos, victim = np.inf, np.iinfo(np.int64).max, -1  # (score, position)
         for s in range(n_live):
             p = pos[live[s]]
             if p < n_sink or p > t - recent:
                 continue
             x = score[s] / count if fusion == 0 else score[s]
+            if not x <= np.inf:  # NaN (non-finite keys): ranks as +inf, as the step's does
+                x = np.inf
             if x < best or (x == best and p < best_pos):
                 best, best_pos, victim = x, p, s
         if victim >= 0:
