@@ -44,6 +44,7 @@ MODES: dict[str, tuple[str, str, dict[str, str]]] = {
                     "caches", {
         "overhead": "morphkv.bench.overhead",
         "kernels": "morphkv.bench.kernels",
+        "layer": "morphkv.bench.layer",  # one layer's update alone, the seed's API included
     }),
     "bench serve": ("--scenario", "morphkv serve against mlx_lm's server: throughput under "
                     "load, faults, fairness, long chats", {

@@ -23,6 +23,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from . import device_proxy
 from .blocks import running_kind
 from .engine import next_eviction
 from .rules import make_rule, pin_scorer
@@ -104,6 +105,8 @@ class DeviceEngine:
 
     xp, float = mx, mx.float32  # what rules read
     pins = None  # positions evicted last (core.pins.Pins), set by the cache
+    proxy = None  # the compiled proxy step's state (core.device_proxy), built on first use
+    key_bytes = 2  # bytes of a stored key element (set by the cache)
     ARRAYS = ("positions", "accumulated", "value_norms", "ring")
 
     def __init__(self, config, B: int, H: int, head_dim: int, real_queries: bool) -> None:
@@ -173,10 +176,12 @@ class DeviceEngine:
     @property
     def nbytes(self) -> int:
         arrays = (getattr(self, n) for n in self.ARRAYS)
-        return sum(int(a.nbytes) for a in arrays if a is not None)
+        held = sum(int(a.nbytes) for a in arrays if a is not None)
+        return held + (self.proxy.nbytes if self.proxy else 0)
 
     def bound_nbytes(self, query_bytes: int | None = None) -> int:
-        return self.nbytes  # fixed-size arrays: what is held is the most ever held
+        """Fixed-size arrays: the most ever held (the proxy step's state included)."""
+        return self.nbytes + (0 if self.proxy else device_proxy.bound_nbytes(self))
 
     def piece(self, remaining: int) -> int:
         """Tokens of the next piece: up to and including the next eviction point."""
@@ -198,6 +203,7 @@ class DeviceEngine:
         float32 their attention rows over the n = slots + k stored rows (when
         ``needs_rows``). Their value norms wait for ``fill_norms``."""
         n0, n, t0 = self.slots, self.slots + k, self.seen
+        self.proxy = None  # another path changes the storage: rebuilt when next needed
         self.positions[:, n0:n] = t0 if k == 1 else mx.arange(t0, t0 + k, dtype=mx.int32)
         if self.real and rows is not None:
             rows = rows.astype(mx.float16)  # the host engine's rounding
@@ -279,7 +285,7 @@ class DeviceEngine:
         engine's own arrays already moved. ``values(start, end)``: stored values rows, for
         the value norms (``fill_norms``)."""
         self.fill_norms(values)
-        n, block = self.slots, self.block
+        n, block, self.proxy = self.slots, self.block, None  # (rows move: proxy state stale)
         src, dst = moves(self.select(keys), n, block)
         self.positions = move(self.positions, src, dst, 1)
         for name in ("accumulated", "value_norms"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import device_schedule, quant, storage
+from . import device_proxy, device_schedule, proxy_schedule, quant, storage
 from .attention import attend, self_rows
 from .device import DeviceEngine, move
 
@@ -41,12 +41,18 @@ class DevicePath:
         if self.engine is None:
             self.engine = DeviceEngine(self.config, B, H, D, self.config.scoring == "attention")
             self.engine.stored_keys = self._stored_float_keys
+            if not isinstance(stored_keys, tuple):
+                self.engine.key_bytes = stored_keys.dtype.size
         engine = self.engine
         if C == 1 and engine.due and engine.block == 1 and device_schedule.fits(engine):
             slot = engine.replace().reshape(B, H, 1, 1)  # the token takes the victim's slot
             put = lambda p, n: mx.put_along_axis(p, slot, n, axis=2)  # noqa: E731
             self.keys = quant.apply(put, self.keys, stored_keys)
             self.values = quant.apply(put, self.values, stored_values)
+            self._held = (stored_keys, stored_values, keys, values, REPLACED)
+            self.offset += 1
+            return self._fetch()
+        if C == 1 and self._proxy_step(stored_keys, stored_values):
             self._held = (stored_keys, stored_values, keys, values, REPLACED)
             self.offset += 1
             return self._fetch()
@@ -65,6 +71,19 @@ class DevicePath:
         self._held = (stored_keys, stored_values, keys, values, written)
         self.offset += C
         return fetched
+
+    def _proxy_step(self, key, value) -> bool:
+        """The due eviction and this token at once, one compiled call (``core.device_proxy``),
+        when the engine fits it; False (nothing done) otherwise."""
+        engine = self.engine
+        if not (engine.due and device_proxy.fits(engine, self.config)):
+            return False
+        state = engine.proxy
+        if state is None or not state.valid(engine):  # another path moved the storage
+            state = engine.proxy = device_proxy.ProxyState(engine, self.keys)
+        self.keys, self.values = device_proxy.step(engine, (self.keys, self.values), state,
+                                                   key, value)
+        return True
 
     def _write(self, keys, values, start: int) -> None:
         end = start + quant.dims(keys)[2]
@@ -134,8 +153,19 @@ class DevicePath:
                           self._quant())[0]
         if not written and device_schedule.fits(engine):
             return self._feed_scheduled(stored_keys, stored_values, queries, sinks)
+        if not written and C > 1 and device_proxy.fits(engine, self.config):
+            return self._feed_scheduled(stored_keys, stored_values, queries, sinks,
+                                        proxy_schedule.schedule)
         outputs, i = [], 0
+        proxy = not written and device_proxy.fits(engine, self.config)
         while i < C:
+            if proxy and self._proxy_step(*(storage.fetch(s, i + 1, i)
+                                            for s in (stored_keys, stored_values))):
+                if queries is not None:
+                    outputs.append(attend(queries[:, :, i : i + 1], self.keys, self.values,
+                                          engine.slots, engine.scale, sinks, self._quant())[0])
+                i += 1
+                continue
             self._evict_due()
             k = engine.piece(C - i)
             n0, n = engine.slots, engine.slots + k
@@ -154,8 +184,9 @@ class DevicePath:
             return None
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)
 
-    def _feed_scheduled(self, new_keys, new_values, queries, sinks):
-        """A chunk whose evictions need no attention (``core.device_schedule``)."""
+    def _feed_scheduled(self, new_keys, new_values, queries, sinks, decide=None):
+        """A chunk whose evictions need no attention (``core.device_schedule``; keys as
+        proxy queries: ``core.proxy_schedule``)."""
         self._evict_due()
         if self.keys is None:
             cap = self.engine.capacity
@@ -163,5 +194,5 @@ class DevicePath:
             self.values = storage.zeros(new_values, quant.dims(new_values)[0], cap)
         out, (self.keys, self.values) = device_schedule.feed(
             self.engine, (self.keys, self.values), (new_keys, new_values), queries, sinks,
-            self._quant())
+            self._quant(), decide)
         return out

@@ -147,12 +147,14 @@ def visible(evicted: np.ndarray, n0: int, k: int, B: int) -> mx.array:
     return mx.array(seen.reshape(B, R // B, k, N))
 
 
-def feed(engine, held, new, queries, sinks, quantized):
+def feed(engine, held, new, queries, sinks, quantized, decide=None):
     """One chunk of ``engine``'s rows (no eviction due): ``held`` the (keys, values) storages
     of its rows (``budget + 1`` slots, the first ``engine.slots`` live), ``new`` the chunk's
     as stored. Returns (the attention output for ``queries`` or None, the storages after):
     kept stored rows stay in their slots, kept new rows fill the evicted ones and the free
-    slots above (no copy of the storage and the chunk joined). One host read: the positions."""
+    slots above (no copy of the storage and the chunk joined). One host read: the positions.
+    ``decide``: the scheduler (default ``schedule``; ``core.proxy_schedule.schedule`` for keys
+    as proxy queries, which reads the keys too)."""
     n0, k = engine.slots, quant.dims(new[0])[2]
     pos0 = np.array(engine.positions[:, :n0])
     old = [storage.fetch(x, n0) for x in held]
@@ -163,7 +165,7 @@ def feed(engine, held, new, queries, sinks, quantized):
         return np.concatenate([np.array(x).reshape(engine.rows, -1, x.shape[-1])
                                for x in parts], axis=1)
 
-    evicted, kept, m = schedule(engine, pos0, k, keys)
+    evicted, kept, m = (decide or schedule)(engine, pos0, k, keys)
     out = None
     if queries is not None:
         sources = [old[0], new[0]] if n0 else [new[0]], [old[1], new[1]] if n0 else [new[1]]

@@ -1,0 +1,234 @@
+"""One layer's cache update alone, side by side with mlx_lm's RotatingKVCache of the same size.
+
+One layer, B=1, 4 KV heads, head_dim 64, float16 (``--dtype``), 4 sinks, ``--budget`` tokens.
+Arms are specs as in the other modes (``tuned``, ``tuned:block=1``, ``paper:engine=host``);
+``seed`` is the bare ``KVCacheConfig(method="morphkv", morphkv_budget=..., morphkv_window=...)``
+used alone (keys as proxy queries, block 1: the seed's API; ``seed:engine=mlx`` picks its
+engine). Rules that read attention get real queries (``--groups`` query heads per KV head) and
+every cache of that arm, the reference included, is timed with the layer's attention as the
+hooked model runs it (``attention_step``); keys-as-proxy arms time the update alone. Per arm:
+``decode_us``, one single-token update once full (the mean over each eviction block, the
+median over blocks), interleaved token by token with a RotatingKVCache (``decode_ratio``);
+``chunk_ms``, one ``--chunk``-token update into an empty cache (median of
+``--chunk-repeats``, interleaved with the RotatingKVCache's); each also in CPU time
+(``_cpu_``). Every update is timed until the cache holds its result (the output and every
+array it keeps evaluated).
+``--velox`` adds veloxquant-mlx's MorphKV cache (``veloxquant_mlx.cache.morphkv_cache``, when
+importable) on the same stream as an arm ``velox``, timed like ``seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from types import SimpleNamespace
+
+import mlx.core as mx
+
+from ..eval.arms import Arm
+from ..eval.flags import add_flags, standard
+from ..eval.output import environment, finish, markdown_table
+from ..eval.plots import require_matplotlib
+from ..eval.progress import Progress
+from ..mlxlm.hooks import attention_step, queries_by_hand
+
+NAME = "layer"
+B, H, D = 1, 4, 64
+DTYPES = {"float16": mx.float16, "float32": mx.float32, "bfloat16": mx.bfloat16}
+COLUMNS = ("arm", "engine", "queries", "decode_us", "rotating_us", "decode_ratio",
+           "decode_cpu_ratio", "chunk_ms", "chunk_cpu_ms", "rotating_chunk_ms")
+
+
+def stream(n: int, dtype, groups: int, seed: int = 0):
+    """Keys, values (B, H, n, D) and queries (B, H * groups, n, D)."""
+    mx.random.seed(seed)
+    k, v, q = (mx.random.normal((B, h, n, D)).astype(dtype) for h in (H, H, H * groups))
+    mx.eval(k, v, q)
+    return k, v, q
+
+
+def velox_cache(budget: int, window: int, n_sink: int = 4):
+    from veloxquant_mlx.cache.morphkv_cache import MorphKVKVCache
+
+    return MorphKVKVCache(SimpleNamespace(morphkv_budget=budget, morphkv_n_sink=n_sink,
+                                          morphkv_window=window))
+
+
+def make_cache(spec: str, budget: int, window: int, n_sink: int = 4):
+    """(cache, real queries?) for ``rotating``, ``velox``, ``seed[:options]`` or an arm spec."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from ..mlxlm.builder import KVCacheBuilder
+
+    if spec == "rotating":
+        return RotatingKVCache(max_size=budget, keep=n_sink), False
+    if spec == "velox":
+        return velox_cache(budget, window, n_sink), False
+    seed = spec.split(":")[0] == "seed"
+    if seed:  # the bare config, used alone: keys as proxy queries
+        spec = "morphkv" + spec[len("seed"):]
+    config = Arm.parse(spec, window=window).config(budget, n_sink=n_sink)
+    real = not seed and config.rule.attention and config.scoring != "proxy"
+    if real:
+        config = dataclasses.replace(config, scoring="attention")
+    return KVCacheBuilder.build(config), real
+
+
+def engine_of(cache) -> str:
+    config = getattr(cache, "config", None)
+    if config is None:
+        return type(cache).__name__
+    return config.engine if config.engine != "auto" else config.default_engine
+
+
+def held(cache, depth: int = 3) -> list:
+    """Every MLX array the cache holds (its own attributes, its engine's and theirs),
+    without building a saved state (``state`` snapshots, which decode never does)."""
+    found = []
+    for value in vars(cache).values():
+        for x in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(x, mx.array):
+                found.append(x)
+            elif depth > 1 and hasattr(x, "__dict__") and type(x).__module__.startswith(
+                    ("morphkv", "veloxquant")):
+                found += held(x, depth - 1)
+    return found
+
+
+def timed(cache, k, v, q=None, read: bool = False) -> tuple[float, float]:
+    """Seconds of one update (with ``q``: and its attention) until its result is held: wall
+    and CPU (``process_time``, all threads: what other processes' load changes far less).
+    ``read``: then read ``tokens_kept`` (a morphkv cache's deferred work joins the graph; a
+    decode step is timed without it: its deferred work lands in the next step, as in a model,
+    where a read between tokens would also evict early)."""
+    start, cpu = time.perf_counter(), time.process_time()
+    out = cache.update_and_fetch(k, v) if q is None else attention_step(cache, q, k, v, D**-0.5)
+    if read:
+        getattr(cache, "tokens_kept", None)
+    mx.eval(out, held(cache))
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+def _cut(x, i: int, j: int):
+    return x[:, :, i:j]
+
+
+def per_block(times: list[float], block: int) -> list[float]:
+    """Mean per token of each run of ``block`` consecutive steps (one eviction each)."""
+    return [sum(times[i : i + block]) / block for i in range(0, len(times) - block + 1, block)]
+
+
+def measure(spec: str, args, k, v, q) -> dict:
+    """Decode and chunk times of one arm, each interleaved with a RotatingKVCache's."""
+    cache, real = make_cache(spec, args.budget, args.window)
+    caches = {"arm": cache, "rotating": make_cache("rotating", args.budget, args.window)[0]}
+    qs = q if real else None
+    block = getattr(getattr(cache, "config", None), "block", 1)
+    warm = args.budget + 16
+    for c in caches.values():
+        timed(c, _cut(k, 0, warm), _cut(v, 0, warm), None if qs is None else _cut(qs, 0, warm))
+    first = warm + (-(warm - args.budget) % block)  # the first token after an eviction
+    times = {(name, w): [] for name in caches for w in (0, 1)}
+    for t in range(warm, first + args.repeats * block):
+        token = [None if x is None else _cut(x, t, t + 1) for x in (k, v, qs)]
+        mx.eval([x for x in token if x is not None])
+        for name, c in caches.items():
+            seconds = timed(c, *token)
+            for w in (0, 1):
+                if t >= first:
+                    times[name, w].append(seconds[w])
+    decode = {key: statistics.median(per_block(ts, block)) for key, ts in times.items()}
+    n, chunk = args.chunk, {(name, w): [] for name in caches for w in (0, 1)}
+    for _ in range(args.chunk_repeats):
+        for name in caches:
+            c = make_cache(spec if name == "arm" else "rotating", args.budget, args.window)[0]
+            seconds = timed(c, _cut(k, 0, n), _cut(v, 0, n), _cut(qs, 0, n) if real else None, True)
+            for w in (0, 1):
+                chunk[name, w].append(seconds[w])
+    chunk = {key: statistics.median(ts) for key, ts in chunk.items()}
+    row = {"arm": spec, "engine": engine_of(cache), "queries": "real" if real else "proxy",
+           "block": block, "chunk_tokens": n}
+    for w, tag in ((0, ""), (1, "cpu_")):
+        row.update({f"decode_{tag}us": decode["arm", w] * 1e6,
+                    f"rotating_{tag}us": decode["rotating", w] * 1e6,
+                    f"decode_{tag}ratio": decode["arm", w] / decode["rotating", w],
+                    f"chunk_{tag}ms": chunk["arm", w] * 1e3,
+                    f"rotating_chunk_{tag}ms": chunk["rotating", w] * 1e3})
+    return row
+
+
+def velox_importable() -> bool:
+    try:
+        import veloxquant_mlx.cache.morphkv_cache  # noqa: F401
+    except Exception:  # noqa: BLE001 (any import failure: the arm is skipped)
+        return False
+    return True
+
+
+def plot(result: dict, path) -> str:
+    from ..eval import plots
+
+    rows = result["rows"]
+    fig, axes = plots.panels(2, 6, 4.5)
+    axes = axes.ravel()
+    labels = [r["arm"] for r in rows]
+    plots.grouped_bars(axes[0], labels, {"decode x rotating": [r["decode_ratio"] for r in rows]},
+                       "decode update x RotatingKVCache")
+    plots.grouped_bars(axes[1], labels, {"chunk ms": [r["chunk_ms"] for r in rows]},
+                       f"one {result['chunk']}-token update, ms")
+    return plots.save(fig, path, 100)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, [
+        ("--budget", 512, "tokens kept"),
+        ("--window", 8, "MorphKV window (arms that do not set their own)"),
+        ("--arms", ["seed", "seed:engine=host", "tuned", "tuned:block=1",
+                    "tuned:block=1:engine=host"], "arm specs (seed: the bare config alone)"),
+        ("--groups", 3, "query heads per KV head for the rules that read attention"),
+        ("--repeats", 100, "timed eviction blocks (single-token updates at block 1) per arm"),
+        ("--chunk", 2048, "tokens of the one-chunk update"),
+        ("--chunk-repeats", 3, "timed chunks per arm"),
+        ("--dtype", "float16", "keys/values dtype: float16, float32 or bfloat16"),
+        ("--velox", False, "also time veloxquant-mlx's MorphKV cache (arm 'velox')"),
+        ("--quick", False, "tiny run for tests/CI"),
+        *standard(NAME, "out", "quiet", "no_plot"),
+    ])
+
+
+def execute(args: argparse.Namespace) -> dict:
+    require_matplotlib(args)
+    if args.dtype not in DTYPES:
+        raise SystemExit(f"morphkv: error: --dtype must be one of {sorted(DTYPES)}")
+    if args.quick:
+        args.budget, args.repeats, args.chunk, args.chunk_repeats = 64, 8, 128, 1
+    arms = list(args.arms)
+    if args.velox:
+        if velox_importable():
+            arms.append("velox")
+        else:
+            print("veloxquant-mlx is not importable: no 'velox' arm")
+    caches = [make_cache(s, args.budget, args.window)[0] for s in arms]  # bad specs fail now
+    block = max(getattr(getattr(c, "config", None), "block", 1) for c in caches)
+    n = max(args.chunk, args.budget + 16 + (args.repeats + 2) * block)
+    k, v, q = stream(n, DTYPES[args.dtype], args.groups)
+    bar, rows = Progress(len(arms), NAME, getattr(args, "quiet", False)), []
+    with queries_by_hand():
+        for spec in arms:
+            rows.append(measure(spec, args, k, v, q))
+            bar.update(1, f"{spec}: decode x{rows[-1]['decode_cpu_ratio']:.2f} (CPU), "
+                          f"chunk {rows[-1]['chunk_ms']:.0f} ms")
+    result = {"benchmark": NAME, "budget": args.budget, "window": args.window,
+              "chunk": args.chunk, "groups": args.groups, "dtype": args.dtype,
+              "repeats": args.repeats, "rows": rows, "environment": environment()}
+    print("decode_us: one single-token update once full (mean over each eviction block, "
+          "median over blocks), interleaved with RotatingKVCache's (rotating_us); chunk_ms: "
+          "one chunk into an empty cache, median, beside RotatingKVCache's; _cpu_: the same "
+          "in CPU time; queries: real (timed with the layer's attention, the reference too) "
+          "or proxy (update alone)")
+    table = markdown_table(list(COLUMNS), [[r[c] for c in COLUMNS] for r in rows])
+    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}",
+           lambda path: plot(result, path), table, png=NAME)
+    return result

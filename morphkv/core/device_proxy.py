@@ -1,0 +1,176 @@
+"""Keys as proxy queries, one token at a time, on the MLX engine: one compiled step per token.
+
+Once the storage is full (``budget + 1`` rows, an eviction due before every token), a token of
+a window rule scored by keys as proxy queries (MorphKV's window, TOVA's newest key; the seed's
+API: a cache used alone) costs one compiled call (``step``). The window's proxy attention is
+kept as a matrix and updated by one row in and one column in per token instead of recomputed
+(``ProxyState``): ``E`` (rows, window, slots) holds ``exp(l - M)`` for the logits ``l`` of the
+newest ``window`` keys (row ``p % window`` for the token at position ``p``) against every
+stored key, ``M`` each row's running maximum; a row's softmax is ``E / E.sum()``, summed
+afresh each step (no running sum drifts). Per token: the rule scores the slots from those rows,
+the lowest (score, position) unprotected slot goes and the token's key and value take its slot
+(no row moves: the storage stays ``budget + 1`` rows, slots out of position order as ever),
+the token's column replaces the victim's in every row, and its own row (its key against every
+stored key) replaces the row of the token leaving the window. Stored keys that are not float32
+are mirrored in float32 (``kf``, counted in the engine's bytes) so no step converts the whole
+storage. Shapes are constant once full, so the compiled graph is traced once per cache shape.
+Decisions are ``DeviceEngine.select``'s: the same scores up to float32 rounding (inside
+``RTOL``), the same (score bits, position) keys to ``argmin``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .rules import Tova, WindowAttention
+
+TOP_BITS = mx.array(0xFFFFFFFF, mx.uint32)  # as ``core.device``: above every score's bits
+SHIFT = mx.array(32, mx.uint64)
+
+_STEPS: dict = {}
+E_DUMMY = mx.zeros((1,))  # the mirror's place when the stored keys are float32
+
+
+def fits(engine, config) -> bool:
+    """Can this engine's tokens take the compiled proxy step? A MorphKV / TOVA window rule
+    scored by keys as proxies, per token, no running score, value norms, pins, pooling or
+    quantized storage."""
+    static = engine.__dict__.get("_proxy_fits")
+    if static is None:
+        rule = engine.rule
+        static = engine._proxy_fits = (
+            not engine.real and engine.block == 1 and type(rule) in (WindowAttention, Tova)
+            and not engine.running and engine.value_norms is None and config.kv_bits is None)
+    return static and _unpinned(engine.pins)
+
+
+def _unpinned(pins) -> bool:
+    """No position pinned (``core.pins.Pins``: an empty range list; its ``len`` sums them)."""
+    if pins is None:
+        return True
+    starts = getattr(pins, "starts", None)
+    return not len(starts) if starts is not None else not pins
+
+
+def bound_nbytes(engine) -> int:
+    """Bytes ``ProxyState`` holds for ``engine`` once built (0 when it does not fit)."""
+    if not fits(engine, engine.config):
+        return 0
+    R, W, cap = engine.rows, engine.config.window, engine.capacity
+    D = engine.head_dim
+    mirror = 0 if engine.key_bytes == 4 else R * cap * D * 4
+    return mirror + 4 * (R * W * D + R * W * cap + R * W)
+
+
+class _Rows:
+    """What a window rule reads (``rules.attention``), from the window's rows (R, W, n)."""
+
+    xp, float = mx, mx.float32
+    running = None
+
+    def __init__(self, probs, newest) -> None:
+        self.probs, self.newest = probs, newest
+
+    def window_probs(self):
+        return self.probs
+
+    def window_mean(self):
+        return self.probs.sum(axis=1) / self.probs.shape[1]
+
+    def newest_probs(self):
+        return mx.take_along_axis(self.probs, self.newest[..., None], axis=1)[:, 0]
+
+
+def _step_fn(rule, mirrored: bool, n_sink: int, recent: int, scale: float):
+    """The compiled step for ``rule`` and these constants (traced per shape)."""
+    key = (rule, mirrored, n_sink, recent, scale)
+    if key not in _STEPS:
+
+        def step(K, V, kf, pos, ring, E, M, k_new, v_new, t):
+            B, H, n, D = K.shape
+            R, W = ring.shape[0], ring.shape[1]
+            at = mx.remainder(t, W)
+            if isinstance(rule, WindowAttention) and rule.window_rows == "all" and (
+                    rule.fusion == "mean"):  # the window mean as one product
+                weights = 1.0 / (E.sum(axis=-1) * W)  # (R, W)
+                scores = (weights[:, None, :] @ E)[:, 0]
+            else:
+                probs = E / E.sum(axis=-1, keepdims=True)
+                newest = mx.broadcast_to(mx.remainder(t - 1, W).astype(mx.int32), (R, 1))
+                scores = rule.score(_Rows(probs, newest)).astype(mx.float32)
+            scores = mx.where(mx.isnan(scores), mx.inf, scores)  # NaN ranks as +inf
+            protected = (pos < n_sink) | (pos > t - 1 - recent)
+            bits = mx.where(protected, TOP_BITS, mx.maximum(scores, 0.0).view(mx.uint32))
+            victim = mx.argmin((bits.astype(mx.uint64) << SHIFT) | pos.astype(mx.uint64),
+                               axis=1, keepdims=True)  # (R, 1)
+            slot = victim.reshape(B, H, 1, 1)
+            K = mx.put_along_axis(K, slot, k_new, axis=2)
+            V = mx.put_along_axis(V, slot, v_new, axis=2)
+            pos = mx.put_along_axis(pos, victim, mx.broadcast_to(t, victim.shape), axis=1)
+            kt = k_new.reshape(R, 1, D).astype(mx.float32)
+            if mirrored:
+                kf = mx.put_along_axis(kf, victim[..., None], kt, axis=1)
+                keys = kf
+            else:
+                keys = K.reshape(R, n, D)
+            column = (ring @ kt.swapaxes(-1, -2)) * scale  # (R, W, 1): the old rows x the token
+            row = (kt @ keys.swapaxes(-1, -2)) * scale  # (R, 1, n): the token x every key
+            grown = mx.maximum(M, column)
+            # exps of the small arrays only: sort (a no-op on a length-1 axis) and
+            # put_along_axis stop the compiler from fusing an exp into a (R, W, n) kernel
+            E = E * mx.sort(mx.exp(M - grown), axis=-1)
+            E = mx.put_along_axis(E, mx.broadcast_to(victim[:, None], (R, W, 1)),
+                                  mx.exp(column - grown), axis=2)
+            top = row.max(axis=-1, keepdims=True)
+            mine = mx.broadcast_to(at.astype(mx.int32), (R, 1, 1))  # the row the token takes
+            E = mx.put_along_axis(E, mine, mx.exp(row - top), axis=1)
+            M = mx.put_along_axis(grown, mine, top, axis=1)
+            ring = mx.put_along_axis(ring, mine, kt, axis=1)
+            return K, V, kf, pos, ring, E, M
+
+        _STEPS[key] = mx.compile(step)
+    return _STEPS[key]
+
+
+class ProxyState:
+    """The window's keys, their exp-logits against every stored key and the float32 key
+    mirror, built from the storage once (and after any other path changed it)."""
+
+    def __init__(self, engine, stored_keys) -> None:
+        W, n = engine.config.window, engine.slots
+        keys = stored_keys.reshape(engine.rows, -1, stored_keys.shape[-1])[:, :n]
+        keys = keys.astype(mx.float32)
+        order = mx.argsort(engine.stored_positions, axis=1)[:, -W:]  # oldest .. newest
+        newest = mx.take_along_axis(keys, order[..., None], axis=1)
+        shift = engine.seen % W  # the token at position p is row p % W
+        self.ring = mx.roll(newest, shift, axis=1) if shift else newest
+        logits = (self.ring @ keys.swapaxes(-1, -2)) * engine.scale
+        self.M = logits.max(axis=-1, keepdims=True)
+        self.E = mx.exp(logits - self.M)
+        self.kf = keys if stored_keys.dtype != mx.float32 else None
+        self.window, self.seen, self.scale = W, engine.seen, engine.scale
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.ring, self.E, self.M, self.kf)
+        return sum(int(a.nbytes) for a in arrays if a is not None)
+
+    def valid(self, engine) -> bool:
+        return self.seen == engine.seen and self.scale == engine.scale
+
+
+def step(engine, storage_kv, state: ProxyState, k_new, v_new):
+    """Token ``engine.seen``: evict the due slot and write the token there. Returns the new
+    (keys, values) storage; the engine's positions and ``state`` follow."""
+    c, t = engine.config, engine.seen
+    K, V = storage_kv
+    mirrored = state.kf is not None
+    fn = _step_fn(engine.rule, mirrored, c.n_sink, c.recent, state.scale)
+    K, V, kf, engine.positions, state.ring, state.E, state.M = fn(
+        K, V, state.kf if mirrored else E_DUMMY, engine.positions, state.ring, state.E, state.M,
+        k_new, v_new, mx.array(t, mx.int32))
+    state.kf = kf if mirrored else None
+    if engine.unpinned is not None:
+        engine.unpinned = engine.unpinned.arrived(t, 1, engine.pins)
+    engine.seen = state.seen = t + 1
+    return K, V
