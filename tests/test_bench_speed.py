@@ -51,12 +51,12 @@ def test_kernels_counts_a_block_of_decode_steps(tmp_path):
     parser = argparse.ArgumentParser()
     kernels.add_arguments(parser)
     args = parser.parse_args(["--quick", "--out", str(tmp_path), "--arms",
-                              "rotating,tuned:block=1:engine=mlx,tuned:block=8,"
+                              "rotating,tuned:block=1:engine=host,tuned:block=8,"
                               "tuned:block=8:engine=host,tuned:block=1"])
     rows = {r["cache"]: r for r in kernels.execute(args)["rows"]}
     assert rows["rotating"]["host_syncs_per_step"] == 0
-    assert rows["tuned:block=1:engine=mlx"]["host_syncs_per_step"] == 0
-    assert rows["tuned:block=1"]["host_syncs_per_step"] >= 1  # block 1 runs on the host
+    assert rows["tuned:block=1"]["host_syncs_per_step"] == 0  # auto: block 1 on MLX too
+    assert rows["tuned:block=1:engine=host"]["host_syncs_per_step"] >= 1
     assert rows["tuned:block=8"]["host_syncs_per_step"] == 0
     assert rows["tuned:block=8"]["steps"] == 8
     assert rows["tuned:block=8:engine=host"]["host_syncs_per_step"] >= 1 / 8

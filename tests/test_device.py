@@ -158,3 +158,16 @@ def test_a_cache_handed_to_the_host_engine_continues_as_the_reference():
             assert cache.kept_positions[0, h].tolist() == expected
             assert host.kept_positions[0, h].tolist() == expected
     assert compared
+
+
+def test_auto_runs_every_evicting_rule_on_the_mlx_engine():
+    """Issue 43: keys as proxy queries, block 1 and every rule run on MLX under ``auto``; only
+    ``full`` (no eviction, no MLX path yet) stays on the host."""
+    for method in METHODS:
+        for scoring in ("proxy", "attention"):
+            for block in (1, 4):
+                config = KVCacheConfig(method=method, morphkv_budget=24, morphkv_window=3,
+                                       morphkv_block=block, scoring=scoring)
+                want = "host" if method == "full" else "mlx"
+                assert config.default_engine == want, (method, scoring, block)
+                assert KVCacheBuilder.build(config).config.engine == want

@@ -31,8 +31,8 @@ def served_config(*flags):
     (["--engine", "mlx"], "mlx", DeviceBatchCache),
     (["--engine", "host"], "host", BatchMorphKVCache),
     (["--block", "1"], "mlx", DeviceBatchCache),  # auto: per-token recency is scheduled on MLX
-    # auto: the per-token rule of a rule that reads attention runs on the host
-    (["--preset", "tuned", "--block", "1"], "host", BatchMorphKVCache),
+    # auto: the per-token rule of a rule that reads attention runs on MLX too (issue 43)
+    (["--preset", "tuned", "--block", "1"], "mlx", DeviceBatchCache),
 ])
 def test_the_engine_flag_reaches_the_batches(flags, engine, batch_class):
     model, config = served_config(*flags)

@@ -60,8 +60,8 @@ class KVCacheConfig:
         morphkv_recent_share: the recency floor as a share of the budget, in [0, 1):
             ``recent = max(window, int(share x budget))``; for a budget resolved from
             ``kv_memory``. Exclusive with ``morphkv_recent``.
-        engine: where statistics and selection run: ``"mlx"`` (on the device), ``"host"``
-            (NumPy), ``"auto"`` (see ``default_engine``).
+        engine: where statistics and selection run: ``"mlx"`` (on the device, every evicting
+            rule), ``"host"`` (NumPy, being removed: issue 43), ``"auto"`` (``default_engine``).
         pin: what the cache pins by itself (``morphkv.core.pins``: evicted last).
             ``"prompt"``: the tokens of every multi-token update (a prefill: a prompt, a chat
             turn's new tokens, a server request's uncached tokens) and the two one-token
@@ -106,21 +106,10 @@ class KVCacheConfig:
 
     @property
     def default_engine(self) -> str:
-        """What ``engine="auto"`` selects once ``scoring`` is resolved: ``"mlx"`` where it is
-        at least as fast as the host (real-query scoring through the attention hook: one
-        softmax for the output and the statistics; rules that rank without attention,
-        ``scheduled``, at every block: a chunk's evictions decided first, one attention per
-        chunk), ``"host"`` for keys as proxy queries (a cache used alone: per-token proxy rows
-        and evictions cost more MLX ops than the host engine's compiled kernels), for
-        ``full``, and for the per-token rule (block 1) of rules that read attention (about 40
-        small MLX ops per token; in the model 2.4x / 3.8x RotatingKVCache's prefill at 1k / 4k
-        against the host's 1.4x / 1.6x, ``morphkv bench speed --mode overhead``) unless a
-        memory size asks for the bound only the MLX engine keeps inside a prefill."""
-        if not self.rule.evicts or self.scoring != "attention":
-            return "host"
-        if self.morphkv_block == 1 and self.kv_memory is None and not self.scheduled:
-            return "host"
-        return "mlx"
+        """What ``engine="auto"`` selects: ``"mlx"`` for every rule that evicts (real queries
+        or keys as proxies, every block; issue 43: one engine), ``"host"`` only for ``full``,
+        which keeps every token and has no MLX path yet."""
+        return "mlx" if self.rule.evicts else "host"
 
     @property
     def scheduled(self) -> bool:
