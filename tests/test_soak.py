@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from morphkv import KVCacheBuilder, KVCacheConfig
+from morphkv.core.device_proxy import bound_nbytes as proxy_bound
 
 STEPS = 50_000
 BUDGET, WINDOW, N_SINK = 32, 4, 4
@@ -87,7 +88,10 @@ def test_soak_50k_single_token_updates():
     full = [n for n in nbytes_at if n > BUDGET]
     assert len({nbytes_at[n] for n in full}) == 1, nbytes_at
     assert storage_at[full[0]] == 2 * B * H * (BUDGET + 1) * D * 2
-    assert nbytes_at[full[0]] == cache.nbytes_bound
+    # the bound also counts the compiled proxy step's state (core.device_proxy), held while
+    # tokens come one after another and dropped by a read such as these checkpoints
+    assert nbytes_at[full[0]] <= cache.nbytes_bound
+    assert cache.nbytes_bound - nbytes_at[full[0]] == proxy_bound(cache.engine)
     # no growth in MLX active memory after warm-up
     steady = [active_at[n] for n in sorted(active_at) if n >= 1_000]
     assert max(steady) - steady[0] <= MEMORY_SLACK, active_at
