@@ -69,7 +69,8 @@ def _launch(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     """``mlx.launch -n 3 --backend ring`` on 127.0.0.1; the process group is killed by pid
     whatever happens."""
     launcher = Path(sys.executable).with_name("mlx.launch")
-    port = random.randrange(20000, 60000, 16)
+    port = random.randrange(20000, 32000, 16)  # below Linux's ephemeral ports (32768-60999):
+    # another test's client connections (pytest -n 2) never hold them
     cmd = [str(launcher), "-n", str(RANKS), "--backend", "ring", "--starting-port", str(port)]
     cmd += ["--python", sys.executable, "--cwd", str(ROOT)]
     cmd += ["--env", "OPENBLAS_NUM_THREADS=1", "--", *args]  # 3 ranks share the cores
@@ -107,6 +108,8 @@ def test_three_ranks_generate_the_single_process_tokens_with_a_third_of_the_kv(t
 
     done = _launch([str(Path(__file__).resolve()), str(tmp_path), gguf], TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    missing = [r for r in range(RANKS) if not (tmp_path / f"rank{r}.json").exists()]
+    assert not missing, f"ranks {missing} wrote nothing: {done.stdout[-2000:]}{done.stderr[-4000:]}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
     for rank in ranks:
         assert rank["size"] == RANKS
