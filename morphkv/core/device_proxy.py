@@ -41,15 +41,7 @@ def fits(engine, config) -> bool:
         static = engine._proxy_fits = (
             not engine.real and engine.block == 1 and type(rule) in (WindowAttention, Tova)
             and not engine.running and engine.value_norms is None and config.kv_bits is None)
-    return static and _unpinned(engine.pins)
-
-
-def _unpinned(pins) -> bool:
-    """No position pinned (``core.pins.Pins``: an empty range list; its ``len`` sums them)."""
-    if pins is None:
-        return True
-    starts = getattr(pins, "starts", None)
-    return not len(starts) if starts is not None else not pins
+    return static and not engine.pins  # ``Pins.__bool__``: no sum
 
 
 def bound_nbytes(engine) -> int:

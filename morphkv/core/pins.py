@@ -38,6 +38,11 @@ class Pins:
         """Positions pinned (0: the selection is the rule's alone)."""
         return int((self.ends - self.starts).sum())
 
+    def __bool__(self) -> bool:
+        """Anything pinned? Ranges are never empty (``add`` makes them, ``keep`` drops whole
+        ones), so no sum: the per-token paths ask this."""
+        return bool(self.starts.size)
+
     @property
     def nbytes(self) -> int:
         return self.starts.nbytes + self.ends.nbytes

@@ -21,7 +21,6 @@ bootstrap over chats (the questions of one chat are not independent).
 from __future__ import annotations
 
 import copy
-import json
 import os
 import random
 import shlex
@@ -32,7 +31,8 @@ import urllib.request
 
 import numpy as np
 
-from .chat_items import DATA, build_chat
+from .chat_answers import questions
+from .chat_items import build_chat
 from .process import free_port, stop_process
 
 NOFACT = ":nofact"  # an arm name ending so runs the chats without their facts
@@ -65,10 +65,6 @@ def user_turns(chat, turns: int, nofact: bool) -> list[str]:
         raise SystemExit(f"morphkv: error: --turns {turns}: the {chat.split} split has "
                          f"{len(said)} user turns")
     return said[:turns]
-
-
-def questions(split: str) -> list[str]:
-    return json.loads((DATA / "chat_questions.json").read_text())[split]
 
 
 def cluster_interval(hits: list[list[bool]], draws: int = 2000, seed: int = 0):
