@@ -277,6 +277,28 @@ def test_pin_replies_pins_a_short_reply_when_the_next_prompt_arrives():
     assert cache.pins.ranges() == [[0, 23], [41, 45]]
 
 
+def test_pin_fit_stops_pinning_replies_once_the_pins_fill_the_budget():
+    """``pin_fit``: a short reply is pinned only while the pinned positions, the reply with
+    them, fit in the budget; past that the user's turns are still pinned, the replies not."""
+    from morphkv import MorphKVCache
+
+    held = {}
+    for fit in (False, True):
+        cache = MorphKVCache(KVCacheConfig(method="streaming_llm", morphkv_budget=24,
+                                           morphkv_n_sink=2, pin="prompt", pin_replies=8,
+                                           pin_fit=fit))
+        rng = np.random.default_rng(0)
+        for n in (10, 1, 1, 1, 1, 1, 6, 1, 1, 1, 1, 1, 4):  # prompt, reply, prompt, reply, ...
+            k = mx.array(rng.standard_normal((1, 2, n, 8)).astype(np.float32))
+            cache.update_and_fetch(k, k)
+        held[fit] = cache.pins.ranges()
+    # the first reply fits (12 pinned + 3 <= 24) either way; the second (23 + 3) only without
+    assert held[False] == [[0, 30]]
+    assert held[True] == [[0, 23], [26, 30]]
+    with pytest.raises(ValueError, match="pin_fit must be True or False"):
+        KVCacheConfig(pin_fit=1).validate()
+
+
 def test_pin_replies_through_mlx_lm_on_both_engines():
     """Through mlx_lm's ``generate_step`` with one prompt cache over two turns: a reply of 4
     tokens is pinned when the second prompt arrives, with ``pin_replies`` and not without."""

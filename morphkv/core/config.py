@@ -79,6 +79,9 @@ class KVCacheConfig:
             the model's tokens since the last pinned range (its reply) are pinned too if there
             are at most this many: a short answer (a name, a number, a decision) is kept as the
             user's words are; long explanations are not. 0: off. ``recommended()`` sets 48.
+        pin_fit: with ``pin_replies``, pin a reply only while the pinned positions, the reply
+            with them, still fit in the budget: once a long chat's pins alone fill the cache,
+            its later replies go before the user's words instead of crowding them out.
     """
 
     method: str = "morphkv"
@@ -103,6 +106,7 @@ class KVCacheConfig:
     pin: str = "none"
     pin_rank: str = "rule"
     pin_replies: int = 0
+    pin_fit: bool = False
 
     @property
     def default_engine(self) -> str:
@@ -210,6 +214,8 @@ class KVCacheConfig:
         if not isinstance(self.pin_replies, int) or isinstance(self.pin_replies, bool) or \
                 self.pin_replies < 0:
             raise ValueError(f"pin_replies must be an integer >= 0, got {self.pin_replies!r}")
+        if not isinstance(self.pin_fit, bool):
+            raise ValueError(f"pin_fit must be True or False, got {self.pin_fit!r}")
         if self.engine == "mlx" and not rule.evicts:
             raise ValueError(f"engine='mlx' runs evictions on the device: method={self.method!r} "
                              "evicts nothing (use engine='auto' or 'host')")

@@ -108,10 +108,13 @@ class Feed:
     def pin_reply(self, i: int, first: int) -> None:
         """``pin_replies``: a prompt arrives at ``first`` in row i; the row's tokens since its
         last pinned range (the model's reply) are pinned if at most ``pin_replies``. Read from
-        the pins alone: merged, extracted, saved and loaded rows keep the policy."""
-        ends = self.pins_of(i).ends
-        ends = ends[ends <= first]
-        if ends.size and 0 < first - int(ends.max()) <= self.config.pin_replies:
+        the pins alone: merged, extracted, saved and loaded rows keep the policy. ``pin_fit``:
+        only while the pinned positions, the reply with them, fit in the budget."""
+        pins = self.pins_of(i)
+        ends = pins.ends[pins.ends <= first]
+        n = first - int(ends.max()) if ends.size else 0
+        if 0 < n <= self.config.pin_replies and not (
+                self.config.pin_fit and len(pins) + n > self.config.budget):
             self.pin_range(i, int(ends.max()), first)
 
     def set_scale(self, scale: float) -> None:

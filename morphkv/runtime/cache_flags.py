@@ -75,6 +75,10 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                         "arrives, also pin the model's reply before it if it is at most this "
                         "many tokens (a name, a number, a decision; an integer >= 0, 0: off; "
                         "default: the preset's, 48 for recommended)."),
+    "pin_fit": dict(action=argparse.BooleanOptionalAction, help="With --pin-replies: pin a "
+                    "reply only while the pins, the reply with them, fit in the budget (a "
+                    "long chat's later replies then go before the user's words; default: the "
+                    "preset's)."),
     "kv_bits": dict(type=int, choices=(4, 8), help="Store keys and values quantized to 4 or 8 "
                     "bits (default: as they arrive, unquantized)."),
     "kv_group_size": dict(type=int, choices=(32, 64, 128), help="Quantization group size with "
@@ -151,7 +155,8 @@ def describe(config: KVCacheConfig) -> str:
         if config.pin_rank != "rule":
             text += f" pin-rank={config.pin_rank}"
         if config.pin_replies:
-            text += f" pin-replies={config.pin_replies}"
+            text += f" pin-replies={config.pin_replies}" + (" (while they fit)"
+                                                             if config.pin_fit else "")
     return text
 
 
