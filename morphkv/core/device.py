@@ -27,6 +27,7 @@ from . import device_proxy
 from .blocks import running_kind
 from .engine import next_eviction
 from .rules import make_rule, pin_scorer
+from .storage import capacity
 from .unpinned import Unpinned, follows
 
 RTOL = 2.0**-9  # two float16 ulps: rows rounded from float32 instead of float64 (+ value norms)
@@ -125,7 +126,8 @@ class DeviceEngine:
         self.unpinned = Unpinned() if follows(self.rule) else None
         self._keys = None  # float stored keys (R, n, D) while a proxy window is scored
         self.stored_keys = None  # () -> the float stored keys (R, >= slots, D); set by the cache
-        R, cap = self.rows, config.budget + 1
+        R = self.rows
+        cap = config.budget + 1 if self.rule.evicts else 0  # ``full`` grows (``reserve``)
         self.capacity = cap
         self.positions = mx.zeros((R, cap), mx.int32)
         exact16 = self.running == "peak" and self.decay == 1.0 and self.real
@@ -180,12 +182,30 @@ class DeviceEngine:
         return held + (self.proxy.nbytes if self.proxy else 0)
 
     def bound_nbytes(self, query_bytes: int | None = None) -> int:
-        """Fixed-size arrays: the most ever held (the proxy step's state included)."""
+        """Fixed-size arrays: the most ever held (the proxy step's state included); None
+        for ``full`` (it grows)."""
+        if not self.rule.evicts:
+            return None
         return self.nbytes + (0 if self.proxy else device_proxy.bound_nbytes(self))
 
     def piece(self, remaining: int) -> int:
         """Tokens of the next piece: up to and including the next eviction point."""
+        if not self.rule.evicts:
+            return remaining
         return min(remaining, next_eviction(self.config, self.seen) - self.seen + 1)
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` slots (``full`` only: an evicting rule never holds more than
+        ``budget + 1``): the arrays grow by ``storage.capacity``'s rule."""
+        if n <= self.capacity:
+            return
+        cap = capacity(n, self.config, False)
+        for name in self.ARRAYS:
+            a = getattr(self, name)
+            if a is not None:
+                pad = mx.zeros((*a.shape[:-1], cap - a.shape[-1]), a.dtype)
+                setattr(self, name, mx.concatenate([a, pad], axis=-1))
+        self.capacity = cap
 
     # ---- feeding -------------------------------------------------------------------------
     def fill_norms(self, values) -> None:
@@ -203,6 +223,7 @@ class DeviceEngine:
         float32 their attention rows over the n = slots + k stored rows (when
         ``needs_rows``). Their value norms wait for ``fill_norms``."""
         n0, n, t0 = self.slots, self.slots + k, self.seen
+        self.reserve(n)
         self.proxy = None  # another path changes the storage: rebuilt when next needed
         self.positions[:, n0:n] = t0 if k == 1 else mx.arange(t0, t0 + k, dtype=mx.int32)
         if self.real and rows is not None:

@@ -87,9 +87,13 @@ class DevicePath:
 
     def _write(self, keys, values, start: int) -> None:
         end = start + quant.dims(keys)[2]
-        if self.keys is None:  # the most a piece needs
+        self.engine.reserve(end)  # ``full`` grows; else the most a piece needs is there
+        if self.keys is None:
             self.keys = storage.zeros(keys, quant.dims(keys)[0], self.engine.capacity)
             self.values = storage.zeros(values, quant.dims(values)[0], self.engine.capacity)
+        elif quant.dims(self.keys)[2] < self.engine.capacity:
+            self.keys = storage.grow(self.keys, self.engine.capacity)
+            self.values = storage.grow(self.values, self.engine.capacity)
         quant.assign(self.keys, start, end, keys)
         quant.assign(self.values, start, end, values)
 

@@ -40,6 +40,9 @@ def _need(ok: bool, what: str) -> None:
 def restore(config, B: int, H: int, head_dim: int, stored_rows: int, spec: str, data: list):
     """A ``DeviceEngine`` from ``snapshot`` output, after checking it."""
     engine = DeviceEngine(config, B, H, head_dim, config.scoring == "attention")
+    evicts = engine.rule.evicts
+    if not evicts:  # ``full``: its arrays are as wide as its storage
+        engine.reserve(stored_rows)
     entries = spec[len(PREFIX) :].split(";") if spec[len(PREFIX) :] else []
     _need(len(entries) == len(data), f"{len(entries)} arrays named but {len(data)} stored")
     saved = {}
@@ -60,9 +63,11 @@ def restore(config, B: int, H: int, head_dim: int, stored_rows: int, spec: str, 
     seen, slots, due = (int(x) for x in counters)
     scale = float(np.array(saved["scale"])[0])
     _need(np.isfinite(scale) and scale > 0, "scale")
-    _need(due in (0, 1) and 0 <= slots <= min(seen, config.budget + 1, stored_rows),
-          f"slots={slots} after {seen} tokens")
-    _need(bool(due) == (slots > config.budget), f"{slots} slots for budget {config.budget}")
+    most = min(seen, config.budget + 1, stored_rows) if evicts else stored_rows
+    _need(due in (0, 1) and 0 <= slots <= most, f"slots={slots} after {seen} tokens")
+    _need(bool(due) == (evicts and slots > config.budget),
+          f"{slots} slots for budget {config.budget}")
+    _need(evicts or slots == seen, f"{slots} slots after {seen} tokens without eviction")
     kept = np.array(saved["positions"])[:, :slots].astype(np.int64)
     _need(bool(((kept >= 0) & (kept < seen)).all()), "positions out of range")
     ordered = np.sort(kept, axis=1)

@@ -197,7 +197,7 @@ class SavedState:
             B, H, N = quant.dims(keys)
             D = quant.head_dim(keys, config.kv_group_size)
             if spec.startswith(device_saved.PREFIX):
-                if config.engine != "mlx" or N > config.budget + 1:
+                if config.engine != "mlx" or (N > config.budget + 1 and config.rule.evicts):
                     raise ValueError("saved cache: MLX engine state for a host config or "
                                      f"{N} stored rows for budget {config.budget}")
                 engine = device_saved.restore(config, B, H, D, N, spec, arrays)
