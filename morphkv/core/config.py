@@ -170,7 +170,7 @@ class KVCacheConfig:
             raise ValueError(f"morphkv_value must be True or False, got {self.morphkv_value!r}")
         if self.morphkv_fusion not in FUSIONS:  # checked for every rule, as before rules owned it
             raise ValueError(f"morphkv_fusion={self.morphkv_fusion!r} is unknown; valid: {FUSIONS}")
-        rule = make_rule(self)  # the method, and the knobs of its rule (fusion, peak, pool, ...)
+        make_rule(self)  # the method, and the knobs of its rule (fusion, peak, pool, ...)
         if self.morphkv_recent is not None:
             if not isinstance(self.morphkv_recent, int) or isinstance(self.morphkv_recent, bool):
                 raise ValueError(

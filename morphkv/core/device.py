@@ -24,8 +24,6 @@ import mlx.core as mx
 import numpy as np
 
 from . import device_proxy
-from .blocks import running_kind
-from .engine import next_eviction
 from .rules import make_rule, pin_scorer
 from .storage import capacity
 from .unpinned import Unpinned, follows
@@ -34,6 +32,18 @@ RTOL = 2.0**-9  # two float16 ulps: rows rounded from float32 instead of float64
 TOP_BITS = mx.array(0xFFFFFFFF, mx.uint32)  # above every float32's bits (NaN included)
 PIN_BIT = mx.array(0x80000000, mx.uint32)  # a pinned slot: above every score >= 0
 SHIFT = mx.array(32, mx.uint64)
+
+
+def next_eviction(config, t: int) -> int:
+    """The first eviction point (budget, budget + block, ...) at or after position t."""
+    budget, block = config.budget, config.block
+    return budget + (t > budget) * -(-(t - budget) // block) * block
+
+
+def running_kind(rule) -> tuple[str | None, float]:
+    """('sum' | 'peak' | None, decay) of the running score a rule keeps per slot (what the
+    rule declares: ``Rule.running``, ``Rule.decay``)."""
+    return rule.running, (rule.decay if rule.running == "peak" else 1.0)
 
 
 def norms16(values) -> mx.array:
@@ -71,7 +81,7 @@ def _lowest(block: int, weighted: bool, pinned: bool):
 
 def moves(victims, n: int, block: int):
     """Row moves (src, dst), each (R, block), filling the victims' rows below the line
-    ``n - block`` with the live rows above it (as ``kernels.moves``)."""
+    ``n - block`` with the live rows above it."""
     if block == 1:
         return mx.full(victims.shape, n - 1, mx.uint32), victims
     above = mx.arange(n - block, n).astype(victims.dtype)

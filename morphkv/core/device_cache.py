@@ -27,10 +27,6 @@ class DevicePath:
 
     _held = None  # (keys, values as stored, keys and values as given, written rows)
 
-    @property
-    def _device(self) -> bool:
-        return self.config.engine == "mlx"
-
     def _device_update(self, keys: mx.array, values: mx.array):
         B, H, C, D = keys.shape
         stored_keys = storage.store_form(keys, self.config)
@@ -128,10 +124,7 @@ class DevicePath:
 
     def attend(self, queries, scale: float, mask=None, sinks=None):
         """The attention output of the held update for ``queries`` (B, n_heads, C, D), the
-        update fed to the engine on the way; None on the host path (the hook then attends
-        with mlx_lm's function)."""
-        if not self._device:
-            return None
+        update fed to the engine on the way."""
         held, self._held = self._held, None
         if held is None:
             raise RuntimeError("MorphKVCache.attend: no update is waiting for its queries")

@@ -170,8 +170,7 @@ class QuantizedAttributes(QuantizedBits):
         engine = copy.deepcopy(self.engine, {id(self): new})
         keys = values = None
         if self.keys is not None:
-            # the MLX path writes in place into storage of the engine's capacity: keep it all
-            whole = (self.keys, self.values) if self._device else self._fetch()
-            keys, values = (quantize(x, group_size, bits) for x in whole)
+            # pieces are written in place into storage of the engine's capacity: keep it all
+            keys, values = (quantize(x, group_size, bits) for x in (self.keys, self.values))
         new.adopt(engine, keys, values, config)
         return new
