@@ -1,9 +1,10 @@
 """Batched generation with morphkv caches: every row equals a single-sequence run.
 
 Rows scored by keys as proxy queries and ``full`` rows (the row-wise ``BatchMorphKVCache``;
-rows scored by real queries: tests/test_batch_device.py). Real mlx_lm ``batch_generate`` / ``BatchGenerator`` on tiny random-weight llama models (and the
-logic of mlx_lm's own batching tests on the embedded model): rows of different lengths, rows
-joining and leaving mid-stream, rows continuing from history, several eviction rules.
+rows scored by real queries: tests/test_batch_device.py). Real mlx_lm ``batch_generate`` /
+``BatchGenerator`` on tiny random-weight llama models (and the logic of mlx_lm's own batching
+tests on the embedded model): rows of different lengths, rows joining and leaving
+mid-stream, rows continuing from history, several eviction rules.
 """
 
 from __future__ import annotations
