@@ -1,18 +1,18 @@
 """The selection engine on the device: every statistic, pick and move an MLX op, no host sync.
 
-It keeps what the host engine (``morphkv.core.engine``) keeps, as MLX arrays of fixed width
-``budget + 1`` per (batch row, KV head): each slot's position, running score (h2o: a sum,
-peak: a running max), value norm, and for real-query window rules a ring of the last
-``window`` tokens' attention rows (float16, as the host engine rounds them). Rows come from
-the attention the layer computes anyway (``morphkv.core.attention``): a piece of tokens is
-observed once its attention is known (``observe``). Tokens are fed in pieces that end at the
-eviction grid (positions ``budget``, ``budget + block``, ...), so a piece never needs more
-than ``budget + 1`` stored rows and every query sees what token-by-token feeding would store.
+It keeps, as MLX arrays of fixed width ``budget + 1`` per (batch row, KV head) (``full``:
+growing, ``reserve``): each slot's position, running score (h2o: a sum, peak: a running max),
+value norm, and for real-query window rules a ring of the last ``window`` tokens' attention
+rows (float16, as ``tests/reference.py`` rounds them). Rows come from the attention the layer
+computes anyway (``morphkv.core.attention``): a piece of tokens is observed once its attention
+is known (``observe``). Tokens are fed in pieces that end at the eviction grid (positions
+``budget``, ``budget + block``, ...), so a piece never needs more than ``budget + 1`` stored
+rows and every query sees what token-by-token feeding would store.
 
 At a grid point the rule scores the slots (rules read ``xp = mlx.core``), the ``block`` lowest
 unprotected scores go (``select``: one argpartition over (float32 score bits, position) keys,
 so exact ties go to the oldest), and at most ``block`` rows move down (``moves``), all lazily.
-Scores are float32 of float16 rows where the host's are float64 of the same float16 rows: two
+Scores are float32 of float16 rows where the reference's are float64 of the same rows: two
 candidates whose scores are within ``RTOL`` (relative) may be ranked the other way.
 """
 
@@ -191,7 +191,7 @@ class DeviceEngine:
         held = sum(int(a.nbytes) for a in arrays if a is not None)
         return held + (self.proxy.nbytes if self.proxy else 0)
 
-    def bound_nbytes(self, query_bytes: int | None = None) -> int:
+    def bound_nbytes(self) -> int | None:
         """Fixed-size arrays: the most ever held (the proxy step's state included); None
         for ``full`` (it grows)."""
         if not self.rule.evicts:
@@ -237,7 +237,7 @@ class DeviceEngine:
         self.proxy = None  # another path changes the storage: rebuilt when next needed
         self.positions[:, n0:n] = t0 if k == 1 else mx.arange(t0, t0 + k, dtype=mx.int32)
         if self.real and rows is not None:
-            rows = rows.astype(mx.float16)  # the host engine's rounding
+            rows = rows.astype(mx.float16)  # the reference's rounding
             if self.running == "sum":
                 rows = rows.astype(mx.float32)  # (float16 rows summed in float32)
         if self.ring is not None:
