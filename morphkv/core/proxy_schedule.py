@@ -97,7 +97,7 @@ class _Window:
             M[grown] = lv[grown]
         E[:, :, new] = np.where(others, np.exp(lv - M), 0.0)
         g = np.where(alive, Ga, -np.inf)  # dead columns: zero in ``E``
-        M[:, r] = top = g.max(axis=1)
+        M[:, r] = top = np.fmax.reduce(g, axis=1, initial=-np.inf)  # NaN is no maximum
         own = E[:, r]
         np.subtract(g, top[:, None], out=own)
         np.exp(own, out=own)
@@ -113,7 +113,7 @@ class _Window:
             score = np.matmul(weight[:, None, :], E)[:, 0]
         else:
             P = E / np.where(valid, E.sum(axis=2), 1.0)[..., None]
-            score = np.where(valid[..., None], P, 0.0).max(axis=1)
+            score = np.fmax.reduce(np.where(valid[..., None], P, 0.0), axis=1, initial=0.0)
         key = score + shut
         victim = key.argmin(axis=1)  # columns ascend by position: ties go to the oldest
         if np.isfinite(key[heads, victim]).all():
