@@ -15,6 +15,8 @@ gather finish the chunk.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .device_schedule import NEVER
@@ -37,6 +39,7 @@ class _Window:
         self.valid = np.zeros((R, W), np.bool_)
         self.row = np.zeros((R, W), np.int64)
         self.E = np.zeros((R, W, 0))
+        self.filled = False  # every window row holds a token
 
     def replay(self, G, cols, p, i0: int, k_all: int, evicted, t0: int, c,
                fusion: int) -> np.ndarray:
@@ -102,6 +105,7 @@ class _Window:
         np.subtract(g, top[:, None], out=own)
         np.exp(own, out=own)
         valid[:, r], self.row[:, r] = True, new
+        self.filled = self.filled or bool(valid.all())
 
     def _victim(self, E, shut, p, t: int, fusion: int, heads) -> np.ndarray:
         """(R,) the column to evict: the lowest (score, position) one that may go."""
@@ -109,14 +113,17 @@ class _Window:
         if fusion == 2:  # the newest row alone
             score = E[:, r] / E[:, r].sum(axis=1, keepdims=True)
         elif fusion == 0:  # the mean of the valid rows' softmax: one product
-            weight = valid / np.where(valid, E.sum(axis=2), 1.0) / valid.sum(axis=1)[:, None]
+            if self.filled:  # every row holds a token (all but the chunk's first tokens)
+                weight = 1.0 / E.sum(axis=2) / valid.shape[1]
+            else:
+                weight = valid / np.where(valid, E.sum(axis=2), 1.0) / valid.sum(axis=1)[:, None]
             score = np.matmul(weight[:, None, :], E)[:, 0]
         else:
             P = E / np.where(valid, E.sum(axis=2), 1.0)[..., None]
             score = np.fmax.reduce(np.where(valid[..., None], P, 0.0), axis=1, initial=0.0)
         key = score + shut
         victim = key.argmin(axis=1)  # columns ascend by position: ties go to the oldest
-        if np.isfinite(key[heads, victim]).all():
+        if math.isfinite(key[heads, victim].sum()):
             return victim
         free = shut == 0  # non-finite keys: NaN ranks +inf, as the step's does
         key = np.where(free, np.where(np.isnan(score), np.inf, score), np.nan)
