@@ -9,7 +9,7 @@ remain in a row do pinned slots go, the lowest-scored first. Sinks and the recen
 protected either way. No pins: the selection is unchanged (and costs nothing more).
 
 The engine sets one more key bit (pinned after every unpinned score, before every protected
-slot); ``tests/numpy_definitions.py`` states the same ranking in NumPy.
+slot); ``tests/reference.py`` states the same ranking in NumPy.
 """
 
 from __future__ import annotations
