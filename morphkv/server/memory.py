@@ -90,8 +90,8 @@ def startup_line(served, config, bound: int | None, per_token=None) -> str:
 def engine_and_pins(config) -> str:
     """Where selection runs in the server (every request runs in a batch:
     ``MorphKVCache.merge``), and what its caches pin."""
-    rows = "one storage" if config.scoring == "attention" and config.rule.evicts else "row-wise"
-    engine = f"engine mlx (batches too: {rows})"
+    one = config.scoring == "attention" and config.rule.evicts  # ``DeviceBatchCache.accepts``
+    engine = "engine mlx (batches too" + (")" if one else ", row by row)")
     pins = ("pinned: every prompt's tokens (system prompt and user turns as they arrive, with "
             "their template tokens; generated tokens are not)" if config.pin == "prompt"
             else "pinned: nothing (--pin prompt pins every prompt's tokens)")
