@@ -1,12 +1,34 @@
-"""The NumPy definitions the compiled kernels (``morphkv.core.kernels``) and the MLX engine's
-moves (``morphkv.core.device.moves``) are held to, in plain loops: the block pick, the row moves
-that compact the storage, the causal attention rows."""
+"""The NumPy definitions the engine's picks and moves (``morphkv.core.device``) are held to,
+in plain loops: the block pick, the row moves that compact the storage, the causal attention
+rows."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from morphkv.core.rows import logits_of, softmax_sum
+
+def softmax_sum(logits, finite: bool, top: float):
+    """Softmax over the last axis of (..., G, n) logits, summed over G -> (..., n) float64.
+    A row without a finite logit (all masked or NaN) is all zeros."""
+    if not finite:
+        logits = np.nan_to_num(logits, nan=-np.inf, posinf=top, neginf=-np.inf)
+    peak = logits.max(axis=-1, keepdims=True)
+    if not finite or not np.isfinite(peak).all():
+        peak = np.where(np.isfinite(peak), peak, 0.0)
+    weights = np.exp(logits - peak)
+    total = weights.sum(axis=-1, keepdims=True)
+    total = np.where(total > 0, total, 1.0)
+    return (weights / total).sum(axis=-2)
+
+
+def logits_of(queries, keys, scale: float):
+    """(rows, P, G, n) float64 scaled logits of queries (rows, P, G, D) against keys
+    (rows, n, D); the scale multiplies the queries."""
+    R, P, G, D = queries.shape
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf: cleaned after
+        q = queries.astype(np.float64).reshape(R, P * G, D) * scale
+        dots = q @ keys.astype(np.float64, copy=False).transpose(0, 2, 1)
+    return dots.reshape(R, P, G, keys.shape[1])
 
 TIE_RTOL = 1e-9  # scores this close (relative) to the minimum count as tied; oldest goes
 NO_POSITION = np.iinfo(np.int32).max

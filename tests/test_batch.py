@@ -1,8 +1,10 @@
 """Batched generation with morphkv caches: every row equals a single-sequence run.
 
-Real mlx_lm ``batch_generate`` / ``BatchGenerator`` on tiny random-weight llama models (and the
-logic of mlx_lm's own batching tests on the embedded model): rows of different lengths, rows
-joining and leaving mid-stream, rows continuing from history, several eviction rules.
+Rows scored by keys as proxy queries and ``full`` rows (the row-wise ``BatchMorphKVCache``;
+rows scored by real queries: tests/test_batch_device.py). Real mlx_lm ``batch_generate`` /
+``BatchGenerator`` on tiny random-weight llama models (and the logic of mlx_lm's own batching
+tests on the embedded model): rows of different lengths, rows joining and leaving
+mid-stream, rows continuing from history, several eviction rules.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ STEP = 8  # prefill step: prompts span several chunks
 
 
 def tiny_model(config: KVCacheConfig, seed: int = 0):
-    """The batch runs the host engine: single runs on it are the reference rows equal."""
-    return patch_model(tiny_llama(seed), dataclasses.replace(config, engine="host"))
+    """Keys as proxy queries: the row-wise batch (``morphkv.core.batch``)."""
+    return patch_model(tiny_llama(seed), dataclasses.replace(config, scoring="proxy"))
 
 
 class _Tok:
@@ -58,7 +60,7 @@ def prompts_of(lengths, seed=0):
     return [rng.integers(0, 256, n).tolist() for n in lengths]
 
 
-METHODS = ["morphkv", "h2o", "streaming_llm", "tova", "random"]
+METHODS = ["morphkv", "h2o", "streaming_llm", "tova", "random", "full"]
 
 
 @pytest.mark.parametrize("block", [1, 4])
@@ -85,8 +87,11 @@ def test_batch_generate_rows_equal_single_runs(method, block):
         assert ids == tokens
         np.testing.assert_allclose(lps, logprobs, rtol=1e-4, atol=1e-4)
         assert all(isinstance(c, MorphKVCache) for c in caches)
-        kept = max(c.tokens_kept for c in caches)  # eviction happened
-        assert kept == 16 if block == 1 else 16 - block < kept <= 16 < caches[0].offset
+        kept = max(c.tokens_kept for c in caches)  # eviction happened (full: none)
+        if method == "full":
+            assert kept == caches[0].offset
+        else:
+            assert kept == 16 if block == 1 else 16 - block < kept <= 16 < caches[0].offset
         assert_same_cache(caches, reference)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -129,45 +130,40 @@ def test_attention_output_is_mlx_lms_before_any_eviction():
                                    rtol=1e-4, atol=1e-5)
 
 
-def test_a_cache_handed_to_the_host_engine_continues_as_the_reference():
-    """``on_host`` (how MLX caches join a batch): the host copy keeps the same tokens and
-    state and goes on deciding as the reference, as the MLX cache does."""
-    rng = np.random.default_rng(3)
-    config = KVCacheConfig(morphkv_budget=32, morphkv_window=4, morphkv_recent=8,
-                           morphkv_block=4, morphkv_value=True, morphkv_peak=0.5,
-                           scoring="attention", engine="mlx")
-    keys = 2 * rng.standard_normal((1, 2, 90, 16)).astype(np.float32)
-    queries = rng.standard_normal((1, 4, 90, 16)).astype(np.float32)
-    values = rng.standard_normal((1, 2, 90, 16)).astype(np.float32)
-    with queries_by_hand():
-        cache = feed(config, keys[:, :, :61], queries[:, :, :61], values[:, :, :61], [50],
-                     mx.float32)
-        host = cache.on_host()
-        assert host.config.engine == "host" and host is not cache
-        np.testing.assert_array_equal(host.kept_positions, cache.kept_positions)
-        for t in range(61, 90):
-            for c in (cache, host):
-                k, v, q = (mx.array(x[:, :, t : t + 1]) for x in (keys, values, queries))
-                mx.eval(attention_step(c, q, k, v, SCALE))
-    compared = 0
-    for h in range(2):
-        margins: list = []
-        expected = reference(config, keys, queries, values, h, margins)
-        if min(margins) > RTOL:
-            compared += 1
-            assert cache.kept_positions[0, h].tolist() == expected
-            assert host.kept_positions[0, h].tolist() == expected
-    assert compared
-
-
-def test_auto_runs_every_evicting_rule_on_the_mlx_engine():
-    """Issue 43: keys as proxy queries, block 1 and every rule run on MLX under ``auto``; only
-    ``full`` (no eviction, no MLX path yet) stays on the host."""
+def test_auto_runs_every_rule_on_the_one_engine():
+    """Issue 43: every rule, ``full`` included, runs on the MLX engine; ``engine="host"`` (the
+    removed float64 engine) is refused with a message that says so."""
     for method in METHODS:
         for scoring in ("proxy", "attention"):
             for block in (1, 4):
                 config = KVCacheConfig(method=method, morphkv_budget=24, morphkv_window=3,
                                        morphkv_block=block, scoring=scoring)
-                want = "host" if method == "full" else "mlx"
-                assert config.default_engine == want, (method, scoring, block)
-                assert KVCacheBuilder.build(config).config.engine == want
+                assert config.default_engine == "mlx", (method, scoring, block)
+                assert KVCacheBuilder.build(config).config.engine == "mlx"
+    with pytest.raises(ValueError, match="host engine was removed"):
+        KVCacheConfig(engine="host").validate()
+
+
+def test_full_keeps_every_token_saves_and_loads(tmp_path):
+    """``full`` on the MLX engine: storage and positions grow, every token is kept, the
+    attention is mlx_lm's, and a saved cache loads and continues identically."""
+    from mlx_lm.models import cache as mlx_cache
+
+    config = KVCacheConfig(method="full", morphkv_budget=16, morphkv_window=2, morphkv_n_sink=2)
+    rng = np.random.default_rng(5)
+    keys = rng.standard_normal((1, 2, 300, 8)).astype(np.float32)
+    cache = KVCacheBuilder.build(config)
+    for start, end in ((0, 7), (7, 280), (280, 281), (281, 290)):
+        k = mx.array(keys[:, :, start:end])
+        got, _ = cache.update_and_fetch(k, k)
+        np.testing.assert_array_equal(np.array(got), keys[:, :, :end])
+    assert cache.kept_positions[0, 0].tolist() == list(range(290))
+    assert cache.nbytes_bound is None and cache.nbytes >= 2 * 290 * 2 * 8 * 4
+    path = str(tmp_path / "full.safetensors")
+    mlx_cache.save_prompt_cache(path, [cache])
+    loaded = mlx_cache.load_prompt_cache(path)[0]
+    for c in (cache, loaded):
+        k = mx.array(keys[:, :, 290:])
+        c.update_and_fetch(k, k)
+    np.testing.assert_array_equal(loaded.kept_positions, cache.kept_positions)
+    assert loaded.kept_positions.shape[2] == 300

@@ -138,7 +138,7 @@ DOCUMENTED_FLAGS = [
     (["--no-value"], "morphkv_value", False),
     (["--fusion", "max"], "morphkv_fusion", "max"),
     (["--scoring", "proxy"], "scoring", "proxy"),
-    (["--engine", "host"], "engine", "host"),
+    (["--engine", "mlx"], "engine", "mlx"),
     (["--kv-bits", "4", "--kv-group-size", "32"], "kv_group_size", 32),
     (["--kv-bits", "8"], "kv_bits", 8),
     (["--kv-memory", "20M"], "kv_memory", 20 * 2**20),
@@ -155,7 +155,7 @@ def test_documented_flags_set_their_field(argv, field, value):
 
 DOCUMENTED_ARMS = [  # (spec, the field it sets, the value) at budget 128
     ("recommended:block=1", "morphkv_block", 1),
-    ("recommended:engine=host", "engine", "host"),
+    ("recommended:engine=mlx", "engine", "mlx"),
     ("streaming_llm:memory=f16:bits=8", "kv_bits", 8),
     ("recommended:memory=f16:bits=None", "kv_bits", None),
     ("recommended:memory=64M", "kv_memory", 64 * 2**20),

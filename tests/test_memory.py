@@ -62,24 +62,3 @@ def test_the_mlx_engine_holds_fixed_arrays(dtype):
         assert cache.engine_nbytes == cache.engine.bound_nbytes()
         assert cache.storage_nbytes == 2 * H * (128 + 1) * D * dtype.size
         assert cache.nbytes <= (1.19 if dtype == mx.float16 else 1.10) * rotating.nbytes
-
-
-@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
-def test_tuned_setting_holds_a_little_more(dtype):
-    """Window 16, value norms and the running peak: 4 + 32 + 2 + 2 = 40 bytes per slot, 15.6% of
-    float16 K+V (7.8% of float32); at block 16 the window's rows are computed at each eviction
-    (no ring): 8 bytes per slot plus the pending queries (at most 16 tokens')."""
-    host = dict(scoring="attention", engine="host")
-    cache, rotating = full_cache(tuned(128, morphkv_block=1, **host), dtype, 3)
-    per_slot = 4 + 2 * 16 + 2 + 2  # position, window rows, value norm, float16 peak
-    assert cache.engine_nbytes == H * (128 + 1) * per_slot  # block 1: nothing pending
-    # the bound adds the one query held between a token's arrival and its eviction
-    assert cache.engine_nbytes + cache.engine.query_bytes == cache.engine.bound_nbytes()
-    assert cache.nbytes <= (1.19 if dtype == mx.float16 else 1.10) * rotating.nbytes
-    cache, rotating = full_cache(tuned(128, morphkv_block=16, **host), dtype, 3)
-    engine, held = cache.engine, cache.engine_nbytes  # reading it settles the last update
-    pending = engine.queries_held * engine.query_bytes
-    assert engine.query_bytes == 3 * 3 * D * 4  # float32 queries of 3 KV heads x 3 groups
-    assert held == H * (128 + 1) * (4 + 2 + 2) + pending
-    assert cache.engine_nbytes <= engine.bound_nbytes()
-    assert cache.nbytes <= (1.19 if dtype == mx.float16 else 1.10) * rotating.nbytes

@@ -41,17 +41,15 @@ def prompt_pins(start: int, end: int) -> list:
     return [[[start, end]], [[start, end + 1]]]
 
 
-def model_for(method="streaming_llm", engine="host", block=1, **extra):
-    config = KVCacheConfig(method=method, morphkv_block=block, engine=engine,
-                           **{**PINNED, **extra})
+def model_for(method="streaming_llm", block=1, **extra):
+    config = KVCacheConfig(method=method, morphkv_block=block, **{**PINNED, **extra})
     return patch_model(tiny_llama(2), config)
 
 
-@pytest.mark.parametrize("engine", ["host", "mlx"])
+@pytest.mark.parametrize("block", [1, 4])
 @pytest.mark.parametrize("method", ["streaming_llm", "h2o", "morphkv"])
-def test_a_prompt_is_pinned_and_outlives_the_generated_tokens(method, engine):
-    model = model_for(method, engine, block=1 if engine == "host" else 4,
-                      scoring="attention", morphkv_budget=24)
+def test_a_prompt_is_pinned_and_outlives_the_generated_tokens(method, block):
+    model = model_for(method, block=block, scoring="attention", morphkv_budget=24)
     prompt = prompts_of([9])[0]
     tokens, _, caches = single(model, prompt, 40)
     assert ranges(caches) in prompt_pins(0, 9)  # 8 prefilled + the last one fed alone
@@ -204,13 +202,13 @@ def test_a_refused_update_pins_nothing():
     assert cache.pins.ranges() == [] and cache.pin_next == [0]
 
 
-def _overflowing_pins(pin_rank: str, engine: str, method: str, block: int):
+def _overflowing_pins(pin_rank: str, method: str, block: int):
     """Pinned chat turns twice the budget: each turn 6 tokens whose keys point one way (a
     template repeated every turn) and, in the first turn only, 2 keys pointing elsewhere (a
     fact said once). Returns (kept positions, the fact's positions)."""
     from morphkv import MorphKVCache
 
-    config = KVCacheConfig(method=method, morphkv_block=block, engine=engine, pin_rank=pin_rank,
+    config = KVCacheConfig(method=method, morphkv_block=block, pin_rank=pin_rank,
                            **{**PINNED, "morphkv_budget": 20})
     cache = MorphKVCache(config)
     rng = np.random.default_rng(5)
@@ -228,22 +226,17 @@ def _overflowing_pins(pin_rank: str, engine: str, method: str, block: int):
     return set(cache.kept_positions[0, 0].tolist()), set(fact)
 
 
-@pytest.mark.parametrize(("engine", "method", "block"),
-                         [("host", "streaming_llm", 1), ("mlx", "streaming_llm", 2),
-                          ("host", "keydiff", 1)])
-def test_overflowing_pins_rank_by_key_geometry_with_pin_rank_keydiff(engine, method, block):
+@pytest.mark.parametrize(("method", "block"),
+                         [("streaming_llm", 1), ("streaming_llm", 2), ("keydiff", 1)])
+def test_overflowing_pins_rank_by_key_geometry_with_pin_rank_keydiff(method, block):
     """``pin_rank="keydiff"``: once pins alone overflow, the pinned key most like the mean
     goes first, so a fact said once in the oldest turn outlives the repeated template; with
     ``pin_rank="rule"`` (recency) the oldest pinned go, the fact with them."""
-    kept, fact = _overflowing_pins("keydiff", engine, method, block)
+    kept, fact = _overflowing_pins("keydiff", method, block)
     assert fact <= kept
     if method == "streaming_llm":
-        kept_by_age, _ = _overflowing_pins("rule", engine, method, block)
+        kept_by_age, _ = _overflowing_pins("rule", method, block)
         assert not fact & kept_by_age
-    for rank in ("keydiff", "keydiff-span"):  # both engines choose alike
-        if method == "streaming_llm":
-            host, _ = _overflowing_pins(rank, "host", method, 2)
-            assert host == _overflowing_pins(rank, "mlx", method, 2)[0]
 
 
 def test_pin_rank_is_validated():
@@ -299,38 +292,32 @@ def test_pin_fit_stops_pinning_replies_once_the_pins_fill_the_budget():
         KVCacheConfig(pin_fit=1).validate()
 
 
-def test_pin_replies_through_mlx_lm_on_both_engines():
+def test_pin_replies_through_mlx_lm():
     """Through mlx_lm's ``generate_step`` with one prompt cache over two turns: a reply of 4
     tokens is pinned when the second prompt arrives, with ``pin_replies`` and not without."""
     from mlx_lm.models.cache import make_prompt_cache
 
     held = {}
-    for engine in ("host", "mlx"):
-        for n in (0, 8):
-            model = model_for("streaming_llm", engine, pin_replies=n, morphkv_budget=64,
-                              scoring="attention")
-            caches = make_prompt_cache(model)
-            first, second = prompts_of([9, 6])
-            single(model, first, 4, cache=caches)
-            single(model, second, 1, cache=caches)
-            held[engine, n] = ranges(caches)
-    assert held["host", 0] == held["mlx", 0] and held["host", 8] == held["mlx", 8]
-    assert len(held["host", 0]) == 2 and held["host", 8] == [[0, held["host", 0][-1][1]]]
-
-
-def test_a_pinned_reply_outlives_later_tokens_on_both_engines():
-    """The reply pinned after it was stored is evicted last on both engines alike: the same
-    kept set, every pinned position in it, once later generated tokens overflow the budget."""
-    kept = {}
-    for engine in ("host", "mlx"):
-        model = model_for("streaming_llm", engine, pin_replies=8, scoring="attention",
-                          morphkv_budget=24)
-        caches = model.make_cache()
+    for n in (0, 8):
+        model = model_for("streaming_llm", pin_replies=n, morphkv_budget=64,
+                          scoring="attention")
+        caches = make_prompt_cache(model)
         first, second = prompts_of([9, 6])
         single(model, first, 4, cache=caches)
-        single(model, second, 30, cache=caches)  # ~50 tokens seen, 24 held
-        kept[engine] = caches[0].kept_positions[0, 0].tolist()
-        pinned = {p for a, b in ranges(caches) for p in range(a, b)}
-        assert len(ranges(caches)) == 1 and pinned <= set(kept[engine]), (pinned, kept)
-        assert caches[0].tokens_seen > 40
-    assert kept["host"] == kept["mlx"]
+        single(model, second, 1, cache=caches)
+        held[n] = ranges(caches)
+    assert len(held[0]) == 2 and held[8] == [[0, held[0][-1][1]]]
+
+
+def test_a_pinned_reply_outlives_later_tokens():
+    """The reply pinned after it was stored is evicted last: every pinned position is in the
+    kept set once later generated tokens overflow the budget."""
+    model = model_for("streaming_llm", pin_replies=8, scoring="attention", morphkv_budget=24)
+    caches = model.make_cache()
+    first, second = prompts_of([9, 6])
+    single(model, first, 4, cache=caches)
+    single(model, second, 30, cache=caches)  # ~50 tokens seen, 24 held
+    kept = caches[0].kept_positions[0, 0].tolist()
+    pinned = {p for a, b in ranges(caches) for p in range(a, b)}
+    assert len(ranges(caches)) == 1 and pinned <= set(kept), (pinned, kept)
+    assert caches[0].tokens_seen > 40

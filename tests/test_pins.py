@@ -1,4 +1,4 @@
-"""Pinned positions (``MorphKVCache.pin``, ``morphkv.pin``): evicted last, by both engines, for
+"""Pinned positions (``MorphKVCache.pin``, ``morphkv.pin``): evicted last by the engine, for
 every rule and block, as the NumPy reference decides with the same pins; kept while they fit;
 carried through copies and conversions; bad positions refused with the problem named."""
 
@@ -37,8 +37,7 @@ def feed(config, keys, queries, values, cuts, pins):
 
 @st.composite
 def cases(draw):
-    engine = draw(st.sampled_from(["host", "mlx"]))
-    config = draw_config(draw, EVICTING, [1, 2, 3, 8], slack=12, engine=engine)
+    config = draw_config(draw, EVICTING, [1, 2, 3, 8], slack=12, engine="mlx")
     T = draw(st.integers(config.budget, 3 * config.budget + 2 * config.block))
     rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
     G, H, D = draw(st.integers(1, 2)), draw(st.integers(1, 2)), 8
@@ -52,24 +51,23 @@ def cases(draw):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
-def test_both_engines_evict_pinned_tokens_last_as_the_reference(case):
+def test_pinned_tokens_go_last_as_the_reference(case):
     config, keys, queries, values, cuts, pins = case
     with queries_by_hand(), np.errstate(all="ignore"):
         cache = feed(config, keys, queries, values, cuts, pins)
         check_kept(cache, config, keys, queries, values, pins)
 
 
-@pytest.mark.parametrize("engine", ["host", "mlx"])
 @pytest.mark.parametrize("method", EVICTING)
-def test_pinned_tokens_stay_while_they_fit(engine, method):
-    """Every rule, both engines: 20 pinned positions of 300 tokens fed to a 64-token cache (4
+def test_pinned_tokens_stay_while_they_fit(method):
+    """Every rule: 20 pinned positions of 300 tokens fed to a 64-token cache (4
     sinks, 16 recent, block 8) all remain; without pins most of them go."""
     rng = np.random.default_rng(5)
     T, pins = 300, np.arange(40, 240, 10)
     keys = rng.standard_normal((1, 2, T, 16)).astype(np.float32)
     queries = rng.standard_normal((1, 4, T, 16)).astype(np.float32)
     config = KVCacheConfig(method=method, morphkv_budget=64, morphkv_recent=16,
-                           morphkv_block=8, scoring="attention", engine=engine)
+                           morphkv_block=8, scoring="attention")
     with queries_by_hand():
         pinned = feed(config, keys, queries, keys, [100, 200], pins).kept_positions
         plain = feed(config, keys, queries, keys, [100, 200], []).kept_positions
@@ -89,7 +87,7 @@ def test_pins_survive_copies_and_conversions_and_pin_skips_mlx_lm_caches():
     cache = caches[0]
     k = mx.array(keys[:, :, :100])
     cache.update_and_fetch(k, k)
-    for other in (copy.deepcopy(cache), cache.on_host(), cache.to_quantized(64, 8)):
+    for other in (copy.deepcopy(cache), cache.to_quantized(64, 8)):
         other.update_and_fetch(mx.array(keys[:, :, 100:]), mx.array(keys[:, :, 100:]))
         kept = other.kept_positions
         assert all(set(range(20, 40)) <= set(kept[0, h].tolist()) for h in range(2))
@@ -150,8 +148,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
         user_positions(Rewriting(), msgs)
 
 
-@pytest.mark.parametrize("engine", ["host", "mlx"])
-def test_a_long_chats_pins_stay_bounded_by_what_the_cache_holds(engine):
+def test_a_long_chats_pins_stay_bounded_by_what_the_cache_holds():
     """200 one-token-apart pinned ranges through a 48-token cache: ranges that hold nothing
     kept and nothing to come are dropped, so the pins' bytes stay bounded; the kept tokens are
     the same as with every range kept."""
@@ -159,7 +156,7 @@ def test_a_long_chats_pins_stay_bounded_by_what_the_cache_holds(engine):
 
     rng = np.random.default_rng(4)
     keys = rng.standard_normal((1, 2, 800, 16)).astype(np.float32)
-    config = KVCacheConfig(morphkv_budget=48, morphkv_recent=8, morphkv_block=4, engine=engine)
+    config = KVCacheConfig(morphkv_budget=48, morphkv_recent=8, morphkv_block=4)
     cache = KVCacheBuilder.build(config)
     every = Pins()
     for t in range(0, 800, 4):

@@ -225,13 +225,13 @@ def test_every_rule_has_a_reference_and_declares_what_it_reads():
 
 @pytest.mark.parametrize("method", RANKED)
 def test_every_rule_decides_as_its_reference(method):
-    """Prefill chunk then decode steps, blocks 1 and 4, on the host engine (the MLX engine:
-    tests/test_device.py, which also iterates over ``METHODS``)."""
+    """Prefill chunk then decode steps, blocks 1 and 4 (near-ties: tests/test_device.py, which
+    also iterates over ``METHODS``)."""
     rng = np.random.default_rng(5)
     keys = (2 * rng.standard_normal((1, 2, 90, 16))).astype(np.float32)
     for block in (1, 4):
         config = KVCacheConfig(method=method, morphkv_budget=24, morphkv_window=3,
-                               morphkv_recent=6, morphkv_block=block, engine="host")
+                               morphkv_recent=6, morphkv_block=block)
         cache = KVCacheBuilder.build(config)
         feed(cache, keys, [40, *range(41, 90)])
         for h in range(2):
@@ -240,17 +240,16 @@ def test_every_rule_decides_as_its_reference(method):
             assert cache.kept_positions[0, h].tolist() == want, (block, h)
 
 
-@pytest.mark.parametrize("engine", ["host", "mlx"])
-def test_keydiff_keeps_the_keys_that_point_elsewhere(engine):
+def test_keydiff_keeps_the_keys_that_point_elsewhere():
     """KeyDiff (key geometry alone): among keys that mostly share one direction, the few that
-    point elsewhere are kept and the most typical ones go, on either engine."""
+    point elsewhere are kept and the most typical ones go."""
     rng = np.random.default_rng(4)
     u = np.eye(16)[0]
     keys = (4 * u + 0.3 * rng.standard_normal((1, 1, 60, 16))).astype(np.float32)
     odd = [9, 23, 31]
     keys[0, 0, odd] = 3 * np.eye(16)[[1, 2, 3]]  # orthogonal to the common direction
     config = KVCacheConfig(method="keydiff", morphkv_budget=16, morphkv_n_sink=2,
-                           morphkv_window=4, morphkv_block=2, engine=engine)
+                           morphkv_window=4, morphkv_block=2)
     cache = KVCacheBuilder.build(config)
     feed(cache, keys, [20, *range(21, 60)])
     kept = cache.kept_positions[0, 0].tolist()

@@ -13,29 +13,31 @@ from hypothesis import strategies as st
 from mlx_lm.models import cache as mlx_cache
 
 from morphkv import KVCacheBuilder, KVCacheConfig, MorphKVCache
-from morphkv.core import saved as saved_mod
 
 SMALL = dict(morphkv_budget=12, morphkv_n_sink=2, morphkv_window=4)
 
 
-def filled(method="morphkv", T=30, engine="host"):
-    """A filled cache; the host engine's saved format unless ``engine="mlx"``."""
+def filled(method="morphkv", T=30):
+    """A filled cache."""
     rng = np.random.default_rng(0)
     k = mx.array(rng.standard_normal((1, 2, T, 8)).astype(np.float16))
-    engine = "host" if method == "full" else engine
-    cache = KVCacheBuilder.build(KVCacheConfig(method=method, engine=engine, **SMALL))
+    cache = KVCacheBuilder.build(KVCacheConfig(method=method, **SMALL))
     cache.update_and_fetch(k[:, :, : T - 1], k[:, :, : T - 1])
     cache.update_and_fetch(k[:, :, T - 1 :], k[:, :, T - 1 :])
     return cache
 
 
-def arrays_of(state):
-    return saved_mod.unpack(state[3], state[4:])
+def arrays_of(state) -> dict:
+    """The engine's arrays of a saved state as NumPy arrays, by name."""
+    names = [e.split(":")[0] for e in state[3].removeprefix("device:").split(";")]
+    return {n: np.array(a) for n, a in zip(names, state[4:], strict=True)}
 
 
 def with_arrays(state, arrays):
-    spec, data = saved_mod.pack(arrays)
-    return [state[0], state[1], state[2], spec, *data]
+    names = sorted(arrays)
+    spec = "device:" + ";".join(
+        f"{n}:{arrays[n].dtype}:{'x'.join(map(str, arrays[n].shape))}" for n in names)
+    return [state[0], state[1], state[2], spec, *(mx.array(arrays[n]) for n in names)]
 
 
 def load(state):
@@ -44,14 +46,23 @@ def load(state):
     return cache
 
 
-@pytest.mark.parametrize("engine", ["host", "mlx"])
 @pytest.mark.parametrize("method", ["morphkv", "h2o", "streaming_llm", "full", "tova"])
-def test_a_saved_state_round_trips(method, engine, tmp_path):
-    cache = filled(method, engine=engine)
+def test_a_saved_state_round_trips(method, tmp_path):
+    cache = filled(method)
     path = str(tmp_path / "c.safetensors")
     mlx_cache.save_prompt_cache(path, [cache])
     loaded = mlx_cache.load_prompt_cache(path)[0]
     np.testing.assert_array_equal(loaded.kept_positions, cache.kept_positions)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda s: [json.dumps({**json.loads(s[0]), "engine": "host"}), *s[1:]],
+    lambda s: [*s[:3], s[3].removeprefix("device:"), *s[4:]],
+], ids=["host config", "host spec"])
+def test_a_host_engine_save_is_refused_with_why(edit):
+    """Caches saved by the removed float64 host engine: refused, saying why."""
+    with pytest.raises(ValueError, match="host engine, which was removed"):
+        load(edit(filled().state))
 
 
 def edits():
@@ -85,12 +96,12 @@ def edits():
         ("position out of range", array("positions", lambda p: p + 10_000)),
         ("negative position", array("positions", lambda p: p - 1_000)),
         ("a position twice", array("positions", dup)),
-        ("slots past storage", array("scalars", lambda s: s + np.array([0, 5, 0, 5]))),
-        ("seen shrunk", array("scalars", lambda s: s - np.array([20, 0, 0, 0]))),
-        ("slots past the budget", array("scalars", lambda s: s + np.array([0, 1, 0, 0]))),
+        ("slots past storage", array("counters", lambda s: s + np.array([0, 50, 0], np.int32))),
+        ("seen shrunk", array("counters", lambda s: s - np.array([20, 0, 0], np.int32))),
+        ("slots past the budget", array("counters", lambda s: s + np.array([0, 1, 0], np.int32))),
         ("scale zero", array("scale", lambda s: s * 0)),
-        ("positions as float", array("positions", lambda p: p.astype(np.float64))),
-        ("spec mangled", lambda s: [*s[:3], s[3].replace(":", "", 1), *s[4:]]),
+        ("positions as float", array("positions", lambda p: p.astype(np.float32))),
+        ("spec mangled", lambda s: [*s[:3], s[3].replace(":", "", 2), *s[4:]]),
         ("array missing", lambda s: [*s[:-1]]),
         ("keys not 4-d", lambda s: [s[0], s[1][0], *s[2:]]),
         ("values of another length", lambda s: [s[0], s[1], s[2][:, :, :3], *s[3:]]),
@@ -153,14 +164,13 @@ def device_edits():
         ("positions as float", array("positions", lambda p: p.astype(mx.float32))),
         ("a negative peak", array("accumulated", lambda a: a - 1)),
         ("scale zero", array("scale", lambda s: s * 0)),
-        ("host engine for engine=mlx", lambda s: [*s[:3], s[3].removeprefix("device:"), *s[4:]]),
         ("array missing", lambda s: [*s[:-1]]),
     ]
 
 
 @pytest.mark.parametrize("name, edit", device_edits(), ids=[n for n, _ in device_edits()])
 def test_edited_device_state_is_refused_and_nothing_changes(name, edit):
-    state = filled("h2o", engine="mlx").state
+    state = filled("h2o").state
     assert state[3].startswith("device:")
     target = filled("streaming_llm")
     before = target.kept_positions.copy()

@@ -1,5 +1,6 @@
-"""``morphkv serve --engine mlx|host`` is honoured: the caches the server installs batch on the
-engine asked for (every request runs in a batch), and the start-up line names it."""
+"""``morphkv serve``: the caches the server installs batch on the one engine (every request runs
+in a batch: over one storage with real queries, row-wise for keys as proxies and ``full``), and
+the start-up line names it; ``--engine host`` (the removed float64 engine) is refused."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def served_config(*flags):
 @pytest.mark.parametrize("flags, engine, batch_class", [
     ([], "mlx", DeviceBatchCache),  # auto: the MLX engine for the recommended preset
     (["--engine", "mlx"], "mlx", DeviceBatchCache),
-    (["--engine", "host"], "host", BatchMorphKVCache),
+    (["--scoring", "proxy"], "mlx", BatchMorphKVCache),  # keys as proxies: row-wise
+    (["--method", "full"], "mlx", BatchMorphKVCache),
     (["--block", "1"], "mlx", DeviceBatchCache),  # auto: per-token recency is scheduled on MLX
     # auto: the per-token rule of a rule that reads attention runs on MLX too (issue 43)
     (["--preset", "tuned", "--block", "1"], "mlx", DeviceBatchCache),
@@ -39,8 +41,13 @@ def test_the_engine_flag_reaches_the_batches(flags, engine, batch_class):
     rows = [model.make_cache() for _ in range(2)]
     batch = MorphKVCache.merge([r[0] for r in rows])
     assert type(batch) is batch_class
-    assert engine_and_pins(rows[0][0].config).startswith(f"engine {engine} (batches too)")
+    assert engine_and_pins(rows[0][0].config).startswith(f"engine {engine} (batches too")
     res = batch_generate(model, _Tok(), prompts_of([30, 9]), max_tokens=[20, 30],
                          prefill_step_size=8, return_prompt_caches=True)
     assert all(c.config.engine == engine for caches in res.caches for c in caches)
     assert config.engine in ("auto", engine)
+
+
+def test_the_host_engine_is_refused():
+    with pytest.raises(SystemExit):
+        served_config("--engine", "host")

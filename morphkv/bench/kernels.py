@@ -1,15 +1,14 @@
 """MLX kernels per layer per decode step and host synchronizations per step, per cache.
 
-One layer (B=1, 4 KV heads, head_dim 64, float16, real queries: ``--groups`` query heads per
-KV head), filled past its budget; then ``--blocks`` eviction blocks of single-token steps, each
-the layer's update and attention as the hooked model runs them (``attention_step``; the MLX
-engine computes both from one softmax, the host engine adds its selection to mlx_lm's fused
-attention). Each step's MLX graph (the attention output plus the storage the cache keeps) is
-exported with ``mx.export_to_dot`` before it is evaluated and its nodes counted: ``kernels``
-are the primitives that run code on the device, ``views`` the ones that only re-describe memory
-(slices, reshapes, broadcasts, transposes). Host synchronizations are the reads of MLX arrays
-on the host inside a step (``SyncCounter``: ``item``, ``tolist``, NumPy conversions,
-``mx.eval`` ...), counted as they happen. Averages are over whole eviction blocks.
+One layer (B=1, 4 KV heads, head_dim 64, float16, real queries: ``--groups`` query heads per KV
+head), filled past its budget; then ``--blocks`` eviction blocks of single-token steps, each
+the layer's update and attention as the hooked model runs them (``attention_step``; the engine
+computes both from one softmax). Each step's MLX graph (the attention output plus the storage
+the cache keeps) is exported with ``mx.export_to_dot`` before it is evaluated and its nodes
+counted: ``kernels`` are the primitives that run code on the device, ``views`` the ones that
+only re-describe memory (slices, reshapes, broadcasts, transposes). Host synchronizations are
+the reads of MLX arrays on the host inside a step (``SyncCounter``: ``item``, ``tolist``, NumPy
+conversions, ``mx.eval`` ...), counted as they happen. Averages are over whole eviction blocks.
 ``--rows 4``: the same for a batch of 4 rows built as the server builds one (single caches at
 different eviction phases, merged: ``merge``).
 RotatingKVCache (update + mlx_lm's attention) is the reference.

@@ -1,10 +1,10 @@
 """One layer's cache update alone, side by side with mlx_lm's RotatingKVCache of the same size.
 
 One layer, B=1, 4 KV heads, head_dim 64, float16 (``--dtype``), 4 sinks, ``--budget`` tokens.
-Arms are specs as in the other modes (``tuned``, ``tuned:block=1``, ``paper:engine=host``);
-``seed`` is the bare ``KVCacheConfig(method="morphkv", morphkv_budget=..., morphkv_window=...)``
-used alone (keys as proxy queries, block 1: the seed's API; ``seed:engine=mlx`` picks its
-engine). Rules that read attention get real queries (``--groups`` query heads per KV head) and
+Arms are specs as in the other modes (``tuned``, ``tuned:block=1``, ``paper``); ``seed`` is
+the bare ``KVCacheConfig(method="morphkv", morphkv_budget=..., morphkv_window=...)`` used
+alone (keys as proxy queries, block 1: the seed's API). Rules that read attention get real
+queries (``--groups`` query heads per KV head) and
 every cache of that arm, the reference included, is timed with the layer's attention as the
 hooked model runs it (``attention_step``); keys-as-proxy arms time the update alone. Per arm:
 ``decode_us``, one single-token update once full (the mean over each eviction block, the
@@ -185,8 +185,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--budget", 512, "tokens kept"),
         ("--window", 8, "MorphKV window (arms that do not set their own)"),
-        ("--arms", ["seed", "seed:engine=host", "tuned", "tuned:block=1",
-                    "tuned:block=1:engine=host"], "arm specs (seed: the bare config alone)"),
+        ("--arms", ["seed", "tuned", "tuned:block=1"],
+         "arm specs (seed: the bare config alone)"),
         ("--groups", 3, "query heads per KV head for the rules that read attention"),
         ("--repeats", 100, "timed eviction blocks (single-token updates at block 1) per arm"),
         ("--chunk", 2048, "tokens of the one-chunk update"),

@@ -23,7 +23,6 @@ import time
 
 import mlx.core as mx
 
-from ..core.warm import warm_up
 from ..eval import plots
 from ..eval.arms import parse_arms
 from ..eval.flags import add_flags, standard
@@ -109,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     text = prose_text(PROSE_TOPICS)
     ids = tokenizer.encode(text) if tokenizer is not None else [b % 256 for b in text.encode()]
-    warm_up()  # the compiled kernels load once per process: not inside the first timing
     contexts = [c or args.prompt_tokens for c in args.contexts] or [args.prompt_tokens]
     while len(ids) < max(contexts):  # long contexts: the prose again
         ids = ids + ids

@@ -1,78 +1,42 @@
-"""BatchMorphKVCache: mlx_lm's batch-cache protocol over the host path every morphkv cache runs.
+"""mlx_lm's batch-cache protocol: what both batch caches share, and the row-wise batch.
 
 ``mlx_lm.batch_generate``, ``BatchGenerator`` and the server's continuous batching build a
 batched cache with ``caches[0][i].merge([...])`` and then drive it like ``BatchKVCache``:
 left-padded history, right-padded prompts (``prepare(lengths=, right_padding=)`` ...
 ``finalize()``), per-row RoPE offsets, rows leaving (``filter``), joining (``extend``) and
-handed back as single-sequence caches (``extract``).
+handed back as single-sequence caches (``extract``). ``BatchProtocol`` is that protocol's
+bookkeeping; ``DeviceBatchCache`` (``morphkv.core.device_batch``) runs it over one storage for
+rows scored by the model's real queries.
 
-It is ``MorphKVCache``'s host path (``morphkv.core.feed``: one storage, one feed) with one
-engine per row instead of one for all rows: rows differ in length, so their eviction points
-differ. A decode step is a constant number of MLX operations whatever B: one scatter writes
-every row's new token at its row's next slot, one slice is what attention reads, a (B, 1, 1, L)
-mask hides each row's free tail (``morphkv.core.masks``); an eviction moves every evicting
-row's slots with one take and one put. So every row keeps exactly what a single-sequence run
-of the same tokens keeps.
+``BatchMorphKVCache`` holds every other batch (keys as proxy queries: a cache used without the
+attention hook, the seed's API; ``full``) as its rows' own ``MorphKVCache`` objects: each row's
+real tokens go to its cache (``MorphKVCache.store``), so a row keeps exactly what the same
+sequence run alone keeps, by construction. What attention reads is every row's [kept + new]
+rows, padded to the longest; a row's kept count before an update follows from its position
+(``settled``), so the mask is known before the update runs. With the hook each row attends
+itself (``attend``), as one sequence does.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from . import quant, storage
-from .engine import Engine
-from .feed import Feed, no_reader
-from .masks import offsets
-from .pins import Pins, keep_bounded, repinned
-
-_SHARED = (int, float, bool, str, type(None))
-ROW_LISTS = ("seen", "stored", "waiting", "lead", "pin_next", "row_pins")  # one entry a row
+from .feed import Feed
+from .masks import causal_mask, decode_mask, offsets
+from .pins import keep_bounded, repinned
 
 
-class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
-    """A batch of MorphKV rows over one shared storage (see the module docstring)."""
-
-    def __init__(self, config, rows: int, row_class: type):
-        # the batch runs the host engine (its rows' caches too: see MorphKVCache.on_host)
-        self.init_feed(dataclasses.replace(config, engine="host"), rows, 1)
-        self.row_class = row_class
-        self.row_pins = [Pins() for _ in range(rows)]  # each row's own (``pins_of``)
+class BatchProtocol(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
+    """mlx_lm's batch protocol: rows, padding, offsets, pins (see the module docstring)."""
 
     @property
     def B(self) -> int:
         return len(self.engines)
-
-    # ---- building -------------------------------------------------------------------------
-    @classmethod
-    def merge(cls, caches, row_class: type) -> BatchMorphKVCache:
-        """One batched cache from single-sequence caches of ``row_class`` (``MorphKVCache``,
-        whose own ``merge`` calls this; history allowed). The inputs are copied, never updated
-        (``batch_generate``'s contract)."""
-        cls.check_rows(caches, row_class)
-        batch = cls(caches[0].config, len(caches), row_class)
-        batch.row_pins = [c.pins.copy() for c in caches]  # pinned ahead too (empty caches)
-        batch.pin_next = [c.pin_next[0] for c in caches]
-        full = [c for c in caches if not c.empty()]
-        for c in full:
-            c.flush()  # hands a pending update to the engine before copying
-        if full:
-            n = storage.capacity(max(c.engine.slots for c in full), batch.config, batch.evicts)
-            batch.keys = storage.zeros(full[0].keys, len(caches), n)
-            batch.values = storage.zeros(full[0].values, len(caches), n)
-        for i, c in enumerate(caches):
-            if c.empty():
-                continue
-            n = c.engine.slots
-            storage.put_row(batch.keys, i, c.keys, n)
-            storage.put_row(batch.values, i, c.values, n)
-            batch.engines[i] = batch.copy_engine(c.engine, batch.row_pins[i])
-            batch.seen[i], batch.stored[i] = c.offset, n
-        return batch
 
     @staticmethod
     def check_rows(caches, row_class: type) -> None:
@@ -93,38 +57,6 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
                 sorted({c.config.describe() if hasattr(c.config, "describe") else repr(c.config)
                         for c in caches})))
 
-    def extract(self, idx: int):
-        """A copy of row ``idx`` as a single-sequence cache (the row keeps going)."""
-        self.flush_chunk()
-        self.catch_up([idx])
-        cache = self.row_class(self.config)
-        cache.pins, cache.pin_next = self.row_pins[idx].copy(), [self.pin_next[idx]]
-        engine = self.engines[idx]
-        if engine is None:
-            return cache
-        n = int(self.stored[idx])
-        cache.adopt(self.copy_engine(engine, cache.pins), storage.row_copy(self.keys, idx, n),
-                    storage.row_copy(self.values, idx, n))  # keeps the pins set above
-        return cache
-
-    def filter(self, batch_indices) -> None:
-        """Keep only the given rows, in that order."""
-        keep = [int(i) for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist")
-                                 else batch_indices)]
-        self.flush_chunk()
-        self.engines = [self.engines[i] for i in keep]
-        for name in ROW_LISTS:
-            setattr(self, name, [getattr(self, name)[i] for i in keep])
-        if self._remaining is not None:
-            self._remaining = [self._remaining[i] for i in keep]
-        self._trim_steps()
-        rows = mx.array(np.asarray(keep, np.int32))
-        self.steps = [q[rows] for q in self.steps] if keep else []
-        self._last = self._seal = None
-        if self.keys is not None:
-            self.keys = storage.take_rows(self.keys, keep)
-            self.values = storage.take_rows(self.values, keep)
-
     def check_extend(self, other) -> None:
         """``other`` can join these rows: the same class and config, both or neither mid-prompt
         (``TypeError`` / ``ValueError`` before anything changes)."""
@@ -136,45 +68,16 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
         if (self._remaining is None) != (other._remaining is None) and self.B and other.B:
             raise ValueError("cannot extend while only one of the batches is mid-prompt")
 
-    def extend(self, other: BatchMorphKVCache) -> None:
-        """Append the rows of ``other``; the decode steps' queries are aligned on the newest
-        step, zeros where a side has none."""
-        self.check_extend(other)
-        self.flush_chunk()
-        other.flush_chunk()
-        B0 = self.B
-        self._trim_steps()
-        other._trim_steps()
-        n = max(len(self.steps), len(other.steps))
-        if B0 == 0:
-            self.steps = list(other.steps)
-        elif other.B and n:
-            like = (self.steps or other.steps)[-1]
-
-            def side(steps, rows, j):
-                k = j - (n - len(steps))
-                return steps[k] if k >= 0 else mx.zeros((rows, *like.shape[1:]), like.dtype)
-
-            self.steps = [mx.concatenate([side(self.steps, B0, j), side(other.steps, other.B, j)])
-                          for j in range(n)]
+    def _extend_remaining(self, other) -> None:
         if other._remaining is not None or self._remaining is not None:
-            mine = self._remaining if self._remaining is not None else [0] * B0
+            mine = self._remaining if self._remaining is not None else [0] * self.B
             theirs = other._remaining if other._remaining is not None else [0] * other.B
             self._remaining = mine + theirs
-        self.engines = self.engines + other.engines
-        for name in ROW_LISTS:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self._last = self._seal = None
-        keys, values = other.keys, other.values
-        if self.keys is None and keys is not None:
-            self.keys = storage.zeros(keys, B0, quant.dims(keys)[2])
-            self.values = storage.zeros(values, B0, quant.dims(values)[2])
-        if self.keys is not None and keys is None:
-            keys = storage.zeros(self.keys, other.B, quant.dims(self.keys)[2])
-            values = storage.zeros(self.values, other.B, quant.dims(self.values)[2])
-        if self.keys is not None:
-            self.keys = storage.concat_rows(self.keys, keys) if B0 else keys
-            self.values = storage.concat_rows(self.values, values) if B0 else values
+
+    @staticmethod
+    def kept_rows(batch_indices) -> list[int]:
+        return [int(i) for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist")
+                                 else batch_indices)]
 
     # ---- padding --------------------------------------------------------------------------
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
@@ -195,22 +98,20 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
         """End of a right-padded prompt (the padding was never stored)."""
         self._remaining = None
 
-    # ---- mlx_lm hot path ------------------------------------------------------------------
+    def advance(self, C: int) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, counts) of an update of C columns; the padding counters move past it."""
+        starts, counts = self.spans(C)
+        self.lead = np.subtract(self.lead, starts).tolist()
+        if self._remaining is not None:
+            self._remaining = np.subtract(self._remaining, counts).tolist()
+        return starts, counts
+
     @property
     def offset(self) -> mx.array:
         """Per-row RoPE offset of the next chunk's first column."""
         return offsets(np.subtract(self.seen, self.lead))
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store each row's real tokens after its live slots; return every row's slots up to
-        the longest row (the mask hides each row's free tail)."""
-        C = keys.shape[2]
-        if self.pin_prompts and C and (C > 1 or any(self.pin_next)):  # pin="prompt", per row
-            self.check(keys, values)  # first: a refused update pins nothing
-            self.pin_arrived(list(self.seen), self.spans(C)[1], C)
-        return self.host_update(keys, values)
-
-    def pins_of(self, i: int) -> Pins:
+    def pins_of(self, i: int):
         return self.row_pins[i]
 
     def pin_range(self, i: int, start: int, end: int) -> None:
@@ -221,37 +122,6 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
         pins.add(np.arange(start, end))
         if engine is not None:
             repinned(engine, keep_bounded(pins, lambda: self._held_positions(i), engine.seen))
-
-    def _held_positions(self, i: int) -> np.ndarray:
-        self.flush()
-        return np.asarray(self.engines[i].stored_positions).reshape(-1)
-
-    def prepare_attention(self, queries: mx.array, scale: float, mask):
-        """Attention hook: keeps this layer's queries (one reference per decode step) and
-        returns the mask: (B, 1, 1, L) for a decode step, each row's liveness for a chunk."""
-        return self.host_attention(queries, scale)
-
-    # ---- accounting and the rest of the protocol -------------------------------------------
-    @property
-    def state(self) -> list:
-        """The shared keys and values (what ``mx.eval`` must compute); a batched cache is not
-        saved as such: ``extract`` rows and save those."""
-        if self.keys is None:
-            return []
-        return [*quant.parts(self.keys), *quant.parts(self.values)]
-
-    @property
-    def nbytes(self) -> int:
-        """Storage + every row's selection state + the decode steps' queries held."""
-        held = 0 if self.keys is None else quant.nbytes(self.keys) + quant.nbytes(self.values)
-        engines = sum(e.nbytes for e in self.engines if e is not None)
-        pins = sum(p.nbytes for p in self.row_pins)
-        return held + engines + pins + sum(q.nbytes for q in self.steps)
-
-    @property
-    def tokens_kept(self) -> list[int]:
-        self.flush_chunk()
-        return [int(n) for n in self.settled()]
 
     @property
     def rows(self) -> list:
@@ -264,39 +134,168 @@ class BatchMorphKVCache(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
     def empty(self) -> bool:
         return all(e is None for e in self.engines)
 
-    @staticmethod
-    def copy_engine(engine: Engine, pins: Pins) -> Engine:
-        """A copy of an engine that shares nothing mutable with it (NumPy arrays copied, lists
-        copied, immutable fields and the frozen config shared, anything else deep-copied),
-        ranking with ``pins`` and reading its keys only through ``settle``. Several times
-        cheaper than ``copy.deepcopy``; rows are copied at every merge, extract and split."""
-        new = copy.copy(engine)
-        for name, value in vars(engine).items():
-            if name == "stored_keys":
-                value = None
-            elif name == "pins":
-                value = pins
-            elif isinstance(value, np.ndarray):
-                value = value.copy()
-            elif isinstance(value, list):  # the pending queries: never written in place
-                value = list(value)
-            elif not isinstance(value, _SHARED) and name != "config":
-                value = copy.deepcopy(value)
-            setattr(new, name, value)
-        new.stored_keys = no_reader
-        return new
 
-    def __deepcopy__(self, memo):
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        pins = [p.copy() for p in self.row_pins]
-        for name, value in vars(self).items():
-            if name == "engines":
-                value = [None if e is None else self.copy_engine(e, p)
-                         for e, p in zip(value, pins, strict=True)]
-            elif name == "row_pins":
-                value = pins
-            elif name != "row_class":
-                value = copy.deepcopy(value, memo)
-            setattr(new, name, value)
-        return new
+def settled(config, seen: int) -> int:
+    """Slots a row holds after ``seen`` tokens once a due eviction has run: what the next
+    update's attention reads before its own tokens (a function of the position alone)."""
+    budget, block = config.budget, config.block
+    if seen <= budget or not config.rule.evicts:
+        return seen
+    last = budget + (seen - 1 - budget) // block * block  # the last eviction point
+    return budget + 1 - block + (seen - 1 - last)
+
+
+class BatchMorphKVCache(BatchProtocol):
+    """A batch of ``MorphKVCache`` rows, each fed its own tokens (see the module docstring)."""
+
+    def __init__(self, config, caches: list, row_class: type):
+        self.config, self.caches, self.row_class = config, caches, row_class
+        self.evicts, self.per, self._seal = config.rule.evicts, 1, None
+        self.keys = self.values = None  # (``check``: the rows hold the storage)
+        self.lead, self._remaining = [0] * len(caches), None
+        self.pin_prompts = config.pin == "prompt"
+        self.pin_next = [c.pin_next[0] for c in caches]
+        self._held = None  # (starts, counts, Dv) of the update waiting for the hook's queries
+
+    @property
+    def engines(self) -> list:
+        return [c.engine for c in self.caches]
+
+    @property
+    def seen(self) -> list[int]:
+        return [c.offset for c in self.caches]
+
+    @property
+    def row_pins(self) -> list:
+        return [c.pins for c in self.caches]
+
+    def pin_range(self, i: int, start: int, end: int) -> None:
+        self.caches[i].pin_range(0, start, end)  # the row's own ``pin``
+
+    @classmethod
+    def merge(cls, caches, row_class: type) -> BatchMorphKVCache:
+        """One batch of copies of single-sequence caches (history allowed)."""
+        cls.check_rows(caches, row_class)
+        for c in caches:
+            c._flush()  # a held update reaches the engine (lazily) before the copy
+        return cls(caches[0].config, [copy.deepcopy(c) for c in caches], row_class)
+
+    def extract(self, idx: int):
+        """A copy of row ``idx`` as a single-sequence cache (the row keeps going)."""
+        self._no_held("extract")
+        row = self.caches[idx]
+        row._flush()
+        cache = copy.deepcopy(row)
+        cache.pin_next = [self.pin_next[idx]]
+        return cache
+
+    def filter(self, batch_indices) -> None:
+        """Keep only the given rows, in that order."""
+        self._no_held("filter")
+        keep = self.kept_rows(batch_indices)
+        self.caches = [self.caches[i] for i in keep]
+        self.lead = [self.lead[i] for i in keep]
+        self.pin_next = [self.pin_next[i] for i in keep]
+        if self._remaining is not None:
+            self._remaining = [self._remaining[i] for i in keep]
+        self._seal = None
+
+    def extend(self, other: BatchMorphKVCache) -> None:
+        """Append the rows of ``other``."""
+        self.check_extend(other)
+        self._no_held("extend")
+        other._no_held("extend")
+        self._extend_remaining(other)
+        self.caches = self.caches + other.caches
+        self.lead, self.pin_next = self.lead + other.lead, self.pin_next + other.pin_next
+        self._seal = None
+
+    def _no_held(self, what: str) -> None:
+        """Rows change: an update no attention came for is fed without (keys as proxies)."""
+        self._held = None
+
+    # ---- mlx_lm hot path ------------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Each row's real tokens to its cache; returns every row's [kept + new] rows padded
+        to the longest (``make_mask`` hides each row's tail)."""
+        C = keys.shape[2]
+        self.check(keys, values)  # first: a refused update changes nothing
+        self._held = None
+        if self.pin_prompts and C and (C > 1 or any(self.pin_next)):  # pin="prompt", per row
+            self.pin_arrived(self.seen, self.spans(C)[1], C)
+        starts, counts = self.advance(C)
+        fetched = []
+        for i, c in enumerate(self.caches):
+            s, n = int(starts[i]), int(counts[i])
+            if n:
+                fetched.append(c.store(keys[i : i + 1, :, s : s + n],
+                                       values[i : i + 1, :, s : s + n]))
+            elif c.engine is not None:
+                c._flush()
+                fetched.append(c._fetch())
+            else:
+                fetched.append(tuple(storage.zeros(storage.store_form(x[:1, :, :1], self.config),
+                                                   1, 0) for x in (keys, values)))
+        L = max(max(quant.dims(k)[2] for k, _ in fetched), 1)
+        self._held = (starts, counts, values.shape[-1])
+        return tuple(storage.concat_rows_all([storage.grow(f[j], L) for f in fetched])
+                     for j in (0, 1))
+
+    def attend(self, queries, scale: float, mask=None, sinks=None):
+        """The hook's attention: each row's cache attends its own tokens (as one sequence
+        does); padding columns get zeros."""
+        held, self._held = self._held, None
+        if held is None:
+            raise RuntimeError("BatchMorphKVCache.attend: no update is waiting for its queries")
+        starts, counts, Dv = held
+        B, n_heads, C, _ = queries.shape
+        outs = []
+        for i, c in enumerate(self.caches):
+            s, n = int(starts[i]), int(counts[i])
+            out = mx.zeros((1, n_heads, C, Dv), queries.dtype)
+            if n:
+                out[:, :, s : s + n] = c.attend(queries[i : i + 1, :, s : s + n], scale, None,
+                                                sinks)
+            outs.append(out)
+        return outs[0] if B == 1 else mx.concatenate(outs, axis=0)
+
+    def prepare_attention(self, queries: mx.array, scale: float, mask):
+        """Queries handed in without the hook's ``attend`` (benchmarks): attends now."""
+        if self._held is not None:
+            self.attend(queries, scale, mask)
+        return mask
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
+                  **kwargs):
+        """Mask for N new columns over every row's [kept + new] rows (``update_and_fetch``)."""
+        if window_size is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not support sliding-window attention layers; "
+                "keep mlx_lm's RotatingKVCache for those layers")
+        starts, counts = self.spans(N)
+        before = np.array([settled(self.config, t) for t in self.seen], np.int64)
+        width = max(int((before + counts).max(initial=0)), 1)
+        if N == 1:
+            return decode_mask(np.where(counts > 0, before + counts, width))
+        return causal_mask(starts, counts, before, width, N, return_array)
+
+    # ---- accounting -----------------------------------------------------------------------
+    @property
+    def state(self) -> list:
+        """Every row's storage and engine arrays (what ``mx.eval`` must compute); a batch is
+        not saved as such: ``extract`` rows and save those."""
+        out = []
+        for c in self.caches:
+            if c.keys is not None:
+                arrays = (getattr(c.engine, n) for n in c.engine.ARRAYS)
+                out += [*quant.parts(c.keys), *quant.parts(c.values),
+                        *(a for a in arrays if a is not None)]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    @property
+    def tokens_kept(self) -> list[int]:
+        return [c.tokens_kept for c in self.caches]

@@ -16,14 +16,12 @@ Semantics of one update of C tokens (C = 1 when decoding): the returned keys and
 appended and, while more than ``budget`` tokens are stored, the rule evicts one. The kept set
 is therefore the same for any chunking of a stream, and at most ``budget`` tokens remain.
 
-Two engines: the host path (``morphkv.core.feed``, one engine over all the rows it is given) is
-the batch cache's (``BatchMorphKVCache``: one engine per row) with one engine; the MLX path
-(``engine="mlx"``, ``morphkv.core.device_cache``) keeps the same storage on the device.
+One engine, on the device (``morphkv.core.device_cache``, ``morphkv.core.device``); batches
+of these caches are built by ``merge`` (``morphkv.core.device_batch``, ``morphkv.core.batch``).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import mlx.core as mx
@@ -31,7 +29,7 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
-from . import device_saved, quant, storage
+from . import quant, storage
 from .batch import BatchMorphKVCache
 from .config import KVCacheConfig
 from .device_batch import DeviceBatchCache
@@ -57,7 +55,7 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
 
     @property
     def engine(self):
-        """The selection engine (``Engine`` on the host, ``DeviceEngine`` on the MLX path)."""
+        """The selection engine (``DeviceEngine``; None before the first token)."""
         return self.engines[0]
 
     @engine.setter
@@ -93,13 +91,10 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
         self.offset = 0 if engine is None else engine.seen
         if engine is not None:
             self.seen, self.stored = [engine.seen], [engine.slots]
-            engine.stored_keys = self._stored_float_keys if self._device else self._host_keys
-            if self._device and follows(engine.rule):  # one read: the kept positions
+            engine.stored_keys = self._stored_float_keys
+            if follows(engine.rule):  # one read: the kept positions
                 kept = np.array(engine.positions[:, : engine.slots])
                 engine.unpinned = of_kept(kept, engine.pins)
-
-    def key_reader(self):
-        return self._host_keys
 
     # ---- mlx_lm hot path -----------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -108,55 +103,42 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
         if self.pin_prompts and (C > 1 or self.pin_next[0]):  # pin="prompt": checked first,
             self.check(keys, values)  # so a refused update pins nothing
             self.pin_arrived((self.offset,), (C,), C)
-        if self._device:
-            self.check(keys, values)
-            self.need_hooks(C)
-            return self._device_update(keys, values)
-        fetched = self.host_update(keys, values)
-        self.offset += C
-        return fetched
+        return self.store(keys, values)
+
+    def store(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """``update_and_fetch`` without the ``pin="prompt"`` step (a batch row: the batch pins)."""
+        self.check(keys, values)
+        self.need_hooks(keys.shape[2])
+        return self._device_update(keys, values)
 
     def prepare_attention(self, queries: mx.array, scale: float, mask):
-        """Called by the attention hook (``morphkv.attach``) with this layer's queries
-        (B, n_heads, C, head_dim) and the scale the model uses. Keeps the queries for
-        attention scoring and returns the mask for the update: mlx_lm's own for one token (the
-        engine runs later), for several the liveness mask, which needs the engine's decisions
-        now: query i sees exactly what token-by-token feeding would store."""
-        if self._device:  # the hook attends through ``attend``; here: a caller that only
-            if self._held is not None:  # hands the queries in (benchmarks, memory probes)
-                self.attend(queries, scale, mask)
-            return mask
-        return self.host_attention(queries, scale, mask)
+        """The queries handed in without the hook's ``attend`` (benchmarks, memory probes):
+        the held update attends now; returns ``mask``."""
+        if self._held is not None:
+            self.attend(queries, scale, mask)
+        return mask
 
     def _flush(self) -> None:
-        """Everything waiting reaches the engine (a read: the host reads what it needs; on
-        the MLX path the due work is queued lazily)."""
-        if self._device:
-            self._settle_device()
-            self._evict_due()
-        else:
-            self.flush()
+        """Everything waiting reaches the engine (queued lazily: no host read)."""
+        self._settle_device()
+        self._evict_due()
 
     def _fetch(self, rows: int | None = None) -> tuple:
         """The first ``rows`` (default: the live) slots of the storage."""
         rows = self.engine.slots if rows is None else rows
         return storage.fetch(self.keys, rows), storage.fetch(self.values, rows)
 
-    def _host_keys(self) -> np.ndarray:
-        """The stored keys on the host, (rows, stored rows, head_dim), in slot order."""
-        return self.rows_of(storage.host(self.keys, self.config), 0)
-
-    def _host_values(self) -> np.ndarray | None:
-        """The stored values on the host (rows, stored rows, Dv) with ``morphkv_value``."""
-        if not self.config.morphkv_value:
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
+                  **kwargs):
+        """Mask for N new queries against [stored + N new] keys, as mlx_lm expects (the
+        hook's ``attend`` masks each piece itself)."""
+        if window_size is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not support sliding-window attention layers; "
+                "keep mlx_lm's RotatingKVCache for those layers")
+        if N == 1:
             return None
-        return self.rows_of(storage.host(self.values, self.config), 0)
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        """Mask for N new queries against [stored + N new] keys, as mlx_lm expects."""
-        if return_array and N > 1 and window_size is None:  # one sequence: (N, kept + N)
-            return create_causal_mask(N, offset=self.tokens_kept)
-        return Feed.make_mask(self, N, return_array, window_size)
+        return create_causal_mask(N, offset=self.tokens_kept) if return_array else "causal"
 
     # ---- accounting (per sequence, per KV head) ------------------------------------------
     @property
@@ -246,28 +228,12 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
     @classmethod
     def merge(cls, caches: list):
         """mlx_lm's batch protocol (``batch_generate``, ``BatchGenerator``, the server): one
-        batched cache over single-sequence caches. Rows on the MLX engine with real queries
-        batch there (``morphkv.core.device_batch``); any other batch runs the host engine
-        (``morphkv.core.batch``), caches on the MLX path handed over as host copies."""
+        batched cache over single-sequence caches. Rows with real queries batch over one
+        storage (``morphkv.core.device_batch``); any other batch (keys as proxies, ``full``)
+        keeps its rows as they are (``morphkv.core.batch``)."""
         if DeviceBatchCache.accepts(caches):
             return DeviceBatchCache.merge(caches, row_class=cls)
-        return BatchMorphKVCache.merge(
-            [c.on_host() if isinstance(c, cls) else c for c in caches], row_class=cls)
-
-    def on_host(self) -> MorphKVCache:
-        """This cache on the host engine: itself when it runs there, else a copy (the same
-        kept tokens and selection state; reads the device once)."""
-        if not self._device:
-            return self
-        self._flush()
-        new = copy.copy(self)
-        config = dataclasses.replace(self.config, engine="host")
-        if self.engine is None:
-            new.adopt(None, None, None, config)
-            return new
-        self.engine.fill_norms(self._float_values)
-        new.adopt(device_saved.to_host(self.engine, config), *self._fetch(), config)
-        return new
+        return BatchMorphKVCache.merge(caches, row_class=cls)
 
 
 # load_prompt_cache looks cache classes up in mlx_lm.models.cache by name.

@@ -9,7 +9,7 @@ from .rules import METHODS, Rule, make_rule
 from .rules.attention import FUSIONS
 
 SCORINGS = ("auto", "attention", "proxy")
-ENGINES = ("auto", "mlx", "host")
+ENGINES = ("auto", "mlx")
 PIN_POLICIES = ("none", "prompt")
 PIN_RANKS = ("rule", "keydiff", "keydiff-span")  # how pinned tokens rank among themselves
 
@@ -60,8 +60,8 @@ class KVCacheConfig:
         morphkv_recent_share: the recency floor as a share of the budget, in [0, 1):
             ``recent = max(window, int(share x budget))``; for a budget resolved from
             ``kv_memory``. Exclusive with ``morphkv_recent``.
-        engine: where statistics and selection run: ``"mlx"`` (on the device, every evicting
-            rule), ``"host"`` (NumPy, being removed: issue 43), ``"auto"`` (``default_engine``).
+        engine: where statistics and selection run: ``"mlx"`` (the one engine, on the device)
+            or ``"auto"`` (the same). ``"host"`` (the float64 engine removed in issue 43) raises.
         pin: what the cache pins by itself (``morphkv.core.pins``: evicted last).
             ``"prompt"``: the tokens of every multi-token update (a prefill: a prompt, a chat
             turn's new tokens, a server request's uncached tokens) and the two one-token
@@ -110,10 +110,8 @@ class KVCacheConfig:
 
     @property
     def default_engine(self) -> str:
-        """What ``engine="auto"`` selects: ``"mlx"`` for every rule that evicts (real queries
-        or keys as proxies, every block; issue 43: one engine), ``"host"`` only for ``full``,
-        which keeps every token and has no MLX path yet."""
-        return "mlx" if self.rule.evicts else "host"
+        """What ``engine="auto"`` selects: ``"mlx"``, the one engine (issue 43)."""
+        return "mlx"
 
     @property
     def scheduled(self) -> bool:
@@ -172,7 +170,7 @@ class KVCacheConfig:
             raise ValueError(f"morphkv_value must be True or False, got {self.morphkv_value!r}")
         if self.morphkv_fusion not in FUSIONS:  # checked for every rule, as before rules owned it
             raise ValueError(f"morphkv_fusion={self.morphkv_fusion!r} is unknown; valid: {FUSIONS}")
-        rule = make_rule(self)  # the method, and the knobs of its rule (fusion, peak, pool, ...)
+        make_rule(self)  # the method, and the knobs of its rule (fusion, peak, pool, ...)
         if self.morphkv_recent is not None:
             if not isinstance(self.morphkv_recent, int) or isinstance(self.morphkv_recent, bool):
                 raise ValueError(
@@ -205,6 +203,9 @@ class KVCacheConfig:
             raise ValueError(f"morphkv_budget must {least}, got {self.morphkv_budget}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring={self.scoring!r} is unknown; valid: {SCORINGS}")
+        if self.engine == "host":
+            raise ValueError("engine='host' is gone: the float64 host engine was removed "
+                             "(issue 43); every rule runs on the MLX engine (engine='auto')")
         if self.engine not in ENGINES:
             raise ValueError(f"engine={self.engine!r} is unknown; valid: {ENGINES}")
         if self.pin not in PIN_POLICIES:
@@ -216,9 +217,6 @@ class KVCacheConfig:
             raise ValueError(f"pin_replies must be an integer >= 0, got {self.pin_replies!r}")
         if not isinstance(self.pin_fit, bool):
             raise ValueError(f"pin_fit must be True or False, got {self.pin_fit!r}")
-        if self.engine == "mlx" and not rule.evicts:
-            raise ValueError(f"engine='mlx' runs evictions on the device: method={self.method!r} "
-                             "evicts nothing (use engine='auto' or 'host')")
         self._validate_storage()
         return self
 

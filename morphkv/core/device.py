@@ -1,18 +1,18 @@
 """The selection engine on the device: every statistic, pick and move an MLX op, no host sync.
 
-It keeps what the host engine (``morphkv.core.engine``) keeps, as MLX arrays of fixed width
-``budget + 1`` per (batch row, KV head): each slot's position, running score (h2o: a sum,
-peak: a running max), value norm, and for real-query window rules a ring of the last
-``window`` tokens' attention rows (float16, as the host engine rounds them). Rows come from
-the attention the layer computes anyway (``morphkv.core.attention``): a piece of tokens is
-observed once its attention is known (``observe``). Tokens are fed in pieces that end at the
-eviction grid (positions ``budget``, ``budget + block``, ...), so a piece never needs more
-than ``budget + 1`` stored rows and every query sees what token-by-token feeding would store.
+It keeps, as MLX arrays of fixed width ``budget + 1`` per (batch row, KV head) (``full``:
+growing, ``reserve``): each slot's position, running score (h2o: a sum, peak: a running max),
+value norm, and for real-query window rules a ring of the last ``window`` tokens' attention
+rows (float16, as ``tests/reference.py`` rounds them). Rows come from the attention the layer
+computes anyway (``morphkv.core.attention``): a piece of tokens is observed once its attention
+is known (``observe``). Tokens are fed in pieces that end at the eviction grid (positions
+``budget``, ``budget + block``, ...), so a piece never needs more than ``budget + 1`` stored
+rows and every query sees what token-by-token feeding would store.
 
 At a grid point the rule scores the slots (rules read ``xp = mlx.core``), the ``block`` lowest
 unprotected scores go (``select``: one argpartition over (float32 score bits, position) keys,
 so exact ties go to the oldest), and at most ``block`` rows move down (``moves``), all lazily.
-Scores are float32 of float16 rows where the host's are float64 of the same float16 rows: two
+Scores are float32 of float16 rows where the reference's are float64 of the same rows: two
 candidates whose scores are within ``RTOL`` (relative) may be ranked the other way.
 """
 
@@ -24,15 +24,26 @@ import mlx.core as mx
 import numpy as np
 
 from . import device_proxy
-from .blocks import running_kind
-from .engine import next_eviction
 from .rules import make_rule, pin_scorer
+from .storage import capacity
 from .unpinned import Unpinned, follows
 
 RTOL = 2.0**-9  # two float16 ulps: rows rounded from float32 instead of float64 (+ value norms)
 TOP_BITS = mx.array(0xFFFFFFFF, mx.uint32)  # above every float32's bits (NaN included)
 PIN_BIT = mx.array(0x80000000, mx.uint32)  # a pinned slot: above every score >= 0
 SHIFT = mx.array(32, mx.uint64)
+
+
+def next_eviction(config, t: int) -> int:
+    """The first eviction point (budget, budget + block, ...) at or after position t."""
+    budget, block = config.budget, config.block
+    return budget + (t > budget) * -(-(t - budget) // block) * block
+
+
+def running_kind(rule) -> tuple[str | None, float]:
+    """('sum' | 'peak' | None, decay) of the running score a rule keeps per slot (what the
+    rule declares: ``Rule.running``, ``Rule.decay``)."""
+    return rule.running, (rule.decay if rule.running == "peak" else 1.0)
 
 
 def norms16(values) -> mx.array:
@@ -70,7 +81,7 @@ def _lowest(block: int, weighted: bool, pinned: bool):
 
 def moves(victims, n: int, block: int):
     """Row moves (src, dst), each (R, block), filling the victims' rows below the line
-    ``n - block`` with the live rows above it (as ``kernels.moves``)."""
+    ``n - block`` with the live rows above it."""
     if block == 1:
         return mx.full(victims.shape, n - 1, mx.uint32), victims
     above = mx.arange(n - block, n).astype(victims.dtype)
@@ -125,7 +136,8 @@ class DeviceEngine:
         self.unpinned = Unpinned() if follows(self.rule) else None
         self._keys = None  # float stored keys (R, n, D) while a proxy window is scored
         self.stored_keys = None  # () -> the float stored keys (R, >= slots, D); set by the cache
-        R, cap = self.rows, config.budget + 1
+        R = self.rows
+        cap = config.budget + 1 if self.rule.evicts else 0  # ``full`` grows (``reserve``)
         self.capacity = cap
         self.positions = mx.zeros((R, cap), mx.int32)
         exact16 = self.running == "peak" and self.decay == 1.0 and self.real
@@ -179,13 +191,31 @@ class DeviceEngine:
         held = sum(int(a.nbytes) for a in arrays if a is not None)
         return held + (self.proxy.nbytes if self.proxy else 0)
 
-    def bound_nbytes(self, query_bytes: int | None = None) -> int:
-        """Fixed-size arrays: the most ever held (the proxy step's state included)."""
+    def bound_nbytes(self) -> int | None:
+        """Fixed-size arrays: the most ever held (the proxy step's state included); None
+        for ``full`` (it grows)."""
+        if not self.rule.evicts:
+            return None
         return self.nbytes + (0 if self.proxy else device_proxy.bound_nbytes(self))
 
     def piece(self, remaining: int) -> int:
         """Tokens of the next piece: up to and including the next eviction point."""
+        if not self.rule.evicts:
+            return remaining
         return min(remaining, next_eviction(self.config, self.seen) - self.seen + 1)
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` slots (``full`` only: an evicting rule never holds more than
+        ``budget + 1``): the arrays grow by ``storage.capacity``'s rule."""
+        if n <= self.capacity:
+            return
+        cap = capacity(n, self.config, False)
+        for name in self.ARRAYS:
+            a = getattr(self, name)
+            if a is not None:
+                pad = mx.zeros((*a.shape[:-1], cap - a.shape[-1]), a.dtype)
+                setattr(self, name, mx.concatenate([a, pad], axis=-1))
+        self.capacity = cap
 
     # ---- feeding -------------------------------------------------------------------------
     def fill_norms(self, values) -> None:
@@ -203,10 +233,11 @@ class DeviceEngine:
         float32 their attention rows over the n = slots + k stored rows (when
         ``needs_rows``). Their value norms wait for ``fill_norms``."""
         n0, n, t0 = self.slots, self.slots + k, self.seen
+        self.reserve(n)
         self.proxy = None  # another path changes the storage: rebuilt when next needed
         self.positions[:, n0:n] = t0 if k == 1 else mx.arange(t0, t0 + k, dtype=mx.int32)
         if self.real and rows is not None:
-            rows = rows.astype(mx.float16)  # the host engine's rounding
+            rows = rows.astype(mx.float16)  # the reference's rounding
             if self.running == "sum":
                 rows = rows.astype(mx.float32)  # (float16 rows summed in float32)
         if self.ring is not None:

@@ -29,15 +29,15 @@ import numpy as np
 
 from . import device_chunk, device_rows, device_schedule, quant, storage
 from .attention import attend
-from .batch import BatchMorphKVCache
+from .batch import BatchProtocol
 from .device import DeviceEngine, move
 from .masks import decode_mask
 from .pins import Pins
 
-ROW_LISTS = ("engines", "seen", "stored", "waiting", "lead", "pin_next", "row_pins")
+ROW_LISTS = ("engines", "seen", "stored", "lead", "pin_next", "row_pins")
 
 
-class DeviceBatchCache(BatchMorphKVCache):
+class DeviceBatchCache(BatchProtocol):
     """A batch of MorphKV rows on the MLX engine (see the module docstring)."""
 
     def __init__(self, config, rows: int, row_class: type):
@@ -52,8 +52,7 @@ class DeviceBatchCache(BatchMorphKVCache):
     def accepts(cls, caches) -> bool:
         """Can these single-sequence caches batch on the MLX engine?"""
         return bool(caches) and all(
-            getattr(c, "_device", False) and c.config.scoring == "attention" and c.evicts
-            for c in caches)
+            c.config.scoring == "attention" and c.evicts for c in caches)
 
     # ---- building -------------------------------------------------------------------------
     @classmethod
@@ -125,8 +124,7 @@ class DeviceBatchCache(BatchMorphKVCache):
     def filter(self, batch_indices) -> None:
         """Keep only the given rows, in that order."""
         self._no_held("filter")
-        keep = [int(i) for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist")
-                                 else batch_indices)]
+        keep = self.kept_rows(batch_indices)
         for name in ROW_LISTS:
             setattr(self, name, [getattr(self, name)[i] for i in keep])
         if self._remaining is not None:
@@ -144,10 +142,7 @@ class DeviceBatchCache(BatchMorphKVCache):
         self._no_held("extend")
         other._no_held("extend")
         B0 = self.B
-        if other._remaining is not None or self._remaining is not None:
-            mine = self._remaining if self._remaining is not None else [0] * B0
-            theirs = other._remaining if other._remaining is not None else [0] * other.B
-            self._remaining = mine + theirs
+        self._extend_remaining(other)
         H = self._H or other._H
         arrays = device_rows.concat(self._arrays, other._arrays, B0 * (H or 0),
                                     other.B * (H or 0))
@@ -179,16 +174,13 @@ class DeviceBatchCache(BatchMorphKVCache):
                 return sk, sv
             n = max(self.stored)
             return storage.fetch(self.keys, n), storage.fetch(self.values, n)
-        starts, counts = self.spans(C)
+        starts, counts = self.advance(C)
         if self.keys is None:
             self.keys = storage.zeros(sk, self.B, self.capacity)
             self.values = storage.zeros(sv, self.B, self.capacity)
         for i in np.nonzero(counts)[0]:
             if self.engines[i] is None:
                 self.engines[i] = self._new_engine(int(i), keys.shape[1], keys.shape[3])
-        self.lead = np.subtract(self.lead, starts).tolist()
-        if self._remaining is not None:
-            self._remaining = np.subtract(self._remaining, counts).tolist()
         self.seen = np.add(self.seen, counts).tolist()
         if C == 1 and (counts == 1).all():  # a plain decode step
             due = [i for i, e in enumerate(self.engines) if e.due]
@@ -334,4 +326,16 @@ class DeviceBatchCache(BatchMorphKVCache):
     def __deepcopy__(self, memo):
         if self._held is not None:
             raise RuntimeError("deepcopy: an update is still waiting for its queries")
-        return BatchMorphKVCache.__deepcopy__(self, memo)
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        pins = [p.copy() for p in self.row_pins]
+        for name, value in vars(self).items():
+            if name == "engines":
+                value = [None if e is None else self.copy_engine(e, p)
+                         for e, p in zip(value, pins, strict=True)]
+            elif name == "row_pins":
+                value = pins
+            elif name != "row_class":
+                value = copy.deepcopy(value, memo)
+            setattr(new, name, value)
+        return new

@@ -27,10 +27,6 @@ class DevicePath:
 
     _held = None  # (keys, values as stored, keys and values as given, written rows)
 
-    @property
-    def _device(self) -> bool:
-        return self.config.engine == "mlx"
-
     def _device_update(self, keys: mx.array, values: mx.array):
         B, H, C, D = keys.shape
         stored_keys = storage.store_form(keys, self.config)
@@ -87,9 +83,13 @@ class DevicePath:
 
     def _write(self, keys, values, start: int) -> None:
         end = start + quant.dims(keys)[2]
-        if self.keys is None:  # the most a piece needs
+        self.engine.reserve(end)  # ``full`` grows; else the most a piece needs is there
+        if self.keys is None:
             self.keys = storage.zeros(keys, quant.dims(keys)[0], self.engine.capacity)
             self.values = storage.zeros(values, quant.dims(values)[0], self.engine.capacity)
+        elif quant.dims(self.keys)[2] < self.engine.capacity:
+            self.keys = storage.grow(self.keys, self.engine.capacity)
+            self.values = storage.grow(self.values, self.engine.capacity)
         quant.assign(self.keys, start, end, keys)
         quant.assign(self.values, start, end, values)
 
@@ -124,10 +124,7 @@ class DevicePath:
 
     def attend(self, queries, scale: float, mask=None, sinks=None):
         """The attention output of the held update for ``queries`` (B, n_heads, C, D), the
-        update fed to the engine on the way; None on the host path (the hook then attends
-        with mlx_lm's function)."""
-        if not self._device:
-            return None
+        update fed to the engine on the way."""
         held, self._held = self._held, None
         if held is None:
             raise RuntimeError("MorphKVCache.attend: no update is waiting for its queries")

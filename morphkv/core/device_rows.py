@@ -82,7 +82,7 @@ def observe(arrays: dict, engines: list, rows, H: int) -> None:
     arrays["positions"] = mx.put_along_axis(arrays["positions"], mx.array(slots),
                                             mx.array(seen), axis=1)
     if e0.real and e0.needs_rows:
-        rows = rows.astype(mx.float16)  # the host engine's rounding
+        rows = rows.astype(mx.float16)  # the reference's rounding
         if e0.running == "sum":
             rows = rows.astype(mx.float32)
     if "ring" in arrays:

@@ -1,5 +1,5 @@
-"""The MLX engine's state (``morphkv.core.device``) out and in: saved and loaded (checked on
-load), and handed to the host engine (``to_host``: the batch cache runs there).
+"""The engine's state (``morphkv.core.device``) out and in: saved and loaded (checked on
+load).
 
 ``state`` must not read the device (mlx_lm evaluates every cache's ``state`` after each prefill
 chunk): the engine's arrays travel as they are, MLX arrays, behind a spec string
@@ -13,7 +13,6 @@ import mlx.core as mx
 import numpy as np
 
 from .device import DeviceEngine
-from .engine import Engine
 
 PREFIX = "device:"
 NAMES = ("positions", "accumulated", "value_norms", "ring")
@@ -40,6 +39,9 @@ def _need(ok: bool, what: str) -> None:
 def restore(config, B: int, H: int, head_dim: int, stored_rows: int, spec: str, data: list):
     """A ``DeviceEngine`` from ``snapshot`` output, after checking it."""
     engine = DeviceEngine(config, B, H, head_dim, config.scoring == "attention")
+    evicts = engine.rule.evicts
+    if not evicts:  # ``full``: its arrays are as wide as its storage
+        engine.reserve(stored_rows)
     entries = spec[len(PREFIX) :].split(";") if spec[len(PREFIX) :] else []
     _need(len(entries) == len(data), f"{len(entries)} arrays named but {len(data)} stored")
     saved = {}
@@ -60,9 +62,11 @@ def restore(config, B: int, H: int, head_dim: int, stored_rows: int, spec: str, 
     seen, slots, due = (int(x) for x in counters)
     scale = float(np.array(saved["scale"])[0])
     _need(np.isfinite(scale) and scale > 0, "scale")
-    _need(due in (0, 1) and 0 <= slots <= min(seen, config.budget + 1, stored_rows),
-          f"slots={slots} after {seen} tokens")
-    _need(bool(due) == (slots > config.budget), f"{slots} slots for budget {config.budget}")
+    most = min(seen, config.budget + 1, stored_rows) if evicts else stored_rows
+    _need(due in (0, 1) and 0 <= slots <= most, f"slots={slots} after {seen} tokens")
+    _need(bool(due) == (evicts and slots > config.budget),
+          f"{slots} slots for budget {config.budget}")
+    _need(evicts or slots == seen, f"{slots} slots after {seen} tokens without eviction")
     kept = np.array(saved["positions"])[:, :slots].astype(np.int64)
     _need(bool(((kept >= 0) & (kept < seen)).all()), "positions out of range")
     ordered = np.sort(kept, axis=1)
@@ -79,30 +83,3 @@ def restore(config, B: int, H: int, head_dim: int, stored_rows: int, spec: str, 
         if name in saved:
             setattr(engine, name, saved[name])
     return engine
-
-
-def to_host(engine: DeviceEngine, config) -> Engine:
-    """The host engine (``config``: engine="host") holding the same state (reads the device;
-    for the batch cache, which runs on the host). A real-query window rule keeps its ring of
-    rows on the host too (the host engine reads a ring whenever it has one)."""
-    if engine.due:
-        raise ValueError("to_host: an eviction is still due (read the cache first)")
-    host = Engine(config, engine.rows, engine.head_dim, engine.real)
-    cap = engine.capacity
-    host.reserve(cap)
-    host.positions = np.array(engine.positions)
-    if engine.accumulated is not None:
-        host.accumulated = np.array(engine.accumulated).astype(host.accumulated.dtype)
-    if engine.value_norms is not None:
-        host.value_norms = np.array(engine.value_norms)
-    if engine.ring is not None:
-        ring = np.array(engine.ring)
-        host.ring = np.zeros((engine.rows, config.window, cap), np.float16)
-        if engine.newest_only:
-            host.ring[:, (engine.seen - 1) % config.window] = ring[:, 0]
-        else:
-            host.ring[:] = ring
-    host.seen = engine.seen
-    host.slots = host.norms_from = engine.slots
-    host.scale = engine.scale
-    return host

@@ -90,8 +90,6 @@ def _probe(config: KVCacheConfig, shape: LayerShape) -> int:
         keys = mx.zeros((1, shape.kv_heads, tokens, shape.key_dim), shape.dtype)
         values = mx.zeros((1, shape.kv_heads, tokens, shape.value_dim), shape.dtype)
         cache.update_and_fetch(keys, values)
-        # float32 queries: the engine's host kernels take float16 queries from a real model
-        # but not from this probe's first settle (reported to the engine's owner)
         queries = mx.zeros((1, shape.query_heads, tokens, shape.key_dim), mx.float32)
         cache.prepare_attention(queries, shape.key_dim**-0.5, None)
         bound = cache.nbytes_bound

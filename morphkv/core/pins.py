@@ -8,16 +8,13 @@ lowest-scored unprotected slots that are NOT pinned, and only when fewer than ``
 remain in a row do pinned slots go, the lowest-scored first. Sinks and the recent window stay
 protected either way. No pins: the selection is unchanged (and costs nothing more).
 
-Both engines rank the same way: the host engine (NumPy) picks among unpinned candidates, and in a
-row with too few of them picks the rest among the pinned; the MLX engine sets one more key bit
-(pinned after every unpinned score, before every protected slot).
+The engine sets one more key bit (pinned after every unpinned score, before every protected
+slot); ``tests/reference.py`` states the same ranking in NumPy.
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from .kernels import select
 
 MAX_POSITION = 1 << 40  # positions are int64; this bound only catches nonsense
 PRUNE_AT = 32  # ranges held before the ones no longer held are dropped (MorphKVCache.pin)
@@ -117,26 +114,6 @@ class Pins:
         starts, ends = self._device
         p = positions.astype(mx.int64)[..., None]
         return ((p >= starts) & (p < ends)).any(axis=-1)
-
-
-def host_select(scores, norm_bits, positions, n_sink: int, last: int, block: int, pins, out,
-                ranked=None):
-    """``kernels.select`` with pinned slots last: pinned -> inf; a row left with fewer than
-    ``block`` unpinned candidates evicts all of them and its lowest pinned ones, by
-    ``ranked()`` (the pinned tokens' own scores, ``KVCacheConfig.pin_rank``; read only then)
-    or else by ``scores``."""
-    pinned = pins.host(positions)
-    free = (positions >= n_sink) & (positions <= last) & ~pinned
-    select(np.where(pinned, np.inf, scores), norm_bits, positions, n_sink, last, block, out)
-    short = np.nonzero(free.sum(axis=1) < block)[0]
-    pinned_scores = ranked() if ranked is not None and short.size else scores
-    for r in short:
-        mine = np.nonzero(free[r])[0]
-        rest = np.empty((1, block - mine.size), np.int64)
-        bits = norm_bits[r : r + 1] if norm_bits.size else norm_bits
-        select(np.where(pinned[r], pinned_scores[r], np.inf)[None], bits, positions[r : r + 1],
-               n_sink, last, block - mine.size, rest)
-        out[r] = np.concatenate([mine, rest[0]])
 
 
 def keep_bounded(pins: Pins, held, seen: int) -> bool:

@@ -1,9 +1,10 @@
-"""A chunk of per-token proxy evictions decided in one compiled host loop (keys as proxy queries).
+"""A chunk of per-token proxy evictions decided in one host loop (keys as proxy queries).
 
 For a window rule scored by keys as proxy queries (``device_proxy.fits``), the evictions a
 chunk causes token by token depend on the keys alone, so, as for recency
 (``core.device_schedule``), they can be decided before anything attends: one read of the
-stored and the chunk's keys, then ``_replay`` (numba) runs the per-token rule over the virtual
+stored and the chunk's keys, then ``_Window.replay`` (NumPy, every KV head in step) runs the
+per-token rule over the virtual
 rows [stored rows; the chunk's rows] with the window's proxy attention kept incrementally
 (``core.device_proxy``'s formulation: per token one row in, one column in; each window row's
 ``exp(l - M)`` with its running maximum ``M``, normalized afresh at every eviction). The dot
@@ -17,80 +18,117 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 
 from .device_schedule import NEVER
 
 FUSIONS = {"mean": 0, "max": 1, "newest": 2}
-BLOCK = 256  # chunk tokens per BLAS product
+BLOCK = 64  # chunk tokens per BLAS product (and per compaction of the columns)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def _replay(G, col, i0, row_vi, E, M, valid, live, n_live, pos, evicted, n0, t0, W, budget,
-            recent, n_sink, fusion):
-    """Chunk tokens [i0, i0 + len(G)) of one KV head: ``G`` (rows, cols) their logits against
-    the virtual rows that can be alive meanwhile (virtual row j is column ``col[j]``);
-    ``live[:n_live]`` the alive virtual rows by slot; ``E``/``M`` (W, slots)/(W,) the window
-    rows by slot (the token at position p in row p % W), ``row_vi`` (W,) each row's virtual
-    row. An evicted slot takes the last one. Returns the alive count after."""
-    k_all = evicted.shape[0] - n0
-    g = np.zeros(live.shape[0])
-    score = np.zeros(live.shape[0])
-    for a in range(G.shape[0]):
-        i = i0 + a
-        v = n0 + i
-        t = t0 + i
-        new = n_live
-        live[new] = v
-        n_live += 1
-        r = t % W  # the token's own row (the token leaving the window had it)
-        for w in range(W):  # the new token's column in the other window rows
-            if valid[w] and w != r:
-                lv = G[a, col[row_vi[w]]]
-                if lv > M[w]:
-                    f = math.exp(M[w] - lv)
-                    for s in range(new):
-                        E[w, s] *= f
-                    M[w] = lv
-                E[w, new] = math.exp(lv - M[w])
-        top = -np.inf
-        for s in range(n_live):
-            g[s] = G[a, col[live[s]]]
-            top = max(top, g[s])
-        for s in range(n_live):
-            E[r, s] = math.exp(g[s] - top)
-        M[r], valid[r], row_vi[r] = top, True, v
-        if n_live <= budget or i == k_all - 1:
-            continue
-        count = 0
-        score[:n_live] = 0.0
-        for w in range(W):
-            if valid[w] and (fusion != 2 or w == r):
+class _Window:
+    """The window's proxy attention of every KV head, kept incrementally (see the module
+    docstring), over the columns of one block of chunk tokens: [the virtual rows alive at the
+    block's start; the block's tokens], in position order (so the first of equal scores is
+    the oldest). ``E`` (R, W, cols) each window row's ``exp(l - M)`` by column (zero in dead
+    columns), ``M`` (R, W) its running maximum, ``valid`` (R, W) rows that hold a token,
+    ``row`` (R, W) each row's column. Every head takes its tokens in step: the alive count
+    is the same in every head (each eviction takes one token)."""
+
+    def __init__(self, R: int, W: int) -> None:
+        self.M = np.full((R, W), -np.inf)
+        self.valid = np.zeros((R, W), np.bool_)
+        self.row = np.zeros((R, W), np.int64)
+        self.E = np.zeros((R, W, 0))
+        self.filled = False  # every window row holds a token
+
+    def replay(self, G, cols, p, i0: int, k_all: int, evicted, t0: int, c,
+               fusion: int) -> np.ndarray:
+        """Chunk tokens [i0, i0 + k) of every head, the block's ``cols`` (R, n + k) virtual
+        rows (their positions ``p``, ascending) of which the first n are alive, ``G``
+        (R, k, n + k) the tokens' float32 logits against them (``k_all``: the chunk's
+        tokens; its last one leaves its eviction due); each token's eviction recorded in
+        ``evicted``. Returns the virtual rows alive after, in column order."""
+        R, k, C = G.shape
+        n = C - k
+        heads = np.arange(R)
+        G = G.astype(np.float64)
+        t = t0 + i0 + np.arange(k)
+        # the column whose position turns unprotected at each token (p = t - recent), if any
+        due = np.stack([np.searchsorted(p[r], t - c.recent) for r in range(R)]).clip(0, C - 1)
+        due_ok = (np.take_along_axis(p, due, 1) == t - c.recent) & (t - c.recent >= c.n_sink)
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            alive = np.zeros((R, C), np.bool_)
+            alive[:, :n] = True
+            E = np.zeros((R, self.M.shape[1], C))
+            E[:, :, :n] = self.E
+            # 0 where a column may go, inf where it may not (dead, a sink, recent)
+            shut = np.where(alive & (p >= c.n_sink) & (p < t[0] - c.recent), 0.0, np.inf)
+            count = n
+            for a in range(k):
+                alive[:, n + a] = True
                 count += 1
-                z = 0.0
-                for s in range(n_live):
-                    z += E[w, s]
-                for s in range(n_live):
-                    x = E[w, s] / z
-                    score[s] = max(score[s], x) if fusion == 1 else score[s] + x
-        best, best_pos, victim = np.inf, np.iinfo(np.int64).max, -1  # (score, position)
-        for s in range(n_live):
-            p = pos[live[s]]
-            if p < n_sink or p > t - recent:
-                continue
-            x = score[s] / count if fusion == 0 else score[s]
-            if not x <= np.inf:  # NaN (non-finite keys): ranks as +inf, as the step's does
-                x = np.inf
-            if x < best or (x == best and p < best_pos):
-                best, best_pos, victim = x, p, s
-        if victim >= 0:
-            last = n_live - 1
-            evicted[live[victim]] = i
-            live[victim] = live[last]
-            for w in range(W):
-                E[w, victim] = E[w, last]
-            n_live = last
-    return n_live
+                opened = due[:, a][due_ok[:, a]]
+                shut[heads[due_ok[:, a]], opened] = np.where(
+                    alive[heads[due_ok[:, a]], opened], 0.0, np.inf)
+                self._token(G[:, a], alive, E, n + a, t[a], heads)
+                if count <= c.budget or i0 + a == k_all - 1:
+                    continue
+                victim = self._victim(E, shut, p, t[a], fusion, heads)
+                evicted[heads, cols[heads, victim]] = i0 + a
+                alive[heads, victim] = False
+                E[heads, :, victim] = 0.0
+                shut[heads, victim] = np.inf
+                count -= 1
+        keep = np.argsort(~alive, axis=1, kind="stable")[:, :count]
+        self.E = np.take_along_axis(E, keep[:, None, :], 2)
+        where = np.full((R, C), -1, np.int64)
+        where[heads[:, None], keep] = np.arange(count)
+        self.row = where[heads[:, None], self.row]
+        return np.take_along_axis(cols, keep, 1)
+
+    def _token(self, Ga, alive, E, new: int, t: int, heads) -> None:
+        """The token at position t (column ``new``, ``Ga`` (R, cols) its float64 logits): its
+        column in every other window row, and its own row (the alive columns)."""
+        M, valid, W = self.M, self.valid, self.M.shape[1]
+        r = t % W  # the token's own row (the token leaving the window had it)
+        others = valid.copy()
+        others[:, r] = False
+        lv = np.where(others, Ga[heads[:, None], self.row], -np.inf)
+        grown = lv > M
+        if grown.any():
+            E *= np.exp(np.where(grown, M - lv, 0.0))[..., None]
+            M[grown] = lv[grown]
+        E[:, :, new] = np.where(others, np.exp(lv - M), 0.0)
+        g = np.where(alive, Ga, -np.inf)  # dead columns: zero in ``E``
+        M[:, r] = top = np.fmax.reduce(g, axis=1, initial=-np.inf)  # NaN is no maximum
+        own = E[:, r]
+        np.subtract(g, top[:, None], out=own)
+        np.exp(own, out=own)
+        valid[:, r], self.row[:, r] = True, new
+        self.filled = self.filled or bool(valid.all())
+
+    def _victim(self, E, shut, p, t: int, fusion: int, heads) -> np.ndarray:
+        """(R,) the column to evict: the lowest (score, position) one that may go."""
+        valid, r = self.valid, t % self.M.shape[1]
+        if fusion == 2:  # the newest row alone
+            score = E[:, r] / E[:, r].sum(axis=1, keepdims=True)
+        elif fusion == 0:  # the mean of the valid rows' softmax: one product
+            if self.filled:  # every row holds a token (all but the chunk's first tokens)
+                weight = 1.0 / E.sum(axis=2) / valid.shape[1]
+            else:
+                weight = valid / np.where(valid, E.sum(axis=2), 1.0) / valid.sum(axis=1)[:, None]
+            score = np.matmul(weight[:, None, :], E)[:, 0]
+        else:
+            P = E / np.where(valid, E.sum(axis=2), 1.0)[..., None]
+            score = np.fmax.reduce(np.where(valid[..., None], P, 0.0), axis=1, initial=0.0)
+        key = score + shut
+        victim = key.argmin(axis=1)  # columns ascend by position: ties go to the oldest
+        if math.isfinite(key[heads, victim].sum()):
+            return victim
+        free = shut == 0  # non-finite keys: NaN ranks +inf, as the step's does
+        key = np.where(free, np.where(np.isnan(score), np.inf, score), np.nan)
+        best = np.nanmin(key, axis=1, keepdims=True)
+        return np.where(key == best, p, np.iinfo(np.int64).max).argmin(axis=1)
 
 
 def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.ndarray, int]:
@@ -107,32 +145,28 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
                           np.broadcast_to(np.arange(t0, t0 + k, dtype=np.int64), (R, k))], 1)
     evicted = np.full((R, N), NEVER, np.int32)
     alive = np.zeros((R, N), np.bool_)
-    m = np.zeros(R, np.int64)
+    win = _Window(R, W)
+    live = np.argsort(pos0, axis=1)  # the stored rows in position order
+    if n0:
+        win.E = np.zeros((R, W, n0))
     for r in range(R):
-        E, M = np.zeros((W, max(N, c.budget + 2))), np.full(W, -np.inf)
-        valid, row_vi = np.zeros(W, np.bool_), np.zeros(W, np.int64)
-        live = np.zeros(max(N, c.budget + 2), np.int64)
-        live[:n0] = np.arange(n0)
-        n_live = n0
-        order = np.argsort(pos0[r])[-W:]  # the stored window tokens: their rows now
         if n0:
-            L0 = (Ks[r, order] @ K[r, :n0].T).astype(np.float64)  # (w, n0)
-            for idx, j in enumerate(order):
-                w = int(pos0[r, j]) % W
-                M[w] = L0[idx].max()
-                E[w, :n0] = np.exp(L0[idx] - M[w])
-                valid[w], row_vi[w] = True, j
-        col = np.zeros(N, np.int64)
-        for i0 in range(0, k, BLOCK):
-            i1 = min(k, i0 + BLOCK)
-            cols = np.concatenate([live[:n_live], np.arange(n0 + i0, n0 + i1)])
-            col[cols] = np.arange(len(cols))
-            G = Ks[r, n0 + i0 : n0 + i1] @ K[r, cols].T
-            n_live = _replay(G, col, i0, row_vi, E, M, valid, live, n_live, pos[r], evicted[r],
-                             n0, t0, W, c.budget, c.recent, c.n_sink, fusion)
-        alive[r, live[:n_live]] = True
-        m[r] = n_live
-    slots = int(m[0])
+            Kr = K[r, live[r]]
+            L0 = (Ks[r, live[r, -W:]] @ Kr.T).astype(np.float64)  # the newest W: (w, n0)
+            for idx, j in enumerate(range(max(n0 - W, 0), n0)):
+                w = int(pos0[r, live[r, j]]) % W
+                win.M[r, w] = L0[idx].max()
+                win.E[r, w] = np.exp(L0[idx] - win.M[r, w])
+                win.valid[r, w], win.row[r, w] = True, j
+    heads = np.arange(R)[:, None]
+    for i0 in range(0, k, BLOCK):
+        i1 = min(k, i0 + BLOCK)
+        cols = np.concatenate([live, np.broadcast_to(np.arange(n0 + i0, n0 + i1),
+                                                     (R, i1 - i0))], 1)
+        G = Ks[:, n0 + i0 : n0 + i1] @ np.take_along_axis(K, cols[..., None], 1).transpose(0, 2, 1)
+        live = win.replay(G, cols, pos[heads, cols], i0, k, evicted, t0, c, fusion)
+    alive[heads, live] = True
+    slots = live.shape[1]
     engine.due = slots > c.budget
     kept = np.argsort(~alive, axis=1, kind="stable")[:, :slots]
     return evicted, kept, slots

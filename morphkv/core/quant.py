@@ -14,7 +14,6 @@ import dataclasses
 from collections.abc import Callable
 
 import mlx.core as mx
-import numpy as np
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -31,23 +30,6 @@ def dequantize(x: Storage, group_size: int, bits: int) -> mx.array:
     if not isinstance(x, tuple):
         return x
     return mx.dequantize(*x, group_size=group_size, bits=bits)
-
-
-def host_dequantize(x: Storage, group_size: int, bits: int) -> np.ndarray:
-    """``dequantize`` on the host (NumPy float32, equal to ``mx.dequantize``'s float32 result):
-    cheaper than an MLX evaluation for the selection engine's small reads. Elements are packed
-    little-endian from the low bits, so the packed words read as bytes (8 bits) or nibbles."""
-    packed, scales, biases = (np.asarray(_host_float(p)) for p in x)
-    codes = packed.view(np.uint8)
-    if bits == 4:
-        codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
-    groups = codes.astype(np.float32).reshape(*codes.shape[:-1], -1, group_size)
-    out = groups * scales[..., None].astype(np.float32) + biases[..., None].astype(np.float32)
-    return out.reshape(*codes.shape)
-
-
-def _host_float(p: mx.array) -> mx.array:
-    return p.astype(mx.float32) if p.dtype == mx.bfloat16 else p
 
 
 def apply(fn: Callable, *xs: Storage) -> Storage:
@@ -170,8 +152,7 @@ class QuantizedAttributes(QuantizedBits):
         engine = copy.deepcopy(self.engine, {id(self): new})
         keys = values = None
         if self.keys is not None:
-            # the MLX path writes in place into storage of the engine's capacity: keep it all
-            whole = (self.keys, self.values) if self._device else self._fetch()
-            keys, values = (quantize(x, group_size, bits) for x in whole)
+            # pieces are written in place into storage of the engine's capacity: keep it all
+            keys, values = (quantize(x, group_size, bits) for x in (self.keys, self.values))
         new.adopt(engine, keys, values, config)
         return new

@@ -4,9 +4,8 @@ Plain arrays in the arriving dtype, or mlx_lm's quantized triplets (``morphkv.co
 Each batch row's live tokens are its first ``stored`` slots (left-aligned, in its engine's slot
 order); what lies past them is free (stale or zero) and hidden. Every operation here is a
 constant number of MLX operations whatever the number of rows: a decode step writes every row's
-new token with one slice write (one scatter when rows differ in length), an eviction moves the
-evicting rows' slots with one take and one put, a prefill chunk's compaction is one gather.
-The single-sequence cache and the batch cache share all of it, and the one input check.
+new token with one slice write (one scatter when rows differ in length). The single-sequence
+cache and the batch caches share all of it, and the one input check.
 """
 
 from __future__ import annotations
@@ -17,15 +16,6 @@ import numpy as np
 from . import quant
 
 STEP = 256  # storage grows in steps of this many slots (an evicting cache: to budget + 1)
-
-
-def to_numpy(x) -> np.ndarray | None:
-    """A host float array (float16/float32 exactly; others via float32); None and NumPy as is."""
-    if x is None or isinstance(x, np.ndarray):
-        return x
-    if x.dtype not in (mx.float16, mx.float32):
-        x = x.astype(mx.float32)
-    return np.asarray(x)
 
 
 def check(keys, values, stored_keys, stored_values, config, rows: int | None) -> None:
@@ -90,13 +80,6 @@ def store_form(x: mx.array, config) -> quant.Storage:
     return quant.quantize(x, config.kv_group_size, config.kv_bits)
 
 
-def host(x: quant.Storage, config) -> np.ndarray:
-    """Stored keys or values as a host float array (B, H, slots, D), dequantized if quantized."""
-    if config.kv_bits is None:
-        return to_numpy(x)
-    return quant.host_dequantize(x, config.kv_group_size, config.kv_bits)
-
-
 def floats(x: quant.Storage, config) -> mx.array:
     """Stored keys or values as a float MLX array (dequantized when quantized)."""
     return quant.dequantize(x, config.kv_group_size, config.kv_bits)
@@ -138,26 +121,6 @@ def write(x: quant.Storage, slots: np.ndarray, new: quant.Storage) -> quant.Stor
     return quant.apply(put, x, new)
 
 
-def move(x: quant.Storage, src, dst: np.ndarray, token=None) -> quant.Storage:
-    """Slot ``dst[b, h, k]`` takes slot ``src[b, h, k]`` (every row at once; a row with nothing
-    to move carries src == dst). ``token``: the newest token of every row as stored, when it is
-    what every source slot holds (block 1: the top row moves into the hole), put directly."""
-    B, H, _ = quant.dims(x)
-    d = mx.array(dst.astype(np.int32).reshape(B, H, -1, 1))
-    if token is not None:
-        return quant.apply(lambda p, t: mx.put_along_axis(p, d, t, axis=2), x, token)
-    s = mx.array(src.astype(np.int32).reshape(B, H, -1, 1))
-    return quant.apply(lambda p: mx.put_along_axis(p, d, mx.take_along_axis(p, s, axis=2), axis=2),
-                       x)
-
-
-def gather(x: quant.Storage, index: np.ndarray) -> quant.Storage:
-    """New storage whose slot j of row b, head h is the old slot ``index[b, h, j]``."""
-    B, H, _ = quant.dims(x)
-    ix = mx.array(index.astype(np.int32).reshape(B, H, -1, 1))
-    return quant.apply(lambda p: mx.take_along_axis(p, ix, axis=2), x)
-
-
 def fetch(x: quant.Storage, n: int, start: int = 0) -> quant.Storage:
     """Slots [start, n) of every row (the first ``n``: what attention reads)."""
     if isinstance(x, tuple):
@@ -169,13 +132,6 @@ def put_row(x: quant.Storage, i: int, row: quant.Storage, n: int) -> None:
     """Row i's first ``n`` slots from a one-row storage ``row`` (1, H, >= n, .)."""
     for part, value in zip(quant.parts(x), quant.parts(row), strict=True):
         part[i : i + 1, :, :n] = value[:, :, :n]
-
-
-def write_span(x: quant.Storage, i: int, at: int, new: quant.Storage, span) -> None:
-    """Row i's slots [at, at + count) = columns [start, start + count) of ``new``'s row i."""
-    start, count = span
-    for part, value in zip(quant.parts(x), quant.parts(new), strict=True):
-        part[i : i + 1, :, at : at + count] = value[i : i + 1, :, start : start + count]
 
 
 def take_rows(x: quant.Storage, rows: list[int]) -> quant.Storage:

@@ -60,9 +60,8 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                     "stored keys stand in for queries; auto: attention where the model is "
                     "supported (default: auto)."),
     "engine": dict(choices=list(ENGINES), help="Where the rule's statistics and selection run: "
-                   "mlx (from the layer's own attention, no host sync), host (the float64 NumPy "
-                   "reference, being removed), auto: mlx for every rule that evicts, host for "
-                   "--method full (default: auto)."),
+                   "mlx, the one engine (from the layer's own attention, no host sync); auto: "
+                   "the same (default: auto)."),
     "pin": dict(choices=list(PIN_POLICIES), help="What the cache pins (evicts last): prompt: "
                 "every prefilled token (prompts, chat turns, server requests), not the model's "
                 "own generated tokens; none: nothing (default: the preset's: prompt for "

@@ -88,23 +88,14 @@ def startup_line(served, config, bound: int | None, per_token=None) -> str:
 
 
 def engine_and_pins(config) -> str:
-    """Where selection runs in the server (``--engine``; every request runs in a batch, and a
-    batch runs the engine its rows run: ``MorphKVCache.merge``), and what its caches pin."""
-    single = config.engine if config.engine != "auto" else config.default_engine
-    batched = batch_engine(config)
-    engine = f"engine {single} (" + ("batches too" if batched == single
-                                     else f"batches: {batched}") + ")"
+    """Where selection runs in the server (every request runs in a batch:
+    ``MorphKVCache.merge``), and what its caches pin."""
+    one = config.scoring == "attention" and config.rule.evicts  # ``DeviceBatchCache.accepts``
+    engine = "engine mlx (batches too" + (")" if one else ", row by row)")
     pins = ("pinned: every prompt's tokens (system prompt and user turns as they arrive, with "
             "their template tokens; generated tokens are not)" if config.pin == "prompt"
             else "pinned: nothing (--pin prompt pins every prompt's tokens)")
     return f"{engine}; {pins}"
-
-
-def batch_engine(config) -> str:
-    """The engine a batch of rows of ``config`` runs (``DeviceBatchCache.accepts``)."""
-    engine = config.engine if config.engine != "auto" else config.default_engine
-    mlx = engine == "mlx" and config.scoring == "attention" and config.rule.evicts
-    return "mlx" if mlx else "host"
 
 
 def worst_case(args, bound: int | None, per_token: int | None) -> tuple[int | None, str]:

@@ -28,38 +28,9 @@ from .guard import Limits
 from .handler import Lifecycle, Server, handler_for
 
 
-def own_memory(cache) -> None:
-    """Give a cache kept for reuse its own host arrays: a batch row's engine can hold views
-    into arrays shared by every row of its batch (the queries ``catch_up`` gathered for all
-    rows at once), which would keep the whole batch's arrays alive while ``nbytes`` counts
-    only the row's share. Views are copied; nothing else changes."""
-    import numpy as np
-
-    def own(v):
-        if isinstance(v, np.ndarray) and v.base is not None and v.nbytes < _base_nbytes(v):
-            return v.copy()
-        if isinstance(v, list):
-            return [own(x) for x in v]
-        return v
-
-    engine = getattr(cache, "engine", None)
-    if engine is None or not hasattr(engine, "__dict__"):
-        return
-    for name, value in vars(engine).items():
-        if isinstance(value, (list, np.ndarray)):
-            setattr(engine, name, own(value))
-
-
-def _base_nbytes(v) -> int:
-    while getattr(v, "base", None) is not None and hasattr(v.base, "nbytes"):
-        v = v.base
-    return v.nbytes
-
-
 def bounded_prompt_cache(max_size: int, max_bytes: int | None):
     """mlx_lm's LRUPromptCache whose byte count never exceeds ``max_bytes``, not even while a
-    cache is added: room is made first, and a cache larger than the whole limit is not kept.
-    Every kept cache owns its host arrays (``own_memory``)."""
+    cache is added: room is made first, and a cache larger than the whole limit is not kept."""
     from mlx_lm.models.cache import LRUPromptCache
 
     class BoundedPromptCache(LRUPromptCache):
@@ -70,8 +41,6 @@ def bounded_prompt_cache(max_size: int, max_bytes: int | None):
                     logging.info("prompt cache: a %d-byte cache is over the limit; not kept", n)
                     return
                 self.trim_to(n_bytes=self.max_bytes - n)
-            for c in prompt_cache:
-                own_memory(c)
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
 
     if max_bytes is None:

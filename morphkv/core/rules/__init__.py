@@ -1,14 +1,13 @@
 """Eviction rules: each one a small dataclass that holds its own knobs and scores the stored slots.
 
-A rule sees the selection engine (``morphkv.core.engine.Engine`` on the host,
-``morphkv.core.device.DeviceEngine`` on the MLX engine) when an eviction is due and returns one
-score per stored slot, shape (rows, slots), where rows are the flattened (batch, KV head) pairs.
-The engine evicts the lowest-scoring unprotected slots (protected: the first ``n_sink``
-positions and the last ``recent`` positions), ties to the oldest. Scores are >= 0. Rules use
-the engine's array module ``engine.xp``: NumPy (float64, ``engine.float``) on the host engine,
-``mlx.core`` (float32) on the MLX engine, and read what they declare (``base.Rule``): attention
-rows (``window_probs``, ``window_mean``, ``newest_probs``), the running score
-(``accumulated``), the stored keys (``slot_keys()``), positions (``stored_positions``).
+A rule sees the selection engine (``morphkv.core.device.DeviceEngine``) when an eviction is due
+and returns one score per stored slot, shape (rows, slots), where rows are the flattened
+(batch, KV head) pairs. The engine evicts the lowest-scoring unprotected slots (protected: the
+first ``n_sink`` positions and the last ``recent`` positions), ties to the oldest. Scores are
+>= 0. Rules use the engine's array module ``engine.xp`` (``mlx.core``, float32:
+``engine.float``), and read what they declare (``base.Rule``): attention rows
+(``window_probs``, ``window_mean``, ``newest_probs``), the running score (``accumulated``), the
+stored keys (``slot_keys()``), positions (``stored_positions``).
 
 A new rule: its own file here with one dataclass (its knobs as fields, named as in
 ``morphkv.core.knobs``), one line in ``METHODS``, and its reference scorer in

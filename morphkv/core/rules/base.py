@@ -15,7 +15,7 @@ class Rule:
     """Base rule. A rule's dataclass fields are its knobs, named as the knobs are
     (``morphkv.core.knobs``: ``fusion``, ``peak``, ``decay``, ``seed``), validated in
     ``__post_init__``; ``from_config`` reads them from a ``KVCacheConfig``. It declares what
-    the engines (host and MLX) keep for it:
+    the engine keeps for it:
 
     - ``attention``: attention rows at all (real queries or keys as proxies);
     - ``window_rows``: ``"all"`` (the last ``window`` tokens' rows), ``"newest"`` (the newest
