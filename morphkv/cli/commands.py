@@ -39,7 +39,7 @@ MODES: dict[str, tuple[str, str, dict[str, str]]] = {
     "eval fidelity": ("--mode", "KL and NLL to the full cache on texts, per arm and budget", {
         "texts": "morphkv.eval.fidelity",
         "bytes": "morphkv.eval.bytes",
-        "state": "morphkv.eval.state_bytes",  # bytes a slot: K/V and selection state, per rule
+        "state": "morphkv.eval.bytes:State",  # bytes a slot: K/V and selection state, per rule
     }),
     "bench speed": ("--mode", "Speed and memory in the model, kernels per step, vs mlx_lm's "
                     "caches", {
