@@ -21,11 +21,11 @@ distance / size differs, the distance plot shows it).
     morphkv eval recall --model qwen2.5-0.5b --arms "kvcache,nofact,h2o@64,h2o@256"
     morphkv eval recall --model qwen2.5-0.5b --arms "kvcache,recommended:memory=f16+pin@64"
 
-``--data said`` (``Said``): the chats of ``said_items`` (two names the model invented, three
-facts the user said, one updated), run the same way (``+pin``: the user turns pinned, as the
-memory preset's ``pin="prompt"`` does when the chat is fed turn by turn); the table splits the
-items by who said them: of the full cache's items, the share each arm answers, with a 95%
-bootstrap interval over chats (a chat's questions are not independent).
+``--data said`` (``Said``): the chats of ``chat_items.build_said_chat`` (two names the model
+invented, three facts the user said, one updated), run the same way (``+pin``: the user turns
+pinned, as the memory preset's ``pin="prompt"`` does when the chat is fed turn by turn); the
+table splits the items by who said them: of the full cache's items, the share each arm
+answers, with a 95% bootstrap interval over chats (a chat's questions are not independent).
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ from ..core.pins import pin
 from ..mlxlm.turns import user_positions
 from .arms import Arm, cells
 from .asking import ask, until_end
-from .chat_items import build_chat, encode, judge, tokenize
+from .chat_items import build_chat, build_said_chat, encode, judge, tokenize
 from .chat_report import FULL, distance_plot, plot, said_report, summarize, table
 from .output import environment, out_dir, write_json
 from .runner import Evaluation
 from .runner import run as run_evaluation
-from .said_items import build_said_chat
 
 NAME = "chatrecall"
 LIVE_MEM = 1572864  # the float16 bytes of 128 tokens on Qwen2.5-0.5B (24 layers x 2 KV heads x 64)
@@ -166,7 +165,7 @@ def run(args: argparse.Namespace, evaluation=Chats) -> int:
 
 
 class Said(Chats):
-    """Names the model invented and facts the user said, one chat (``said_items``)."""
+    """Names the model invented and facts the user said, one chat (``build_said_chat``)."""
 
     def stem(self) -> str:
         return self.args.stem or f"said_{self.args.split}_{self.args.budget}"

@@ -6,11 +6,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from .chat_items import said_by
 from .live import cluster_interval
 from .output import markdown_table
 from .plots import plt
 from .recall_report import wilson
-from .said_items import said_by
 
 FULL = "kvcache"
 
