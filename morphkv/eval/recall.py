@@ -19,8 +19,7 @@ import argparse
 
 from .arms import cells
 from .asking import ask
-from .recall_items import build_item, is_correct
-from .recall_natural import build_natural_item
+from .recall_items import build_item, build_natural_item, is_correct
 from .recall_report import plot, summarize, table
 from .runner import Evaluation
 from .runner import run as run_evaluation
