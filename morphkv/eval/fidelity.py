@@ -252,7 +252,7 @@ def texts_of(args: argparse.Namespace, model, tokenizer) -> dict[str, list[int]]
         return {k: v[:96] for k, v in list(texts.items())[:2]} if args.quick else texts
     return build_texts(tokenizer, args.texts, model, prose_tokens=args.prose_tokens,
                        prose_docs=args.prose_docs, conversations=args.conversations,
-                       conversation_tokens=args.conversation_tokens,
+                       conversation_max=args.conversation_tokens,
                        continuation_tokens=args.continuation_tokens)
 
 
