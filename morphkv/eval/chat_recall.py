@@ -17,10 +17,6 @@ tokens) instead of ``--budget``, on the same chats: the chats are cut by ``--min
 budgets of ``--budget``, so one run measures several sizes on the same items (statement
 distance / size differs, the distance plot shows it).
 
-    morphkv eval recall --model qwen2.5-0.5b --split test --chats 14
-    morphkv eval recall --model qwen2.5-0.5b --arms "kvcache,nofact,h2o@64,h2o@256"
-    morphkv eval recall --model qwen2.5-0.5b --arms "kvcache,recommended:memory=f16+pin@64"
-
 ``--data said`` (``Said``): the chats of ``chat_items.build_said_chat`` (two names the model
 invented, three facts the user said, one updated), run the same way (``+pin``: the user turns
 pinned, as the memory preset's ``pin="prompt"`` does when the chat is fed turn by turn); the
