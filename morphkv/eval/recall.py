@@ -44,7 +44,7 @@ def is_full(cell) -> bool:
 
 
 class LongChats(Evaluation):
-    """Long chats with one early fact (``recall_items`` or ``recall_natural``), per budget."""
+    """Long chats with one early fact (``recall_items``: canned or natural), per budget."""
 
     name, command, pngs = NAME, "morphkv eval recall --data longchat", ("",)
 
@@ -127,9 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0)
     add("--split", choices=("tune", "test"), default="test")
     add("--set", choices=("canned", "natural"), default="canned",
-        help="items: canned (short fixed replies, one fact; recall_items) or natural (long "
+        help="items (recall_items): canned (short fixed replies, one fact) or natural (long "
         "reference-prose turns, three facts in passing, a reworded question, the asked fact 3-6 "
-        "budgets back; recall_natural) (default canned)")
+        "budgets back) (default canned)")
     add("--distance", type=int, default=0,
         help="min tokens after the fact (0: 3 x the largest budget)")
     add("--max-tokens", type=int, default=8, help="answer tokens generated (default 8)")
