@@ -12,7 +12,6 @@ from morphkv.eval import fidelity as F
 from morphkv.eval import generation as G
 from morphkv.eval import texts as T
 from morphkv.eval.arms import Arm, grid_specs
-from morphkv.eval.equal_bytes import budget_for_bytes, measure_bytes
 from morphkv.eval.forced import Feeder
 from morphkv.eval.metrics import distinct, repetition_rate
 from morphkv.eval.models import tiny_llama
@@ -100,17 +99,17 @@ def test_arm_options_map_onto_any_config_field():
 
 def test_equal_bytes_budget_is_measured(tiny):
     ref = Arm.parse("streaming_llm")
-    target = measure_bytes(tiny, ref, 96)
-    budget, held = budget_for_bytes(tiny, ref, target)
+    target = F.measure_bytes(tiny, ref, 96)
+    budget, held = F.budget_for_bytes(tiny, ref, target)
     assert budget == 96 and held == target  # the reference maps onto itself
     morph = Arm.parse("morphkv:attn")
-    budget, held = budget_for_bytes(tiny, morph, target)
-    assert held <= target < measure_bytes(tiny, morph, budget + 1)
+    budget, held = F.budget_for_bytes(tiny, morph, target)
+    assert held <= target < F.measure_bytes(tiny, morph, budget + 1)
     assert budget < 96  # today the selection engine holds more than the keys it ranks
     with pytest.raises(ValueError, match="smallest budget"):
-        budget_for_bytes(tiny, morph, 10)
+        F.budget_for_bytes(tiny, morph, 10)
     floor = Arm.parse("peak:window=1:recent=32:attn")  # the smallest budget is 4 + 32 + 1
-    budget, held = budget_for_bytes(tiny, floor, target)
+    budget, held = F.budget_for_bytes(tiny, floor, target)
     assert 37 <= budget < 96 and held <= target
 
 

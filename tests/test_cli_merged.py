@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from morphkv.cli.commands import COMMANDS, MODES, MOVED, build_parser, main
+from morphkv.cli.commands import COMMANDS, MODES, MOVED, build_parser, command_of, main
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def test_every_mode_parses_with_its_own_module(parser, name, mode):
     args = parser.parse_args([*name.split(), option, mode])
     assert getattr(args, option.lstrip("-")) == mode
     runner = args._run  # the mode's module's run, or its execute wrapped
-    module = __import__(modes[mode], fromlist=["x"])
+    module = command_of(modes[mode])
     own = getattr(module, "run", None)
     assert runner is own or (own is None and runner.__closure__[0].cell_contents is
                              module.execute)
@@ -79,7 +79,7 @@ def test_every_command_module_follows_the_contract():
 
     modules = [m for _, m in COMMANDS] + [m for _, _, ms in MODES.values() for m in ms.values()]
     for name in dict.fromkeys(modules):
-        module = __import__(name, fromlist=["x"])
+        module = command_of(name)
         assert callable(module.add_arguments), name
         assert callable(getattr(module, "run", None) or getattr(module, "execute", None)), name
         assert getattr(module, "run", None) is not runner.run, name  # not the shared runner's

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from morphkv.cli import main
-from morphkv.eval import recall_natural as N
+from morphkv.eval import recall_items as N
 from morphkv.eval.arms import Arm, f16_bytes
 from morphkv.eval.models import tiny_llama
 from morphkv.mlxlm.layout import morph_caches

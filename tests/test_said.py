@@ -9,8 +9,8 @@ import json
 import pytest
 
 from morphkv.eval import answers as A
+from morphkv.eval import chat_items as S
 from morphkv.eval import runner
-from morphkv.eval import said_items as S
 from morphkv.eval.choose_said import CANDIDATES, choose
 
 

@@ -143,7 +143,7 @@ def test_on_the_server_a_short_chat_is_answered_during_a_long_prefill():
 
 
 def test_the_mixed_level_has_one_8k_prompt_2k_prompts_drops_and_malformed_requests():
-    from morphkv.bench.load_mixed import by_class, kind_of
+    from morphkv.bench.load import by_class, kind_of
 
     kinds = [kind_of(k) for k in range(500)]
     assert kinds.count("long8k") == 1 and kinds.count("long2k") == 20

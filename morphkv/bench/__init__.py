@@ -1,10 +1,6 @@
-"""Speed and load: the ``morphkv bench`` commands.
+"""Speed and load: the ``morphkv bench`` commands (modes in ``morphkv.cli.commands.MODES``).
 
-``bench speed`` (``--mode``: ``overhead`` (time and memory per context), ``kernels``),
-``bench serve`` (``--scenario``: ``load`` (+ ``load_clients``,
-``load_mixed``, ``load_report``), ``chat``, ``fair``; every scenario's servers and client
-calls: ``servers``); the modes are listed in
-``morphkv.cli.commands.MODES``. Every measurement ends in ``morphkv.eval.output.finish``.
-They share ``morphkv.eval``'s parts (arms, texts, util, plots); nothing there imports this
-package.
+``bench speed --mode`` overhead, kernels, layer; ``bench serve --scenario`` load (+
+``load_clients``, ``load_report``), chat, fair, whose servers and client calls are ``servers``.
+They use ``morphkv.eval``'s parts (arms, texts, output, plots); nothing there imports this.
 """

@@ -9,7 +9,7 @@ the peak is reached), then short chats from 8 clients (the
 throughput comparison); (2) N = 4, 8, 16 concurrent clients, each a bounded script mixing plain
 and streamed chats, text completions, a conversation that grows far past the budget, prompts of
 10x the budget, streams dropped after the first chunk and malformed requests; (3) the
-mixed-length level (``load_mixed``: --mixed requests with 2k and 8k prompts at the most
+mixed-length level (``drive_mixed``: --mixed requests with 2k and 8k prompts at the most
 clients); (4) 8 long conversations (throughput once past 4x the budget); (5) every malformed
 request once, then a health check. Memory (RSS, MLX active and peak) is sampled in the server
 process every 0.25 s; morphkv's prompt-cache bytes from ``GET /morphkv/stats``. Every loop is
@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 from .load_clients import PROBE_BAD, User, long_text, raw_post
-from .load_mixed import MixedUser, by_class, drive_mixed
 from .servers import Server, each_server, in_threads, loadavg, model_flag
 
 
@@ -69,6 +68,61 @@ def drive(users: list[User], rounds: int, seconds: float, kinds=None) -> tuple[l
     t0 = time.perf_counter()
     in_threads(work, users, seconds + 300)
     return records, time.perf_counter() - t0
+
+
+SHORT = ["chat", "stream", "completion", "turn", "chat", "drop", "stream", "bad"]
+CLASSES = {"short": ("chat", "stream", "completion", "turn"), "long2k": ("long2k",),
+           "long8k": ("long8k",)}
+
+
+def kind_of(k: int, with_8k: bool = True) -> str:
+    """Request ``k`` of the mixed level: the one 8k-token prompt (non-streamed) at k = 3, a
+    2k-token prompt (streamed: its time to first token is recorded) at every k = 10 mod 25,
+    else the short script in turn (every long prompt starts with its own number: no prompt
+    cache reuses another's prefill). The warm-up is the level without the 8k prompt."""
+    if with_8k and k == 3:
+        return "long8k"
+    return "long2k" if k % 25 == 10 else SHORT[k % len(SHORT)]
+
+
+def drive_mixed(users: list[User], total: int, seconds: float, with_8k: bool = True,
+                label: str = "") -> tuple[list, float]:
+    """The users take the next request number (``kind_of``) until ``total`` are taken or
+    ``seconds`` pass; a progress line every 25 requests."""
+    records, lock = [], threading.Lock()
+    counter, deadline, t0 = iter(range(total)), time.monotonic() + seconds, time.perf_counter()
+
+    def work(u: User):
+        while time.monotonic() < deadline:
+            with lock:
+                k = next(counter, None)
+            if k is None:
+                return
+            r = getattr(u, f"_{kind_of(k, with_8k)}")(k)
+            with lock:
+                records.append(r)
+                if len(records) % 25 == 0:
+                    bad = sum(not x["ok"] for x in records if x["kind"] != "bad")
+                    print(f"    {label} {len(records)}/{total} requests, "
+                          f"{time.perf_counter() - t0:.0f} s, failed good {bad}", flush=True)
+
+    in_threads(work, users, seconds + 1200)
+    return records, time.perf_counter() - t0
+
+
+def by_class(records: list[dict]) -> dict:
+    """Per request class (short, long2k, long8k): count, failed, p50/p95 total, median TTFT."""
+    out = {}
+    for name, kinds in CLASSES.items():
+        rows = [r for r in records if r["kind"] in kinds]
+        done = sorted(r["end"] - r["start"] for r in rows if r["ok"])
+        ttft = sorted(r["ttft_s"] for r in rows if r["ok"] and r.get("ttft_s") is not None)
+        out[name] = {
+            "requests": len(rows), "failed": len(rows) - len(done),
+            "p50_s": done[len(done) // 2] if done else None,
+            "p95_s": done[min(len(done) - 1, int(0.95 * len(done)))] if done else None,
+            "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None}
+    return out
 
 
 def figures(records: list[dict], wall: float, budget: int | None = None) -> dict:
@@ -137,18 +191,14 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
     threading.Thread(target=sample_cache, daemon=True).start()
     phases, marks = {}, {}
     try:
-        def mk(n):
-            return [User(client, server.url, i, args.max_tokens, long_prompt) for i in range(n)]
-
-        def mixed(n):
-            return [MixedUser(patient, server.url, i, args.max_tokens, long_prompt)
-                    for i in range(n)]
+        def mk(n, c=client):
+            return [User(c, server.url, i, args.max_tokens, long_prompt) for i in range(n)]
 
         # warm-up at the highest concurrency with the mixed level's kinds and lengths (2k
         # prompts, no 8k): the peak that batch sizes and prefill pieces reach is set here, so
         # what grows afterwards grows with time
         top = max(args.levels)
-        drive_mixed(mixed(top), 3 * top, args.level_seconds * 2, with_8k=False, label="warm-up")
+        drive_mixed(mk(top, patient), 3 * top, args.level_seconds * 2, False, "warm-up")
         marks["warm"] = time.time()
         phases["short_8"] = figures(*drive(mk(8), args.short, args.level_seconds, ["chat"]))
         print(f"  {kind} short x8: {phases['short_8']['tokens_per_s']:.1f} tok/s", flush=True)
@@ -162,7 +212,7 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
                   f" p95 {f['p95_s']}, failed {f['failed_good']}, 5xx {f['responses_5xx']}, "
                   f"bad 4xx {f['bad_4xx']}/{f['bad']}, {loadavg()}", flush=True)
         if args.mixed:
-            records, wall = drive_mixed(mixed(top), args.mixed, args.mixed_seconds,
+            records, wall = drive_mixed(mk(top, patient), args.mixed, args.mixed_seconds,
                                         with_8k=not args.quick, label=f"{kind} mixed x{top}")
             phases[f"mixed_{top}"] = {**figures(records, wall, args.budget),
                                       "classes": by_class(records)}

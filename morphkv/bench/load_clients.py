@@ -7,6 +7,7 @@ A record is a dict: kind, start/end (perf_counter), ok, status, tokens, prompt_t
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import time
@@ -54,6 +55,7 @@ PROBE_BAD = SAFE_BAD + [  # sent once, after the load, one at a time
 ]
 
 
+@functools.cache
 def long_text(tokens: int) -> str:
     """About ``tokens`` tokens of real English prose (Python's reference docs)."""
     from pydoc_data.topics import topics
@@ -93,7 +95,7 @@ def raw_post(url: str, body: bytes, headers: dict | None, timeout: float) -> tup
 
 class User:
     """One simulated client: its own conversation that grows past the budget, and a fixed,
-    bounded script of request kinds."""
+    bounded script of request kinds (the mixed level's 2k- and 8k-token prompts too)."""
 
     SCRIPT = ["chat", "stream", "completion", "turn", "long", "turn", "drop", "bad"]
 
@@ -156,6 +158,14 @@ class User:
             {"role": "user", "content": FOLLOW_UPS[self.turns % len(FOLLOW_UPS)].format(topic)})
         self.turns += 1
         return self.ask("turn", messages=self.messages)
+
+    def _long2k(self, n: int) -> dict:
+        return self.ask("long2k", f"Document {self.i}-{n}. {long_text(2000)}\n\nSummarize "
+                        "this.", stream=True)
+
+    def _long8k(self, n: int) -> dict:
+        return self.ask("long8k", f"Document {self.i}-{n}. {long_text(8000)}\n\nSummarize "
+                        "this.")
 
     def _bad(self, n: int) -> dict:
         name, body, headers = SAFE_BAD[(self.i + n) % len(SAFE_BAD)]

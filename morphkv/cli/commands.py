@@ -1,9 +1,10 @@
 """``morphkv`` command line: ``morphkv <command> [options]``.
 
 Adding a command is one line in ``COMMANDS``: a name ("bench speed" nests under "bench") and
-a module exposing ``add_arguments(parser)`` and either ``run(args) -> int | None`` (the exit
-status) or, for a measurement, ``execute(args) -> dict`` (its figures; the exit status is the
-dict's ``"exit"``, 0 when absent); the first line of the module's docstring is its help text.
+a module (or ``module:Class``: ``command_of``) exposing ``add_arguments(parser)`` and either
+``run(args) -> int | None`` (the exit status) or, for a measurement, ``execute(args) -> dict``
+(its figures; the exit status is the dict's ``"exit"``, 0 when absent); the first line of the
+module's docstring is its help text.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ COMMANDS: list[tuple[str, str]] = [
 MODES: dict[str, tuple[str, str, dict[str, str]]] = {
     "eval recall": ("--data", "Does a bounded cache remember what was said: recall per arm", {
         "chats": "morphkv.eval.chat_recall",  # facts said in chats, asked at the end
-        "said": "morphkv.eval.said_recall",  # names the model invented and user facts, one chat
+        "said": "morphkv.eval.chat_recall:Said",  # names the model invented and user facts
         "answers": "morphkv.eval.answers",  # identifiers re-used in long answers the model wrote
         "longchat": "morphkv.eval.recall",  # one fact early in a long chat
     }),
     "eval fidelity": ("--mode", "KL and NLL to the full cache on texts, per arm and budget", {
         "texts": "morphkv.eval.fidelity",
         "bytes": "morphkv.eval.bytes",
-        "state": "morphkv.eval.state_bytes",  # bytes a slot: K/V and selection state, per rule
+        "state": "morphkv.eval.bytes:State",  # bytes a slot: K/V and selection state, per rule
     }),
     "bench speed": ("--mode", "Speed and memory in the model, kernels per step, vs mlx_lm's "
                     "caches", {
@@ -69,6 +70,14 @@ MOVED: dict[str, str] = {
 
 # optional dependencies (pyproject's extras): a missing one is one line naming the extra
 OPTIONAL_EXTRAS = {"matplotlib": "bench"}
+
+
+def command_of(name: str):
+    """The module ``name`` names, or with ``module:Attr`` that module's attribute (a class
+    with the same contract: several modes in one file)."""
+    module, _, attr = name.partition(":")
+    module = importlib.import_module(module)
+    return getattr(module, attr) if attr else module
 
 
 def _help_of(module) -> str:
@@ -165,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     top_names: list[str] = []
     groups: dict[str, tuple[argparse._SubParsersAction, list[str]]] = {}
     for name, module_name in COMMANDS:
-        module = importlib.import_module(module_name)
+        module = command_of(module_name)
         help_text = MODES[name][1] if name in MODES else _help_of(module)
         *group, leaf = name.split()
         target = sub
@@ -206,7 +215,7 @@ def _add_modes(p: Parser, option: str, modes: dict[str, str]) -> None:
     listed = ", ".join(modes)
     parsers = {}
     for mode, module_name in modes.items():
-        module = importlib.import_module(module_name)
+        module = command_of(module_name)
         child = Parser(prog=p.prog, description=f"{option} {mode}: {_help_of(module)}.")
         child.add_argument(option, choices=list(modes), default=next(iter(modes)),
                            help=f"what to measure: {listed}; each has its own options "

@@ -15,9 +15,6 @@ half size. There: top-1 agreement with the full cache, the written token's NLL; 
 answer token: KL to the full cache. Intervals are a 95% bootstrap over texts. An arm
 ``spec@N`` runs at N tokens (``memory=f16``: the float16 bytes of N tokens) and its
 re-mentions are those of N.
-
-    morphkv eval recall --data answers --model qwen2.5-0.5b --split tune \\
-        --arms "recommended:memory=f16+pin@128,h2o:memory=f16:bits=8+pin@128"
 """
 
 from __future__ import annotations

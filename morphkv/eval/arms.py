@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
 from ..core.config import KVCacheConfig
 from ..core.knobs import field_of
 from ..core.presets import PRESETS
@@ -32,22 +34,13 @@ SHORTHANDS = {"mean": ("morphkv_fusion", "mean"), "max": ("morphkv_fusion", "max
 F16 = "f16"  # memory=f16: the bytes of a float16 cache of the command's budget on the model
 NAMED = ("morphkv_fusion", "morphkv_window", "scoring")  # spelled by the legacy arm names
 
-
-def _kvcache(model, budget: int, n_sink: int) -> list:
-    from mlx_lm.models.cache import KVCache
-
-    return [KVCache() for _ in model.layers]
-
-
-def _rotating(model, budget: int, n_sink: int) -> list:
-    from mlx_lm.models.cache import RotatingKVCache
-
-    return [RotatingKVCache(max_size=budget, keep=n_sink) for _ in model.layers]
-
-
 # mlx_lm's own caches: name -> (model, budget, n_sink) -> per-layer caches. A quantized
 # reference (mlx_lm's QuantizedKVCache) is one more entry here.
-BASELINES = {"kvcache": _kvcache, "rotating": _rotating}
+BASELINES = {
+    "kvcache": lambda model, budget, n_sink: [KVCache() for _ in model.layers],
+    "rotating": lambda model, budget, n_sink: [RotatingKVCache(max_size=budget, keep=n_sink)
+                                               for _ in model.layers],
+}
 
 
 def field_name(key: str) -> str:

@@ -17,6 +17,7 @@ head, KL per text, mean and worst ratio to ``--reference`` (default ``streaming_
 ``--tokens`` in the model's dtype: what mlx_lm's ``RotatingKVCache(tokens, keep=4)`` keeps when
 decoding token by token; mlx_lm's own class is not used as the reference because its queries of
 a multi-token chunk do not see the kept sinks, which would flatter every other arm).
+``--mode state``: ``State``.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ from __future__ import annotations
 import argparse
 
 from ..core.pins import pin
+from ..core.quant import dims
 from ..mlxlm.turns import user_positions
 from . import plots
-from .arms import cells
+from .arms import Arm, cells
 from .flags import add_flags, csv_ints, standard
 from .forced import position_kl, reference_logprobs
 from .metrics import held_bytes
-from .output import markdown_table
+from .models import load_model
+from .output import markdown_table, out_dir, write_json
 from .runner import Evaluation
 from .runner import run as run_evaluation
 from .texts import CONVERSATIONS, split_texts
@@ -169,3 +172,71 @@ def plot(summary: list[dict], path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     plots.save(fig, path, 120)
+
+
+STATE_ARMS = ("streaming_llm:memory={m}:bits=8,h2o:memory={m}:bits=8:block=16,"
+              "tova:memory={m}:bits=8:block=16,peak:memory={m}:bits=8:block=16,"
+              "keydiff:memory={m}:bits=8:block=16,morphkv:memory={m}:bits=8:window=16:block=16,"
+              "morphkv:memory={m}:bits=8:window=16:block=1,"
+              "morphkv:memory={m}:bits=8:window=16:recent=0.5:value=true:peak=0.02:block=16,"
+              "recommended:memory={m},tuned:memory={m},paper:memory={m}")
+
+
+def state_of(model, spec: str, tokens: int) -> dict:
+    """Tokens per KV head, bytes a slot of K/V storage and of selection state (see ``State``)."""
+    import mlx.core as mx
+
+    caches = Arm.parse(spec).caches(model, 128)
+    x = mx.arange(tokens)[None] % 1000 + 100
+    for s in range(0, tokens, 256):
+        mx.eval(model(x[:, s : s + 256], cache=caches))
+    c = [k for k in caches if hasattr(k, "engine_nbytes")]
+    slots = sum((k.config.budget + 1) * dims(k.keys)[1] for k in c)  # per layer x KV head
+    storage = sum(k.storage_nbytes for k in c)
+    state = sum(k.engine_nbytes for k in c)
+    return {"arm": spec, "tokens": c[0].config.budget, "kv_bytes_per_slot": storage / slots,
+            "state_bytes_per_slot": state / slots, "state_share": state / (storage + state),
+            "bytes_held": storage + state}
+
+
+class State:
+    """What every byte of a bounded cache holds, per rule.
+
+    Each arm (default: every evicting rule of the registry and the recommended presets, at the
+    same memory size, 8-bit storage where the arm says so) is built for the model, fed 1,024
+    token ids (a fixed ramp: bytes do not depend on the text; longer than the budget, so the
+    selection state is at its largest: rings full, pending queries held), and measured: tokens
+    kept per KV head, bytes per slot of K/V storage and of selection state (positions, running
+    scores, value norms, the window's attention ring, pending queries), and the state's share
+    of all bytes held. Every byte that is state is a token recency holds instead.
+    """
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        add = parser.add_argument
+        add("--model", default=None, help="model (default: the embedded SmolLM2)")
+        add("--memory", type=int, default=1572864, help="bytes per sequence (default 1.5 MiB)")
+        add("--arms", default=None, help="comma-separated arm specs ({m} stands for --memory)")
+        add("--out", default=None, help="output folder (default results/state)")
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        model, _ = load_model(args.model)
+        specs = (args.arms or STATE_ARMS).format(m=args.memory).split(",")
+        rows = []
+        for spec in specs:
+            r = state_of(model, spec, 1024)
+            rows.append(r)
+            print(f"{spec}: {r['tokens']} tokens, state {r['state_bytes_per_slot']:.1f} of "
+                  f"{r['kv_bytes_per_slot'] + r['state_bytes_per_slot']:.1f} bytes a slot "
+                  f"({100 * r['state_share']:.1f}%)", flush=True)
+        table = markdown_table(["arm", "tokens per KV head", "K/V bytes a slot",
+                                "state bytes a slot", "state share"],
+                               [[r["arm"], r["tokens"], f"{r['kv_bytes_per_slot']:.1f}",
+                                 f"{r['state_bytes_per_slot']:.1f}",
+                                 f"{100 * r['state_share']:.1f}%"] for r in rows])
+        print(table)
+        path = out_dir(args, "state") / "state_bytes.json"
+        write_json(path, {"benchmark": "state", "args": vars(args), "rows": rows, "table": table})
+        print(f"wrote {path}")
+        return 0

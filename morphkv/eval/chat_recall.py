@@ -17,9 +17,11 @@ tokens) instead of ``--budget``, on the same chats: the chats are cut by ``--min
 budgets of ``--budget``, so one run measures several sizes on the same items (statement
 distance / size differs, the distance plot shows it).
 
-    morphkv eval recall --model qwen2.5-0.5b --split test --chats 14
-    morphkv eval recall --model qwen2.5-0.5b --arms "kvcache,nofact,h2o@64,h2o@256"
-    morphkv eval recall --model qwen2.5-0.5b --arms "kvcache,recommended:memory=f16+pin@64"
+``--data said`` (``Said``): the chats of ``chat_items.build_said_chat`` (two names the model
+invented, three facts the user said, one updated), run the same way (``+pin``: the user turns
+pinned, as the memory preset's ``pin="prompt"`` does when the chat is fed turn by turn); the
+table splits the items by who said them: of the full cache's items, the share each arm
+answers, with a 95% bootstrap interval over chats (a chat's questions are not independent).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from ..core.pins import pin
 from ..mlxlm.turns import user_positions
 from .arms import Arm, cells
 from .asking import ask, until_end
-from .chat_items import build_chat, encode, judge, tokenize
-from .chat_report import distance_plot, plot, summarize, table
+from .chat_items import build_chat, build_said_chat, encode, judge, tokenize
+from .chat_report import FULL, distance_plot, plot, said_report, summarize, table
 from .output import environment, out_dir, write_json
 from .runner import Evaluation
 from .runner import run as run_evaluation
@@ -139,7 +141,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     live.add_argument("--verbose", action="store_true", help="show the server's log")
 
 
-
 def run(args: argparse.Namespace, evaluation=Chats) -> int:
     if args.live:
         from .live import run_live
@@ -157,3 +158,32 @@ def run(args: argparse.Namespace, evaluation=Chats) -> int:
         return 0
     run_evaluation(evaluation(args))
     return 0
+
+
+class Said(Chats):
+    """Names the model invented and facts the user said, one chat (``build_said_chat``)."""
+
+    def stem(self) -> str:
+        return self.args.stem or f"said_{self.args.split}_{self.args.budget}"
+
+    def build(self, model, tok, index: int):
+        a = self.args
+        return build_said_chat(model, tok, a.split, index, a.seed, asks=getattr(a, "asks", None))
+
+    def report(self, records: list, arms) -> tuple:
+        return said_report(records, [c.label for c in arms])
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        add_arguments(parser)
+        parser.set_defaults(split="tune", chats=8, max_tokens=10,
+                            arms=f"{FULL},nofact,recommended:memory=f16+pin")
+        parser.add_argument("--asks", default=None, help="the split of data/said.json the "
+                            "invention asks come from (default: --split's)")
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        if args.live:
+            raise SystemExit("morphkv: error: --data said runs prefilled chats; --live is for "
+                             "--data chats")
+        return run(args, Said)

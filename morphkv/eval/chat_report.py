@@ -1,10 +1,13 @@
-"""Summaries, tables and plots of ``morphkv eval recall`` (``morphkv.eval.chat_recall``)."""
+"""Summaries, tables and plots of ``morphkv eval recall`` (``--data chats`` and ``said``:
+``morphkv.eval.chat_recall``)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from .chat_items import said_by
+from .live import cluster_interval
 from .output import markdown_table
 from .plots import plt
 from .recall_report import wilson
@@ -56,6 +59,48 @@ def summarize(chats: list[dict], labels: list[str]) -> dict:
     out["_items"] = {"chats": len(chats), "questions": len(dist),
                      "distance_min": min(dist, default=0), "distance_max": max(dist, default=0)}
     return out
+
+
+def of_full(chats: list[dict], label: str, who: str) -> dict:
+    """Of the full cache's right answers to ``who``'s questions (``said_by``: model, user), how
+    many ``label`` gives, per chat (the bootstrap's clusters); for ``nofact``: its right answers
+    to the same items."""
+    hits = []
+    for c in chats:
+        full, arm = c["arms"].get(FULL), c["arms"].get(label)
+        if full is None or arm is None:
+            continue
+        hits.append([arm["correct"][i] for i, q in enumerate(c["questions"])
+                     if said_by(q["kind"]) == who and full["correct"][i]])
+    k, n = sum(map(sum, hits)), sum(map(len, hits))
+    return {"k": int(k), "n": int(n), "chats": len(hits), "interval": cluster_interval(hits)}
+
+
+def said_report(chats: list[dict], labels: list[str]) -> tuple[dict, str]:
+    """``summarize`` and, as ``_said``, per arm and speaker the share of the full cache's items
+    kept (``of_full``), with the questions asked of each speaker and how many the full cache
+    answered (the same for every arm: the denominators); the table by speaker."""
+    summary, who = summarize(chats, labels), ("model", "user")
+    asked = {w: sum(said_by(q["kind"]) == w for c in chats for q in c["questions"]) for w in who}
+    full = {w: of_full(chats, FULL, w)["n"] for w in who}
+    said = summary["_said"] = {label: {**{w: of_full(chats, label, w) for w in who},
+                                       "asked": asked, "full_right": full} for label in labels}
+
+    def cell(s: dict) -> str:
+        if not s["n"]:
+            return "-"
+        share, lo, hi = s["interval"]
+        return f"{s['k']}/{s['n']} = {100 * share:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
+
+    text = markdown_table(["arm", "MiB held", "model-said: of the full cache's items",
+                           "user-said: of the full cache's items"],
+                          [[label, f"{summary[label]['mib']:.2f}", cell(said[label]["model"]),
+                            cell(said[label]["user"])] for label in labels])
+    full = said.get(FULL, {}).get("full_right", {})
+    text += (f"\n{len(chats)} chats; the full cache answered {full.get('model', 0)} of "
+             f"{asked['model']} model-said and {full.get('user', 0)} of {asked['user']} "
+             "user-said questions; intervals: 95% bootstrap over chats")
+    return summary, text
 
 
 def fragment(answer: str, value: str) -> bool:

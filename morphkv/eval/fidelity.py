@@ -1,15 +1,17 @@
 """Teacher-forced fidelity of each eviction rule against the full cache.
 
-Every text is fed through every arm and budget by the runner (``runner.py``: exact chunks
-through the attention hook by default, or token by token). Per arm and budget, over the
-positions whose context exceeds the budget: mean KL(full || method) per token (nats), top-1
-agreement, perplexity ratio exp(mean NLL_method - mean NLL_full); the measured KV bytes (stored,
-kept K+V, everything held); peak MLX memory and decode tokens/s. ``--equal-bytes ARM`` gives
-every arm, at each budget, the budget at which it holds as many bytes as ARM does there
-(measured, ``equal_bytes.py``). A ``full`` arm (MorphKVCache, method full, fed like the others)
-checks the pipeline itself. Choosing settings: ``--split tune`` feeds the texts for choosing,
-``--split heldout`` the disjoint texts for reporting (``texts.split_texts``); ``--grid``
-adds every combination of ``key=v1/v2`` options over ``--grid-base``.
+Every text is fed through every arm and budget (``forced.Feeder``: exact chunks through the
+attention hook by default, or token by token). Per arm and budget, over the positions whose
+context exceeds the budget: mean KL(full || method) per token (nats), top-1 agreement,
+perplexity ratio exp(mean NLL_method - mean NLL_full); the measured KV bytes (stored, kept K+V,
+everything held); peak MLX memory and decode tokens/s. ``--equal-bytes ARM`` gives every arm,
+at each budget, the budget at which it holds as many bytes as ARM does there (measured, never
+from a formula: ``measure_bytes`` feeds the caches a short random stream past the budget and
+counts all they hold, selection state included). A ``full`` arm (MorphKVCache, method full, fed
+like the others) checks the pipeline itself. Choosing settings: ``--split tune`` feeds the
+texts for choosing, ``--split heldout`` the disjoint texts for reporting
+(``texts.split_texts``); ``--grid`` adds every combination of ``key=v1/v2`` options over
+``--grid-base``.
 """
 
 from __future__ import annotations
@@ -17,14 +19,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import cache
 
 import mlx.core as mx
 
 from . import plots
 from .arms import Arm, check_specs, grid_arms, parse_arms
-from .equal_bytes import equal_byte_budgets
 from .flags import add_flags, standard
 from .forced import Feeder, evaluate_arms, reference_logprobs
+from .metrics import held_bytes
 from .models import load_model
 from .output import environment, finish, markdown_table, out_dir, pivot, write_json
 from .plots import require_matplotlib
@@ -40,6 +43,70 @@ METRICS = {"kl": "Mean KL(full || method), nats/token (lower is better)",
            "top1": "Top-1 agreement with the full cache",
            "ppl_ratio": "Perplexity ratio, method / full"}
 MIB_KEYS = {"kv_bytes_kept": "kept", "kv_bytes_held": "held"}
+MAX_BUDGET = 1 << 16
+
+
+def measure_bytes(model, arm: Arm, budget: int, n_sink: int = 4, extra: int = 16) -> int:
+    """Bytes held by all of ``arm``'s caches for ``model`` after ``budget + window + extra``
+    random tokens (one prefill chunk, then one decode step)."""
+    caches = arm.caches(model, budget, n_sink)
+    n = budget + arm.window + extra
+    vocab = int(model.args.vocab_size)
+    ids = mx.random.randint(0, vocab, (1, n + 1), key=mx.random.key(budget))
+    mx.eval(model(ids[:, :n], cache=caches))
+    mx.eval(model(ids[:, n:], cache=caches))
+    return sum(held_bytes(c) for c in caches)
+
+
+def _valid(arm: Arm, budget: int, n_sink: int) -> bool:
+    if arm.is_baseline:
+        return True
+    try:
+        arm.config(budget, n_sink=n_sink)
+    except ValueError:
+        return False
+    return True
+
+
+def budget_for_bytes(model, arm: Arm, target: int, n_sink: int = 4) -> tuple[int, int]:
+    """(budget, bytes): the largest budget whose measured bytes do not exceed ``target``."""
+    if arm.method == "kvcache":
+        raise ValueError("arm kvcache grows with the text: no budget bounds its bytes")
+
+    @cache
+    def size(b: int) -> int:
+        return measure_bytes(model, arm, b, n_sink)
+
+    lo = n_sink + arm.window + 1
+    while not _valid(arm, lo, n_sink):  # a recency floor (recent > window) needs more
+        lo += 1
+        if lo > MAX_BUDGET:
+            raise ValueError(f"arm {arm.name} has no valid budget up to {MAX_BUDGET}")
+    if size(lo) > target:
+        raise ValueError(
+            f"arm {arm.name} holds {size(lo)} bytes at its smallest budget {lo}: more than "
+            f"the target {target}"
+        )
+    hi = lo
+    while size(hi) <= target:  # grow until over the target
+        lo, hi = hi, hi * 2
+        if hi > MAX_BUDGET:
+            raise ValueError(f"arm {arm.name} stays under {target} bytes up to {MAX_BUDGET}")
+    while hi - lo > 1:  # size(lo) <= target < size(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if size(mid) <= target else (lo, mid)
+    return lo, size(lo)
+
+
+def equal_byte_budgets(model, arms: list[Arm], reference: Arm, budgets, n_sink: int = 4):
+    """{(arm name, budget): (arm budget, bytes, target)}: each arm at the bytes the reference
+    arm holds at each budget."""
+    out = {}
+    for b in budgets:
+        target = measure_bytes(model, reference, b, n_sink)
+        for arm in arms:
+            out[(arm.name, b)] = (*budget_for_bytes(model, arm, target, n_sink), target)
+    return out
 
 
 def arms_of(specs) -> list[Arm]:
@@ -185,7 +252,7 @@ def texts_of(args: argparse.Namespace, model, tokenizer) -> dict[str, list[int]]
         return {k: v[:96] for k, v in list(texts.items())[:2]} if args.quick else texts
     return build_texts(tokenizer, args.texts, model, prose_tokens=args.prose_tokens,
                        prose_docs=args.prose_docs, conversations=args.conversations,
-                       conversation_tokens=args.conversation_tokens,
+                       conversation_max=args.conversation_tokens,
                        continuation_tokens=args.continuation_tokens)
 
 

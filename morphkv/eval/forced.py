@@ -22,7 +22,6 @@ import numpy as np
 
 from ..mlxlm.builder import KVCacheBuilder
 from .metrics import kv_bytes, token_stats
-from .process import peak_memory, reset_peak_memory
 
 
 def reference_logprobs(model, tokens: list[int], chunk: int = 256) -> mx.array:
@@ -78,7 +77,7 @@ def _evaluate(model, tokens, ref_lp, cfg, feeder, bar) -> dict:
     T_len, first = len(tokens), first_scored(cfg)
     targets = mx.array([int(t) for t in tokens[1:]] + [0])
     sums = np.zeros(5)  # metrics.TOKEN_STATS
-    reset_peak_memory()
+    mx.reset_peak_memory()
     caches = KVCacheBuilder.for_model(model, cfg)  # attaches the hook
     t0, fed = time.perf_counter(), 0
     for s, lp in feeder.run(model, caches, tokens, max(0, min(first - 1, T_len))):
@@ -93,7 +92,7 @@ def _evaluate(model, tokens, ref_lp, cfg, feeder, bar) -> dict:
     kl, ag, nm, nf, n = sums
     n = max(n, 1)
     return {"kl": kl / n, "top1": ag / n, "ppl_ratio": math.exp((nm - nf) / n), "nll": nm / n,
-            "nll_full": nf / n, "positions": int(n), "peak_memory": peak_memory(),
+            "nll_full": nf / n, "positions": int(n), "peak_memory": int(mx.get_peak_memory()),
             "arms_in_pass": 1, "seconds": elapsed,
             "tokens_per_s": fed / elapsed if elapsed > 0 else float("nan"), **kv_bytes(caches)}
 

@@ -23,7 +23,6 @@ from .metrics import distinct, kv_bytes, repetition_rate
 from .models import load_model
 from .output import environment, finish, markdown_table
 from .plots import require_matplotlib
-from .process import peak_memory, reset_peak_memory
 from .progress import Progress
 from .texts import GENERATION_PROMPTS, chat_prompt
 
@@ -49,7 +48,7 @@ def generate(model, tokenizer, prompt: list[int], caches, max_tokens: int) -> di
 
     sampler = make_sampler(0.0)
     tokens, text, t_first = [], "", None
-    reset_peak_memory()
+    mx.reset_peak_memory()
     t0 = time.perf_counter()
     if hasattr(tokenizer, "detokenizer") and hasattr(tokenizer, "eos_token_ids"):
         import mlx_lm
@@ -71,7 +70,7 @@ def generate(model, tokenizer, prompt: list[int], caches, max_tokens: int) -> di
     decode_s = end - (t_first or end)
     return {"tokens": tokens, "text": text, "prefill_s": (t_first or end) - t0,
             "tokens_per_s": (len(tokens) - 1) / decode_s if decode_s > 0 else float("nan"),
-            "peak_memory": peak_memory()}
+            "peak_memory": int(mx.get_peak_memory())}
 
 
 def run_generation(model, tokenizer, prompts, arms, budgets, max_tokens: int, n_sink=N_SINK,

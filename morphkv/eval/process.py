@@ -1,20 +1,6 @@
-"""Process and memory helpers: MLX's peak memory, a free loopback port, stopping a child
-process."""
+"""Process helpers: a free loopback port, stopping a child process."""
 
 from __future__ import annotations
-
-
-def peak_memory() -> int:
-    """Peak MLX memory in bytes."""
-    import mlx.core as mx
-
-    return int(mx.get_peak_memory())
-
-
-def reset_peak_memory() -> None:
-    import mlx.core as mx
-
-    mx.reset_peak_memory()
 
 
 def stop_process(proc, timeout: float = 20) -> int:

@@ -19,8 +19,7 @@ import argparse
 
 from .arms import cells
 from .asking import ask
-from .recall_items import build_item, is_correct
-from .recall_natural import build_natural_item
+from .recall_items import build_item, build_natural_item, is_correct
 from .recall_report import plot, summarize, table
 from .runner import Evaluation
 from .runner import run as run_evaluation
@@ -45,7 +44,7 @@ def is_full(cell) -> bool:
 
 
 class LongChats(Evaluation):
-    """Long chats with one early fact (``recall_items`` or ``recall_natural``), per budget."""
+    """Long chats with one early fact (``recall_items``: canned or natural), per budget."""
 
     name, command, pngs = NAME, "morphkv eval recall --data longchat", ("",)
 
@@ -128,9 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0)
     add("--split", choices=("tune", "test"), default="test")
     add("--set", choices=("canned", "natural"), default="canned",
-        help="items: canned (short fixed replies, one fact; recall_items) or natural (long "
+        help="items (recall_items): canned (short fixed replies, one fact) or natural (long "
         "reference-prose turns, three facts in passing, a reworded question, the asked fact 3-6 "
-        "budgets back; recall_natural) (default canned)")
+        "budgets back) (default canned)")
     add("--distance", type=int, default=0,
         help="min tokens after the fact (0: 3 x the largest budget)")
     add("--max-tokens", type=int, default=8, help="answer tokens generated (default 8)")

@@ -2,15 +2,13 @@
 
 ``prose``: Python's own reference documentation (``pydoc_data.topics``); ``conversation``: the
 multi-topic conversations of ``data/texts.json`` in the model's chat template;
-``continuation``: the model's own greedy continuation of a prompt. A new kind is one function
-``(tokenizer, model, settings) -> {name: ids}`` added to ``TEXTS``.
+``continuation``: the model's own greedy continuation of a prompt (``build_texts``).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 DATA = Path(__file__).with_name("data") / "texts.json"
 _DATA = json.loads(DATA.read_text())
@@ -19,6 +17,7 @@ GENERATION_PROMPTS: list[str] = _DATA["generation_prompts"]
 CONTINUATION_PROMPT: str = _DATA["continuation_prompt"]
 PROSE_TOPICS: tuple[str, ...] = tuple(_DATA["prose_topics"])
 MORE_TOPICS: tuple[str, ...] = tuple(_DATA["more_topics"])
+TEXTS = ("prose", "conversation", "continuation")
 
 __all__ = ["CONVERSATIONS", "GENERATION_PROMPTS", "CONTINUATION_PROMPT", "TEXTS", "build_texts"]
 
@@ -79,27 +78,6 @@ def greedy_continuation(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def _prose(tokenizer, model, s) -> dict[str, list[int]]:
-    docs = prose_documents(tokenizer, s.prose_tokens, s.prose_docs)
-    return {f"prose{i}": doc for i, doc in enumerate(docs)}
-
-
-def _conversation(tokenizer, model, s) -> dict[str, list[int]]:
-    found = {}
-    for i in range(min(s.conversations, len(CONVERSATIONS))):
-        ids = conversation_tokens(tokenizer, i)
-        found[f"conversation{i}"] = ids[: s.conversation_tokens] if s.conversation_tokens else ids
-    return found
-
-
-def _continuation(tokenizer, model, s) -> dict[str, list[int]]:
-    prompt = chat_prompt(tokenizer, CONTINUATION_PROMPT)
-    return {"continuation": greedy_continuation(model, prompt, s.continuation_tokens)}
-
-
-TEXTS = {"prose": _prose, "conversation": _conversation, "continuation": _continuation}
-
-
 def split_texts(tokenizer, model, split: str, prose_tokens=1024, continuation_tokens=600,
                 conversation_tokens_max=0):
     """Texts for choosing settings (``tune``) and for reporting them (``heldout``), disjoint:
@@ -121,14 +99,22 @@ def split_texts(tokenizer, model, split: str, prose_tokens=1024, continuation_to
     return out
 
 
-def build_texts(tokenizer, kinds, model=None, **settings) -> dict[str, list[int]]:
-    """{text name: token ids} for the named kinds; ``settings`` are the kinds' sizes
-    (``prose_tokens``, ``prose_docs``, ``conversations``, ``conversation_tokens``,
-    ``continuation_tokens``)."""
-    s = SimpleNamespace(**settings)
+def build_texts(tokenizer, kinds, model=None, prose_tokens=1100, prose_docs=1, conversations=1,
+                conversation_max=0, continuation_tokens=1000) -> dict[str, list[int]]:
+    """{text name: token ids} for the named kinds (``TEXTS``), each with its sizes
+    (``conversation_max``: cut each conversation to its first N tokens, 0: whole)."""
     found: dict[str, list[int]] = {}
     for kind in kinds:
-        if kind not in TEXTS:
+        if kind == "prose":
+            docs = prose_documents(tokenizer, prose_tokens, prose_docs)
+            found.update((f"prose{i}", doc) for i, doc in enumerate(docs))
+        elif kind == "conversation":
+            for i in range(min(conversations, len(CONVERSATIONS))):
+                ids = conversation_tokens(tokenizer, i)
+                found[f"conversation{i}"] = ids[:conversation_max] if conversation_max else ids
+        elif kind == "continuation":
+            prompt = chat_prompt(tokenizer, CONTINUATION_PROMPT)
+            found["continuation"] = greedy_continuation(model, prompt, continuation_tokens)
+        else:
             raise ValueError(f"unknown text kind {kind!r}; valid: {sorted(TEXTS)}")
-        found.update(TEXTS[kind](tokenizer, model, s))
     return found
