@@ -34,6 +34,19 @@ from .pins import keep_bounded, repinned
 class BatchProtocol(Feed, quant.QuantizedBits, mlx_cache._BaseCache):
     """mlx_lm's batch protocol: rows, padding, offsets, pins (see the module docstring)."""
 
+    def prepare_attention(self, queries: mx.array, scale: float, mask):
+        """Queries handed in without the hook's ``attend`` (benchmarks): attends now."""
+        if self._held is not None:
+            self.attend(queries, scale, mask)
+        return mask
+
+    def no_window(self, window_size: int | None) -> None:
+        """Batches hold every layer's rows alike: a sliding-window layer keeps mlx_lm's cache."""
+        if window_size is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not support sliding-window attention layers; "
+                "keep mlx_lm's RotatingKVCache for those layers")
+
     @property
     def B(self) -> int:
         return len(self.engines)
@@ -259,19 +272,10 @@ class BatchMorphKVCache(BatchProtocol):
             outs.append(out)
         return outs[0] if B == 1 else mx.concatenate(outs, axis=0)
 
-    def prepare_attention(self, queries: mx.array, scale: float, mask):
-        """Queries handed in without the hook's ``attend`` (benchmarks): attends now."""
-        if self._held is not None:
-            self.attend(queries, scale, mask)
-        return mask
-
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
                   **kwargs):
         """Mask for N new columns over every row's [kept + new] rows (``update_and_fetch``)."""
-        if window_size is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__} does not support sliding-window attention layers; "
-                "keep mlx_lm's RotatingKVCache for those layers")
+        self.no_window(window_size)
         starts, counts = self.spans(N)
         before = np.array([settled(self.config, t) for t in self.seen], np.int64)
         width = max(int((before + counts).max(initial=0)), 1)

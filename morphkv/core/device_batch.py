@@ -284,19 +284,10 @@ class DeviceBatchCache(BatchProtocol):
         device_rows.observe(self._arrays, self.engines, rows, self._H)
         return out
 
-    def prepare_attention(self, queries: mx.array, scale: float, mask):
-        """Queries handed in without the hook's ``attend`` (benchmarks): attends now."""
-        if self._held is not None:
-            self.attend(queries, scale, mask)
-        return mask
-
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
                   **kwargs):
         """The mask mlx_lm builds before the layers run; unused: ``attend`` masks each row."""
-        if window_size is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__} does not support sliding-window attention layers; "
-                "keep mlx_lm's RotatingKVCache for those layers")
+        self.no_window(window_size)
         return None if N == 1 else "causal"
 
     def _held_positions(self, i: int) -> np.ndarray:
