@@ -65,7 +65,7 @@ def test_soak_50k_single_token_updates():
     nbytes_at: dict[int, int] = {}
     storage_at: dict[int, int] = {}
     active_at: dict[int, int] = {}
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: the wall clock of a shared machine measures its load
     for i in range(STEPS):
         x = stream[:, :, i : i + 1]
         k, v = cache.update_and_fetch(x, x)
@@ -81,8 +81,8 @@ def test_soak_50k_single_token_updates():
             storage_at[n] = cache.storage_nbytes
             active_at[n] = mx.get_active_memory()
             assert cache.tokens_seen == n
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 60, f"50k single-token updates took {elapsed:.1f}s"
+    elapsed = time.process_time() - t0
+    assert elapsed < 60, f"50k single-token updates took {elapsed:.1f} s of CPU time"
 
     # no growth in held bytes once the budget is reached (budget + 1 rows: one awaits reuse)
     full = [n for n in nbytes_at if n > BUDGET]
