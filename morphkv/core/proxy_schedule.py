@@ -8,7 +8,11 @@ per-token rule over the virtual
 rows [stored rows; the chunk's rows] with the window's proxy attention kept incrementally
 (``core.device_proxy``'s formulation: per token one row in, one column in; each window row's
 ``exp(l - M)`` with its running maximum ``M``, normalized afresh at every eviction). The dot
-products come from float32 BLAS products, blockwise; the softmax and the scores are float64.
+products come from float32 BLAS products, blockwise; whatever follows from the keys alone
+(each token's own row, its column in the other rows, the maxima) is done per block, so a
+token costs a few NumPy calls. Exps and scores are float32 when no two logits can lie more
+than ``EXP_RANGE`` apart (bounded by the largest key norm), else float64 (float32 would
+flush the smallest exps to zero).
 Returns what ``device_schedule.schedule`` returns, so the same visibility mask, attention and
 gather finish the chunk.
 """
@@ -23,6 +27,7 @@ from .device_schedule import NEVER
 
 FUSIONS = {"mean": 0, "max": 1, "newest": 2}
 BLOCK = 64  # chunk tokens per BLAS product (and per compaction of the columns)
+EXP_RANGE = 64.0  # logits at most this far apart: exps in float32 (no underflow), else float64
 
 
 class _Window:
@@ -34,11 +39,11 @@ class _Window:
     ``row`` (R, W) each row's column. Every head takes its tokens in step: the alive count
     is the same in every head (each eviction takes one token)."""
 
-    def __init__(self, R: int, W: int) -> None:
-        self.M = np.full((R, W), -np.inf)
+    def __init__(self, R: int, W: int, n: int, dtype) -> None:
+        self.M = np.zeros((R, W), dtype)  # finite: exp(-inf - M) is 0 in rows not yet held
         self.valid = np.zeros((R, W), np.bool_)
         self.row = np.zeros((R, W), np.int64)
-        self.E = np.zeros((R, W, 0))
+        self.E = np.zeros((R, W, n), dtype)
         self.filled = False  # every window row holds a token
 
     def replay(self, G, cols, p, i0: int, k_all: int, evicted, t0: int, c,
@@ -47,65 +52,106 @@ class _Window:
         rows (their positions ``p``, ascending) of which the first n are alive, ``G``
         (R, k, n + k) the tokens' float32 logits against them (``k_all``: the chunk's
         tokens; its last one leaves its eviction due); each token's eviction recorded in
-        ``evicted``. Returns the virtual rows alive after, in column order."""
+        ``evicted``. Returns the virtual rows alive after, in column order.
+
+        What follows from the keys alone is done for the whole block first (``_block``);
+        per token there is left: its column and its own row into ``E``, the scores, the
+        victim."""
         R, k, C = G.shape
-        n = C - k
-        heads = np.arange(R)
-        G = G.astype(np.float64)
+        n, W = C - k, self.M.shape[1]
         t = t0 + i0 + np.arange(k)
-        # the column whose position turns unprotected at each token (p = t - recent), if any
-        due = np.stack([np.searchsorted(p[r], t - c.recent) for r in range(R)]).clip(0, C - 1)
-        due_ok = (np.take_along_axis(p, due, 1) == t - c.recent) & (t - c.recent >= c.n_sink)
+        heads = np.arange(R)
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            alive = np.zeros((R, C), np.bool_)
-            alive[:, :n] = True
-            E = np.zeros((R, self.M.shape[1], C))
+            own, column, grow, factor, created = self._block(G, n, t)
+            finite = bool(np.isfinite(own).all())
+            # the column whose position turns unprotected at each token (p = t - recent), if
+            # any: alive, as it was protected until now; else the spare column C
+            due = np.stack([np.searchsorted(p[r], t - c.recent) for r in range(R)]).clip(0, C - 1)
+            due_ok = (np.take_along_axis(p, due, 1) == t - c.recent) & (t - c.recent >= c.n_sink)
+            opens = (np.where(due_ok, due, C) + (C + 1) * heads[:, None]).T  # (k, R) flat
+            alive = np.ones((R, C), self.E.dtype)  # 0 for evicted columns
+            E = np.zeros((R, W, C), self.E.dtype)
             E[:, :, :n] = self.E
             # 0 where a column may go, inf where it may not (dead, a sink, recent)
-            shut = np.where(alive & (p >= c.n_sink) & (p < t[0] - c.recent), 0.0, np.inf)
-            count = n
+            shut = np.full((R, C + 1), np.inf, self.E.dtype)
+            shut[:, :C][(p >= c.n_sink) & (p < t[0] - c.recent)] = 0.0
+            flat_shut, flat_E, flat_alive = shut.reshape(-1), E.reshape(-1), alive.reshape(-1)
+            key_shut = shut[:, :C]
+            at_E = (heads[:, None] * W + np.arange(W)) * C  # (R, W) flat row starts in E
+            at_shut, at_alive = heads * (C + 1), heads * C
+            victims = np.full((k, R), -1, np.int64)
+            valid0, invW, count = self.valid, 1.0 / W, n
             for a in range(k):
-                alive[:, n + a] = True
+                new, r = n + a, t[a] % W
                 count += 1
-                opened = due[:, a][due_ok[:, a]]
-                shut[heads[due_ok[:, a]], opened] = np.where(
-                    alive[heads[due_ok[:, a]], opened], 0.0, np.inf)
-                self._token(G[:, a], alive, E, n + a, t[a], heads)
+                flat_shut[opens[a]] = 0.0
+                if grow[a]:
+                    E *= factor[:, a, :, None]
+                E[:, :, new] = column[:, a]  # the token's column in the other rows
+                if finite:  # its own row: evicted columns zero (later ones are)
+                    np.multiply(own[:, a, : new + 1], alive[:, : new + 1], out=E[:, r, : new + 1])
+                else:
+                    E[:, r, : new + 1] = np.where(alive[:, : new + 1] > 0, own[:, a, : new + 1], 0)
                 if count <= c.budget or i0 + a == k_all - 1:
                     continue
-                victim = self._victim(E, shut, p, t[a], fusion, heads)
-                evicted[heads, cols[heads, victim]] = i0 + a
-                alive[heads, victim] = False
-                E[heads, :, victim] = 0.0
-                shut[heads, victim] = np.inf
+                if not self.filled:
+                    self.valid = valid0 | created[a]
+                    self.filled = bool(self.valid.all())
+                if self.filled and fusion == 0:  # the mean of the rows' softmax: one product
+                    score = np.matmul((invW / np.add.reduce(E, axis=2))[:, None, :], E)[:, 0]
+                    key = np.add(score, key_shut, out=score)
+                    victim = key.argmin(axis=1)  # columns ascend by position: ties go to the oldest
+                    if not math.isfinite(np.add.reduce(np.minimum.reduce(key, axis=1))):
+                        victim = self._victim(E, key_shut, p, t[a], fusion, heads)
+                else:
+                    victim = self._victim(E, key_shut, p, t[a], fusion, heads)
+                victims[a] = victim
+                flat_E[at_E + victim[:, None]] = 0.0
+                flat_shut[at_shut + victim] = np.inf
+                flat_alive[at_alive + victim] = 0.0
                 count -= 1
-        keep = np.argsort(~alive, axis=1, kind="stable")[:, :count]
+        self.valid = valid0 | created[-1]
+        done = np.flatnonzero(victims[:, 0] >= 0)
+        evicted[heads[:, None], np.take_along_axis(cols, victims[done].T, 1)] = i0 + done
+        keep = np.argsort(alive == 0, axis=1, kind="stable")[:, :count]
         self.E = np.take_along_axis(E, keep[:, None, :], 2)
         where = np.full((R, C), -1, np.int64)
         where[heads[:, None], keep] = np.arange(count)
-        self.row = where[heads[:, None], self.row]
+        q = t[-1] - (t[-1] - np.arange(W)) % W  # each row's newest token by the block's end
+        self.row = where[heads[:, None], np.where(q >= t[0], n + q - t[0], self.row)]
         return np.take_along_axis(cols, keep, 1)
 
-    def _token(self, Ga, alive, E, new: int, t: int, heads) -> None:
-        """The token at position t (column ``new``, ``Ga`` (R, cols) its float64 logits): its
-        column in every other window row, and its own row (the alive columns)."""
-        M, valid, W = self.M, self.valid, self.M.shape[1]
-        r = t % W  # the token's own row (the token leaving the window had it)
-        others = valid.copy()
-        others[:, r] = False
-        lv = np.where(others, Ga[heads[:, None], self.row], -np.inf)
-        grown = lv > M
-        if grown.any():
-            E *= np.exp(np.where(grown, M - lv, 0.0))[..., None]
-            M[grown] = lv[grown]
-        E[:, :, new] = np.where(others, np.exp(lv - M), 0.0)
-        g = np.where(alive, Ga, -np.inf)  # dead columns: zero in ``E``
-        M[:, r] = top = np.fmax.reduce(g, axis=1, initial=-np.inf)  # NaN is no maximum
-        own = E[:, r]
-        np.subtract(g, top[:, None], out=own)
-        np.exp(own, out=own)
-        valid[:, r], self.row[:, r] = True, new
-        self.filled = self.filled or bool(valid.all())
+    def _block(self, G, n: int, t):
+        """The block's tokens' own rows ``exp(l - top)`` (R, k, C) (``top`` their maximum over
+        every column: any bound of the alive ones is a valid shift) and, per token, its
+        column in every window row ``exp(lv - M)`` (R, k, W) (``lv`` its logit as the newest
+        key of the row's token: window tokens are protected, so known by position), with
+        each row's running maximum ``M`` (it restarts at the row's token's own ``top``):
+        ``grow`` (k,) the tokens at which a maximum grows, ``factor`` (R, k, W) the rescale
+        then, ``created`` (k, W) the rows that held a token by then. Sets ``self.M``."""
+        R, k, C = G.shape
+        W = self.M.shape[1]
+        G = G.astype(self.E.dtype)
+        top = np.fmax.reduce(G, axis=2, initial=-np.inf)  # NaN is no maximum
+        own = np.exp(G - top[..., None])
+        q = t[:, None] - 1 - (t[:, None] - 1 - np.arange(W)) % W  # (k, W): row w's token
+        inside = q >= t[0]
+        at = np.where(inside[None], n + q - t[0], self.row[:, None, :])  # (R, k, W)
+        lv = np.take_along_axis(G, at, 2)
+        mine = q == t[:, None] - W  # the row the token takes (its token leaves)
+        lv[~(inside[None] | self.valid[:, None, :]) | mine[None]] = -np.inf
+        z = np.where(mine[None], top[..., None], lv)
+        since = (t[:, None] - np.arange(W)) % W  # tokens since the row's token came (k, W)
+        z = np.concatenate([np.broadcast_to(self.M[:, None], (R, W, W)), z], 1)  # from k - W
+        M = z[:, W:]
+        for j in range(1, W):  # the running maximum since each row's token
+            M = np.where(since[None] >= j, np.fmax(M, z[:, W - j : W - j + k]), M)
+        before = np.concatenate([self.M[:, None], M[:, :-1]], 1)
+        grown = lv > before
+        factor = np.exp(np.where(grown, before - M, 0.0))
+        self.M = M[:, -1].copy()
+        created = np.logical_or.accumulate(mine, axis=0)
+        return own, np.exp(lv - M), grown.any(axis=(0, 2)), factor, created
 
     def _victim(self, E, shut, p, t: int, fusion: int, heads) -> np.ndarray:
         """(R,) the column to evict: the lowest (score, position) one that may go."""
@@ -145,10 +191,10 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
                           np.broadcast_to(np.arange(t0, t0 + k, dtype=np.int64), (R, k))], 1)
     evicted = np.full((R, N), NEVER, np.int32)
     alive = np.zeros((R, N), np.bool_)
-    win = _Window(R, W)
+    # every logit lies within scale * max |k|^2 of 0: float32 exps unless that is wide
+    wide = 2 * engine.scale * float(np.einsum("rnd,rnd->rn", K, K).max(initial=0.0))
+    win = _Window(R, W, n0, np.float32 if wide <= EXP_RANGE else np.float64)
     live = np.argsort(pos0, axis=1)  # the stored rows in position order
-    if n0:
-        win.E = np.zeros((R, W, n0))
     for r in range(R):
         if n0:
             Kr = K[r, live[r]]
@@ -163,7 +209,7 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
         i1 = min(k, i0 + BLOCK)
         cols = np.concatenate([live, np.broadcast_to(np.arange(n0 + i0, n0 + i1),
                                                      (R, i1 - i0))], 1)
-        G = Ks[:, n0 + i0 : n0 + i1] @ np.take_along_axis(K, cols[..., None], 1).transpose(0, 2, 1)
+        G = Ks[:, n0 + i0 : n0 + i1] @ K[heads, cols].transpose(0, 2, 1)
         live = win.replay(G, cols, pos[heads, cols], i0, k, evicted, t0, c, fusion)
     alive[heads, live] = True
     slots = live.shape[1]
