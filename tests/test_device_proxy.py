@@ -112,13 +112,13 @@ def test_chunk_replay_exps_in_float32_only_when_no_logit_can_underflow(spread, d
     exps to zero. Either way the reference's kept sets, for both fusions, chunked with
     stored rows too."""
     made = []
-    window = proxy_schedule._Window
+    replay = proxy_schedule.replay
 
-    def recorded(*args):
-        made.append(args[-1])
-        return window(*args)
+    def recorded(own, *args):
+        made.append(own.dtype.type)
+        return replay(own, *args)
 
-    monkeypatch.setattr(proxy_schedule, "_Window", recorded)
+    monkeypatch.setattr(proxy_schedule, "replay", recorded)
     keys, values, queries = _stream(150, H=8, seed=5)
     keys = (keys.astype(np.float32) * spread / 2).astype(np.float16)
     compared = 0
