@@ -46,6 +46,9 @@ def replay(own, valid, cols, p, n: int, i0: int, k_all: int, evicted, t0: int, c
     heads = np.arange(R)
     t = t0 + i0 + np.arange(k)
     finite = bool(np.isfinite(own).all())
+    # every score finite (float32 exps of logits < EXP_RANGE apart do not underflow: no row
+    # sums to 0) and a column free (more alive than sinks and recent tokens): no NaN check
+    sure = finite and own.dtype == np.float32 and c.budget >= c.n_sink + c.recent
     filled = valid.all(axis=0)  # the window's oldest row holds a token: every row does
     # the column whose position turns unprotected at each token (p = t - recent), if any:
     # alive, as it was protected until now; else the spare column C
@@ -78,7 +81,7 @@ def replay(own, valid, cols, p, n: int, i0: int, k_all: int, evicted, t0: int, c
                 score = _score(rows, sums, valid[:, a : a + W], fusion)
             key = score + free
             victim = key.argmin(axis=1)  # columns ascend by position: ties go to the oldest
-            if not math.isfinite(np.add.reduce(np.minimum.reduce(key, axis=1))):
+            if not sure and not math.isfinite(np.add.reduce(np.minimum.reduce(key, axis=1))):
                 victim = _nonfinite(score, free, p)
             victims[a] = victim
             flat_shut[at_shut + victim] = np.inf
