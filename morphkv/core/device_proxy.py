@@ -51,7 +51,7 @@ def bound_nbytes(engine) -> int:
     R, W, cap = engine.rows, engine.config.window, engine.capacity
     D = engine.head_dim
     mirror = 0 if engine.key_bytes == 4 else R * cap * D * 4
-    return mirror + 4 * (R * W + R * W * cap + R * W)
+    return mirror + 4 * (2 * R * W + R * W * cap + 1)
 
 
 class _Rows:
@@ -119,7 +119,7 @@ def _step_fn(rule, mirrored: bool, n_sink: int, recent: int, scale: float):
             E = mx.put_along_axis(E, mine, mx.exp(row - top), axis=1)
             M = mx.put_along_axis(grown, mine, top, axis=1)
             slots = mx.put_along_axis(slots, mine[..., 0], victim.astype(slots.dtype), axis=1)
-            return K, V, kf, pos, slots, E, M
+            return K, V, kf, pos, slots, E, M, t + 1
 
         _STEPS[key] = mx.compile(step)
     return _STEPS[key]
@@ -142,10 +142,13 @@ class ProxyState:
         self.E = mx.exp(logits - self.M)
         self.kf = keys if stored_keys.dtype != mx.float32 else None
         self.window, self.seen, self.scale = W, engine.seen, engine.scale
+        self.t = mx.array(engine.seen, mx.int32)  # the next token's position, kept by the step
+        c = engine.config
+        self.fn = _step_fn(engine.rule, self.kf is not None, c.n_sink, c.recent, self.scale)
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.slots, self.E, self.M, self.kf)
+        arrays = (self.slots, self.E, self.M, self.kf, self.t)
         return sum(int(a.nbytes) for a in arrays if a is not None)
 
     def valid(self, engine) -> bool:
@@ -155,13 +158,12 @@ class ProxyState:
 def step(engine, storage_kv, state: ProxyState, k_new, v_new):
     """Token ``engine.seen``: evict the due slot and write the token there. Returns the new
     (keys, values) storage; the engine's positions and ``state`` follow."""
-    c, t = engine.config, engine.seen
+    t = engine.seen
     K, V = storage_kv
     mirrored = state.kf is not None
-    fn = _step_fn(engine.rule, mirrored, c.n_sink, c.recent, state.scale)
-    K, V, kf, engine.positions, state.slots, state.E, state.M = fn(
+    K, V, kf, engine.positions, state.slots, state.E, state.M, state.t = state.fn(
         K, V, state.kf if mirrored else E_DUMMY, engine.positions, state.slots, state.E, state.M,
-        k_new, v_new, mx.array(t, mx.int32))
+        k_new, v_new, state.t)
     state.kf = kf if mirrored else None
     if engine.unpinned is not None:
         engine.unpinned = engine.unpinned.arrived(t, 1, engine.pins)
