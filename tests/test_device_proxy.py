@@ -103,3 +103,27 @@ def test_decode_tokens_take_the_compiled_step_and_chunks_the_replay(monkeypatch)
     assert calls["schedule"] == 1 and calls["step"] >= 50, calls
     assert cache.nbytes_bound >= cache.storage_nbytes + held
     assert _check(cache, config, keys) >= 1
+
+
+@pytest.mark.parametrize("spread,dtype", [(1.5, np.float32), (4.0, np.float64)])
+def test_chunk_replay_exps_in_float32_only_when_no_logit_can_underflow(spread, dtype, monkeypatch):
+    """Keys of standard deviation ``spread``: narrow logits, the replay's exps and scores in
+    float32; wide ones (here up to ~250 apart): float64, where float32 would flush small
+    exps to zero. Either way the reference's kept sets, for both fusions, chunked with
+    stored rows too."""
+    made = []
+    replay = proxy_schedule.replay
+
+    def recorded(own, *args):
+        made.append(own.dtype.type)
+        return replay(own, *args)
+
+    monkeypatch.setattr(proxy_schedule, "replay", recorded)
+    keys, values, queries = _stream(150, H=8, seed=5)
+    keys = (keys.astype(np.float32) * spread / 2).astype(np.float16)
+    compared = 0
+    for fusion in ("mean", "max"):
+        config = KVCacheConfig(method="morphkv", morphkv_budget=32, morphkv_window=4,
+                               morphkv_fusion=fusion, scoring="proxy", engine="mlx")
+        compared += _check(_feed(config, keys, values, queries, [100], False), config, keys)
+    assert set(made) == {dtype} and compared >= 4

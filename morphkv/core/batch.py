@@ -26,6 +26,7 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from . import quant, storage
+from .device import next_eviction
 from .feed import Feed
 from .masks import causal_mask, decode_mask, offsets
 from .pins import keep_bounded, repinned
@@ -154,7 +155,7 @@ def settled(config, seen: int) -> int:
     budget, block = config.budget, config.block
     if seen <= budget or not config.rule.evicts:
         return seen
-    last = budget + (seen - 1 - budget) // block * block  # the last eviction point
+    last = next_eviction(config, seen - block)  # the last eviction point before ``seen``
     return budget + 1 - block + (seen - 1 - last)
 
 
@@ -195,7 +196,7 @@ class BatchMorphKVCache(BatchProtocol):
 
     def extract(self, idx: int):
         """A copy of row ``idx`` as a single-sequence cache (the row keeps going)."""
-        self._no_held("extract")
+        self._drop_held()
         row = self.caches[idx]
         row._flush()
         cache = copy.deepcopy(row)
@@ -204,7 +205,7 @@ class BatchMorphKVCache(BatchProtocol):
 
     def filter(self, batch_indices) -> None:
         """Keep only the given rows, in that order."""
-        self._no_held("filter")
+        self._drop_held()
         keep = self.kept_rows(batch_indices)
         self.caches = [self.caches[i] for i in keep]
         self.lead = [self.lead[i] for i in keep]
@@ -216,14 +217,14 @@ class BatchMorphKVCache(BatchProtocol):
     def extend(self, other: BatchMorphKVCache) -> None:
         """Append the rows of ``other``."""
         self.check_extend(other)
-        self._no_held("extend")
-        other._no_held("extend")
+        self._drop_held()
+        other._drop_held()
         self._extend_remaining(other)
         self.caches = self.caches + other.caches
         self.lead, self.pin_next = self.lead + other.lead, self.pin_next + other.pin_next
         self._seal = None
 
-    def _no_held(self, what: str) -> None:
+    def _drop_held(self) -> None:
         """Rows change: an update no attention came for is fed without (keys as proxies)."""
         self._held = None
 

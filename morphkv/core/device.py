@@ -40,12 +40,6 @@ def next_eviction(config, t: int) -> int:
     return budget + (t > budget) * -(-(t - budget) // block) * block
 
 
-def running_kind(rule) -> tuple[str | None, float]:
-    """('sum' | 'peak' | None, decay) of the running score a rule keeps per slot (what the
-    rule declares: ``Rule.running``, ``Rule.decay``)."""
-    return rule.running, (rule.decay if rule.running == "peak" else 1.0)
-
-
 def norms16(values) -> mx.array:
     """(R, k) float16 norms of values (R, k, Dv): float32, capped at 65504."""
     v = values.astype(mx.float32)
@@ -127,7 +121,8 @@ class DeviceEngine:
         self.scale = 1.0 / math.sqrt(config.head_dim or head_dim)
         self.block = config.block
         self.real = bool(real_queries and self.rule.attention)
-        self.running, self.decay = running_kind(self.rule)
+        self.running = self.rule.running  # the running score per slot: "sum", "peak" or None
+        self.decay = self.rule.decay if self.running == "peak" else 1.0
         self.window_rule = self.rule.window_rows is not None  # what the rule reads
         self.newest_only = self.rule.window_rows == "newest"
         self.seen = self.slots = self.norms_from = 0

@@ -51,7 +51,7 @@ def bound_nbytes(engine) -> int:
     R, W, cap = engine.rows, engine.config.window, engine.capacity
     D = engine.head_dim
     mirror = 0 if engine.key_bytes == 4 else R * cap * D * 4
-    return mirror + 4 * (R * W * D + R * W * cap + R * W)
+    return mirror + 4 * (2 * R * W + R * W * cap + 1)
 
 
 class _Rows:
@@ -78,9 +78,9 @@ def _step_fn(rule, mirrored: bool, n_sink: int, recent: int, scale: float):
     key = (rule, mirrored, n_sink, recent, scale)
     if key not in _STEPS:
 
-        def step(K, V, kf, pos, ring, E, M, k_new, v_new, t):
+        def step(K, V, kf, pos, slots, E, M, k_new, v_new, t):
             B, H, n, D = K.shape
-            R, W = ring.shape[0], ring.shape[1]
+            R, W = slots.shape
             at = mx.remainder(t, W)
             if isinstance(rule, WindowAttention) and rule.window_rows == "all" and (
                     rule.fusion == "mean"):  # the window mean as one product
@@ -105,8 +105,9 @@ def _step_fn(rule, mirrored: bool, n_sink: int, recent: int, scale: float):
                 keys = kf
             else:
                 keys = K.reshape(R, n, D)
-            column = (ring @ kt.swapaxes(-1, -2)) * scale  # (R, W, 1): the old rows x the token
             row = (kt @ keys.swapaxes(-1, -2)) * scale  # (R, 1, n): the token x every key
+            # the old rows' tokens x the token: its row at their slots (the window is protected)
+            column = mx.take_along_axis(row[:, 0], slots, axis=1)[..., None]  # (R, W, 1)
             grown = mx.maximum(M, column)
             # exps of the small arrays only: sort (a no-op on a length-1 axis) and
             # put_along_axis stop the compiler from fusing an exp into a (R, W, n) kernel
@@ -117,34 +118,37 @@ def _step_fn(rule, mirrored: bool, n_sink: int, recent: int, scale: float):
             mine = mx.broadcast_to(at.astype(mx.int32), (R, 1, 1))  # the row the token takes
             E = mx.put_along_axis(E, mine, mx.exp(row - top), axis=1)
             M = mx.put_along_axis(grown, mine, top, axis=1)
-            ring = mx.put_along_axis(ring, mine, kt, axis=1)
-            return K, V, kf, pos, ring, E, M
+            slots = mx.put_along_axis(slots, mine[..., 0], victim.astype(slots.dtype), axis=1)
+            return K, V, kf, pos, slots, E, M, t + 1
 
         _STEPS[key] = mx.compile(step)
     return _STEPS[key]
 
 
 class ProxyState:
-    """The window's keys, their exp-logits against every stored key and the float32 key
-    mirror, built from the storage once (and after any other path changed it)."""
+    """The window's tokens' slots, their exp-logits against every stored key and the float32
+    key mirror, built from the storage once (and after any other path changed it)."""
 
     def __init__(self, engine, stored_keys) -> None:
         W, n = engine.config.window, engine.slots
         keys = stored_keys.reshape(engine.rows, -1, stored_keys.shape[-1])[:, :n]
         keys = keys.astype(mx.float32)
         order = mx.argsort(engine.stored_positions, axis=1)[:, -W:]  # oldest .. newest
-        newest = mx.take_along_axis(keys, order[..., None], axis=1)
         shift = engine.seen % W  # the token at position p is row p % W
-        self.ring = mx.roll(newest, shift, axis=1) if shift else newest
-        logits = (self.ring @ keys.swapaxes(-1, -2)) * engine.scale
+        self.slots = mx.roll(order, shift, axis=1) if shift else order
+        ring = mx.take_along_axis(keys, self.slots[..., None], axis=1)
+        logits = (ring @ keys.swapaxes(-1, -2)) * engine.scale
         self.M = logits.max(axis=-1, keepdims=True)
         self.E = mx.exp(logits - self.M)
         self.kf = keys if stored_keys.dtype != mx.float32 else None
         self.window, self.seen, self.scale = W, engine.seen, engine.scale
+        self.t = mx.array(engine.seen, mx.int32)  # the next token's position, kept by the step
+        c = engine.config
+        self.fn = _step_fn(engine.rule, self.kf is not None, c.n_sink, c.recent, self.scale)
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.ring, self.E, self.M, self.kf)
+        arrays = (self.slots, self.E, self.M, self.kf, self.t)
         return sum(int(a.nbytes) for a in arrays if a is not None)
 
     def valid(self, engine) -> bool:
@@ -154,13 +158,12 @@ class ProxyState:
 def step(engine, storage_kv, state: ProxyState, k_new, v_new):
     """Token ``engine.seen``: evict the due slot and write the token there. Returns the new
     (keys, values) storage; the engine's positions and ``state`` follow."""
-    c, t = engine.config, engine.seen
+    t = engine.seen
     K, V = storage_kv
     mirrored = state.kf is not None
-    fn = _step_fn(engine.rule, mirrored, c.n_sink, c.recent, state.scale)
-    K, V, kf, engine.positions, state.ring, state.E, state.M = fn(
-        K, V, state.kf if mirrored else E_DUMMY, engine.positions, state.ring, state.E, state.M,
-        k_new, v_new, mx.array(t, mx.int32))
+    K, V, kf, engine.positions, state.slots, state.E, state.M, state.t = state.fn(
+        K, V, state.kf if mirrored else E_DUMMY, engine.positions, state.slots, state.E, state.M,
+        k_new, v_new, state.t)
     state.kf = kf if mirrored else None
     if engine.unpinned is not None:
         engine.unpinned = engine.unpinned.arrived(t, 1, engine.pins)
