@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -10,9 +11,18 @@ from .chat_items import said_by
 from .live import cluster_interval
 from .output import markdown_table
 from .plots import plt
-from .recall_report import wilson
 
 FULL = "kvcache"
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
+    """95% Wilson score interval of a binomial proportion k/n (None for n = 0)."""
+    if n == 0:
+        return None
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def _share(k: int, n: int) -> dict:
@@ -20,15 +30,16 @@ def _share(k: int, n: int) -> dict:
     return {"k": k, "n": n, "rate": k / n if n else None, "ci95": ci}
 
 
-def summarize(chats: list[dict], labels: list[str]) -> dict:
-    """Per arm: recall over all questions; recall over the questions the full cache answers
-    (the share of the full cache's items kept); mean retention of the value's tokens; bytes
+def summarize(chats: list[dict], labels: list[str], full: str = FULL) -> dict:
+    """Per arm: recall over all questions; recall over the questions the full cache (arm
+    ``full``) answers (the share of the full cache's items kept); mean retention of the value's
+    tokens, per layer (mean over questions) and in its worst layer; bytes
     and tokens held; answers split by updated / never-updated facts; ``fragment``: of the full
     cache's items, the wrong answers that begin with the value's first 3 letters ("Ansel" for
     Anselm, "852" for 8521): the start of the value was kept, its end was not."""
     out = {}
     full_ok = [(c["index"], i) for c in chats for i, ok in
-               enumerate(c["arms"].get(FULL, {}).get("correct", [])) if ok]  # fmt: skip
+               enumerate(c["arms"].get(full, {}).get("correct", [])) if ok]  # fmt: skip
     updated = {(c["index"], i): q["updated"] for c in chats for i, q in enumerate(c["questions"])}
     for label in labels:
         runs = [(c, c["arms"][label]) for c in chats if label in c["arms"]]
@@ -37,6 +48,8 @@ def summarize(chats: list[dict], labels: list[str]) -> dict:
         k = sum(ok for *_, ok, _ in flags)
         kept = sum(ok for ci, i, ok, _ in flags if (ci, i) in set(full_ok))
         ret = [sum(x) / len(x) for _, r in runs for x in r["retention"] if x]
+        per = [x for _, r in runs for x in r["retention"] if x]
+        layers = [sum(col) / len(col) for col in zip(*per, strict=True)]
         full_kept = [(ci, i) for ci, i in full_ok if not updated[(ci, i)]]
         out[label] = {
             "all": _share(k, len(flags)),
@@ -48,6 +61,7 @@ def summarize(chats: list[dict], labels: list[str]) -> dict:
                                       len(full_ok) - len(full_kept)),
             "updated": _share(sum(ok for *_, ok, u in flags if u), sum(u for *_, u in flags)),
             "retention": sum(ret) / len(ret) if ret else None,
+            "layers": layers, "worst_layer": min(layers, default=None),
             "mib": max((r["nbytes"] for _, r in runs), default=0) / 2**20,
             "tokens": max((r["tokens"] or 0 for _, r in runs), default=0) or None,
             "size": max((r.get("size", 0) for _, r in runs), default=0),
@@ -124,9 +138,11 @@ def table(summary: dict) -> str:
                "value tokens kept", "a fragment of the value"]
     rows = []
     arms = [(label, s) for label, s in summary.items() if not label.startswith("_")]
-    for label, s in sorted(arms, key=lambda a: (a[0].split("@")[0] not in (FULL, "nofact"),
+    for label, s in sorted(arms, key=lambda a: (a[0].split("@")[0] not in (FULL, "full",
+                                                                            "nofact"),
                                                   a[1].get("size", 0))):
-        ret = "-" if s["retention"] is None else f"{100 * s['retention']:.0f}%"
+        ret = "-" if s["retention"] is None else (f"{100 * s['retention']:.0f}% (worst layer "
+                                                  f"{100 * s['worst_layer']:.0f}%)")
         rows.append([f"`{label}`", s["tokens"] or "all", f"{s['mib']:.2f}", _pct(s["all"]),
                      _pct(s["of_full"]), _pct(s.get("of_full_kept", _share(0, 0))),
                      _pct(s.get("of_full_updated", _share(0, 0))), ret,
