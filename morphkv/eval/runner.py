@@ -68,10 +68,10 @@ def run(ev: Evaluation, model=None, tok=None) -> dict:
     start, load = time.perf_counter(), os.getloadavg()
     result = {"benchmark": ev.name, "args": vars(args), "environment": environment(),
               ev.key: []}
-    records = result[ev.key]
+    records, items = result[ev.key], ev.items(model, tok)  # then the steps: items may plan
     total = ev.steps(arms)
     bar = Progress(total, ev.name, getattr(args, "quiet", False) or not total, every=5.0)
-    for item in ev.items(model, tok):
+    for item in items:
         minutes = getattr(args, "max_minutes", 0)
         if minutes and time.perf_counter() - start > 60 * minutes:
             print(f"[{ev.name}] --max-minutes reached", file=sys.stderr)
