@@ -10,7 +10,7 @@ import pytest
 from morphkv.eval import fidelity as F
 from morphkv.eval import generation as G
 from morphkv.eval import texts as T
-from morphkv.eval.arms import Arm, grid_specs
+from morphkv.eval.arms import Arm, grid_arms
 from morphkv.eval.metrics import distinct, repetition_rate
 from morphkv.eval.models import tiny_llama
 
@@ -67,7 +67,7 @@ def test_arm_options_map_onto_any_config_field():
     cfg = arm.config(128)
     assert (cfg.morphkv_window, cfg.morphkv_n_sink, cfg.seed, cfg.scoring) == (32, 2, 7, "proxy")
     assert cfg.morphkv_budget == 128 and arm.name == "morphkv_mean_w32_n_sink2_seed7"
-    grid = grid_specs("morphkv", window=[8, 32], scoring=["attention"])
+    grid = grid_arms("morphkv", ["window=8/32", "scoring=attention"])
     assert grid == ["morphkv:window=8:scoring=attention", "morphkv:window=32:scoring=attention"]
     assert [Arm.parse(g).name for g in grid] == ["morphkv_mean_w8_attn", "morphkv_mean_w32_attn"]
     with pytest.raises(ValueError, match="no KVCacheConfig field"):
