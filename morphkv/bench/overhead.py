@@ -100,10 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Overhead(Evaluation):
     """Contexts x arms, the arms interleaved ``--repeats`` times at each context."""
 
-    name, key, pngs = NAME, "contexts", ("",)
-
-    def stem(self) -> str:
-        return f"{NAME}{'_quick' if self.args.quick else ''}"
+    name, key, pngs, stem_of = NAME, "contexts", ("",), "overhead{_quick}"
 
     def arms(self) -> list:
         a = self.args

@@ -216,10 +216,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Answers(Evaluation):
     """Long answers the full cache wrote, read back by every arm."""
 
-    name, key, command = "answers", "texts", "morphkv eval recall"
-
-    def stem(self) -> str:
-        return self.args.stem or f"answers_{self.args.split}"
+    name, key, command, stem_of = "answers", "texts", "morphkv eval recall", "answers_{split}"
 
     def arms(self) -> list:
         try:

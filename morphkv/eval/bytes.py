@@ -83,9 +83,7 @@ class Bytes(Evaluation):
     """Texts x token counts x arms: KL to the unquantized full cache, bytes held."""
 
     name, key, command, pngs = NAME, "rows", "morphkv eval fidelity --mode bytes", ("",)
-
-    def stem(self) -> str:
-        return self.args.stem or f"{NAME}_{self.args.split}"
+    stem_of = "bytes_{split}"
 
     def arms(self) -> list:
         found = cells(self.args.arms, 0)  # spec+pin: the conversations' user turns pinned
@@ -210,10 +208,8 @@ class State(Evaluation):
     of all bytes held. Every byte that is state is a token recency holds instead.
     """
 
-    name, key, command = "state", "rows", "morphkv eval fidelity --mode state"
-
-    def stem(self) -> str:
-        return "state_bytes"
+    name, key, command, stem_of = "state", "rows", "morphkv eval fidelity --mode state", \
+        "state_bytes"
 
     def arms(self) -> list:
         self.specs = (self.args.arms or STATE_ARMS).format(m=self.args.memory).split(",")

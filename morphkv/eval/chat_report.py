@@ -10,7 +10,7 @@ from pathlib import Path
 from .chat_items import said_by
 from .live import cluster_interval
 from .output import markdown_table
-from .plots import plt
+from .plots import plt, save
 
 FULL = "kvcache"
 
@@ -154,69 +154,6 @@ def table(summary: dict) -> str:
     return markdown_table(headers, rows) + note
 
 
-def finish(fig, ax, xlabel: str, ylabel: str, path: Path) -> None:
-    """Labels, a 0-100% axis, grid and legend; saved as a PNG and closed."""
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(-5, 105)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt().close(fig)
-
-
-EDGES = (1, 2, 3, 4, 6)
-BINS = ["<1", "1-2", "2-3", "3-4", "4-6", ">=6"]
-
-
-def by_distance(chats: list[dict], label: str, default_size: int, edges=EDGES) -> list:
-    """[(bin, k, n)]: the arm's answers to the full cache's items, binned by the statement's
-    distance in units of the tokens the arm holds per KV head: below 1, 1-2, 2-3, 3-4, 4-6, 6
-    and more (below 1: the statement is still within reach of a recency window that size)."""
-    bins: dict[int, list[int]] = {}
-    for c in chats:
-        full, run = c["arms"].get(FULL), c["arms"].get(label)
-        if not full or not run:
-            continue
-        size = run.get("tokens") or run.get("size") or default_size
-        for q, f, ok in zip(c["questions"], full["correct"], run["correct"], strict=True):
-            if f:
-                b = sum(q["distance"] / size >= e for e in edges)
-                bins.setdefault(b, [0, 0])
-                bins[b][0] += ok
-                bins[b][1] += 1
-    return [(b, k, n) for b, (k, n) in sorted(bins.items())]
-
-
-def distance_plot(chats: list[dict], path: Path, default_size: int, edges=EDGES) -> None:
-    """Recall of the full cache's items against statement distance / the tokens an arm holds,
-    per method (its sizes pooled), with 95% intervals."""
-    names = BINS
-    labels = [lab for lab in (chats[0]["arms"] if chats else {}) if lab.split("@")[0]
-              not in (FULL, "nofact")]
-    fig, ax = plt().subplots(figsize=(7.5, 4.5))
-    methods = list(dict.fromkeys(lab.split("@")[0] for lab in labels))
-    for j, method in enumerate(methods):
-        tally: dict[int, list[int]] = {}
-        for lab in labels:
-            if lab.split("@")[0] == method:
-                for b, k, n in by_distance(chats, lab, default_size, edges):
-                    tally.setdefault(b, [0, 0])
-                    tally[b][0] += k
-                    tally[b][1] += n
-        xs = sorted(tally)
-        rates = [tally[b][0] / tally[b][1] for b in xs]
-        cis = [wilson(*tally[b]) for b in xs]
-        err = [[100 * max(0.0, r - lo) for r, (lo, _) in zip(rates, cis, strict=True)],
-               [100 * max(0.0, hi - r) for r, (_, hi) in zip(rates, cis, strict=True)]]
-        ax.errorbar([x + 0.06 * j for x in xs], [100 * r for r in rates], yerr=err, marker="o",
-                    capsize=3, label=method)
-    ax.set_xticks(range(len(names)), names)
-    finish(fig, ax, "statement distance / tokens the cache holds per KV head",
-           "recall of the full cache's items (%)", path)
-
-
 def plot(summary: dict, path: Path) -> None:
     """Recall of the full cache's items per arm, with its 95% interval, against bytes held."""
     fig, ax = plt().subplots(figsize=(7.5, 4.5))
@@ -225,5 +162,8 @@ def plot(summary: dict, path: Path) -> None:
             r, (lo, hi) = s["of_full"]["rate"], s["of_full"]["ci95"]
             err = [[100 * max(0.0, r - lo)], [100 * max(0.0, hi - r)]]  # rounding: never < 0
             ax.errorbar([s["mib"]], [100 * r], yerr=err, marker="o", capsize=3, label=label)
-    finish(fig, ax, "bytes held over all layers (MiB)", "recall of the full cache's items (%)",
-           path)
+    ax.set(xlabel="bytes held over all layers (MiB)", ylim=(-5, 105),
+           ylabel="recall of the full cache's items (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    save(fig, path, 120)

@@ -49,9 +49,6 @@ class LongChats(Chats):
 
     name, key, command, pngs = NAME, "items", "morphkv eval recall --data longchat", ("",)
 
-    def stem(self) -> str:
-        return self.args.stem or NAME
-
     def arms(self) -> list:
         """The full cache (at the largest budget) first, then every other arm at each budget."""
         arms, budgets = _settings(self.args)
