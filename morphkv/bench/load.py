@@ -110,36 +110,36 @@ def drive_mixed(users: list[User], total: int, seconds: float, with_8k: bool = T
     return records, time.perf_counter() - t0
 
 
+def pct(values, q: float):
+    """The ``q`` quantile of ``values`` (the element at ``int(q * n)``), None when empty."""
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
 def by_class(records: list[dict]) -> dict:
     """Per request class (short, long2k, long8k): count, failed, p50/p95 total, median TTFT."""
     out = {}
     for name, kinds in CLASSES.items():
         rows = [r for r in records if r["kind"] in kinds]
-        done = sorted(r["end"] - r["start"] for r in rows if r["ok"])
-        ttft = sorted(r["ttft_s"] for r in rows if r["ok"] and r.get("ttft_s") is not None)
-        out[name] = {
-            "requests": len(rows), "failed": len(rows) - len(done),
-            "p50_s": done[len(done) // 2] if done else None,
-            "p95_s": done[min(len(done) - 1, int(0.95 * len(done)))] if done else None,
-            "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None}
+        done = [r["end"] - r["start"] for r in rows if r["ok"]]
+        out[name] = {"requests": len(rows), "failed": len(rows) - len(done),
+                     "p50_s": pct(done, 0.5), "p95_s": pct(done, 0.95), "ttft_p50_s": pct(
+                         [r["ttft_s"] for r in rows if r["ok"] and r.get("ttft_s") is not None],
+                         0.5)}
     return out
 
 
 def figures(records: list[dict], wall: float, budget: int | None = None) -> dict:
     good = [r for r in records if r["kind"] != "bad"]
     done = [r for r in good if r["ok"]]
-    lat = sorted(r["end"] - r["start"] for r in done if r["kind"] != "drop")
-
-    def pct(q):
-        return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else None
-
+    lat = [r["end"] - r["start"] for r in done if r["kind"] != "drop"]
     bad = [r for r in records if r["kind"] == "bad"]
     tokens = sum(r["tokens"] for r in done)
     out = {
         "requests": len(records), "wall_s": wall, "tokens": tokens,
         "tokens_per_s": tokens / wall if wall else 0.0,
         "requests_per_s": len(done) / wall if wall else 0.0,
-        "p50_s": pct(0.5), "p95_s": pct(0.95),
+        "p50_s": pct(lat, 0.5), "p95_s": pct(lat, 0.95),
         "failed_good": len(good) - len(done),
         "responses_5xx": sum(1 for r in records if (r["status"] or 0) >= 500),
         "bad": len(bad), "bad_4xx": sum(1 for r in bad if r["ok"]),
