@@ -27,13 +27,12 @@ import shlex
 import subprocess
 import sys
 import time
-import urllib.request
 
 import numpy as np
 
 from .chat_answers import questions
 from .chat_items import build_chat
-from .process import free_port, stop_process
+from .process import free_port, stop_process, wait_healthy
 
 NOFACT = ":nofact"  # an arm name ending so runs the chats without their facts
 MLX_LM = "mlx_lm"  # --live mlx_lm: mlx_lm's own cache (make_prompt_cache of the bare model)
@@ -148,17 +147,8 @@ def start_server(model: str | None, flags: list[str], log) -> tuple[subprocess.P
            "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            status = stop_process(proc)
-            raise SystemExit(f"morphkv: error: the server ({' '.join(cmd)}) did not start "
-                             f"(status {status})")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return proc, url, " ".join(cmd)
-        except OSError:
-            time.sleep(0.5)
+    wait_healthy(proc, url, f"the server ({' '.join(cmd)})")
+    return proc, url, " ".join(cmd)
 
 
 def served_chat(model_name: str | None, flags: list[str], chats, args, log) -> list[dict]:
