@@ -29,6 +29,7 @@ import time
 from ..core.pins import pin
 from .arms import cells
 from .live import cluster_interval
+from .models import greedy_tokens
 from .output import markdown_table, out_dir, write_json
 from .runner import Evaluation
 from .runner import run as run_evaluation
@@ -51,19 +52,8 @@ def prompts(split: str) -> list[str]:
 
 def write(model, tok, ids: list[int], caches, length: int) -> list[int]:
     """Greedy tokens after ``ids`` (repetition penalty ``PENALTY``), up to an end token."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
-    ends, out = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id]), []
-    for token, _ in generate_step(mx.array(ids), model, prompt_cache=caches,
-                                  sampler=make_sampler(0.0), max_tokens=length,
-                                  logits_processors=make_logits_processors(
-                                      repetition_penalty=PENALTY)):
-        out.append(int(token))
-        if out[-1] in ends:
-            break
-    return out
+    ends = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])
+    return greedy_tokens(model, caches, ids, length, penalty=PENALTY, ends=ends)
 
 
 def free_repetition(model, tok, text: dict, arms, tokens: int) -> dict:
