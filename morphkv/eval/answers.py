@@ -28,6 +28,7 @@ import time
 
 from ..core.pins import pin
 from .arms import cells
+from .flags import add_flags, standard
 from .live import cluster_interval
 from .models import greedy_tokens
 from .output import markdown_table, out_dir, write_json
@@ -190,15 +191,12 @@ def table(summary: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", default=None, help="model (default: the embedded SmolLM2)")
+    add_flags(parser, standard("answers", "model", "chunk", "out", "stem"))
     add("--split", choices=("tune", "test"), default="tune")
     add("--arms", default="kvcache@128,recommended:memory=f16+pin@128",
         help="comma-separated arm specs, each spec[+pin][@tokens] (morphkv.eval.arms)")
     add("--texts", type=int, default=6, help="answers (prompts of the split) to use")
     add("--length", type=int, default=1024, help="tokens the full cache writes per answer")
-    add("--chunk", type=int, default=256, help="read-back chunk (exact either way)")
-    add("--out", default=None, help="output folder (default results/answers)")
-    add("--stem", default=None, help="output file stem (default answers_<split>)")
     add("--free", type=int, default=0, help="also let every arm write this many tokens itself "
         "and measure their 10-gram repetition (default 0: not run)")
 

@@ -36,6 +36,7 @@ from .arms import Arm, cells
 from .asking import ask, until_end
 from .chat_items import build_chat, build_said_chat, encode, judge, tokenize
 from .chat_report import FULL, plot, said_report, summarize, table
+from .flags import add_flags, standard
 from .output import environment, out_dir, write_json
 from .runner import Evaluation
 from .runner import run as run_evaluation
@@ -104,23 +105,17 @@ class Chats(Evaluation):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", default=None, help="model (default: the embedded SmolLM2)")
+    add_flags(parser, standard(NAME, "model", "first", "seed", "n_sink", "chunk", "out", "stem",
+                               "quiet"))
     add("--split", choices=("tune", "test"), default="test")
     add("--arms", default=DEFAULT_ARMS,
         help="comma-separated arm specs (morphkv.eval.arms; memory=f16: the bytes of a float16 "
         f"cache of --budget tokens) and 'nofact' (default {DEFAULT_ARMS})")
     add("--budget", type=int, default=128, help="token count of the arms (default 128)")
     add("--chats", type=int, default=14, help="chats, three questions each (default 14)")
-    add("--first", type=int, default=0, help="index of the first chat")
-    add("--seed", type=int, default=0)
     add("--min-distance", type=float, default=3.0,
         help="statements at least this many budgets back (default 3)")
     add("--max-tokens", type=int, default=6, help="answer tokens (default 6)")
-    add("--n-sink", type=int, default=4)
-    add("--chunk", type=int, default=256, help="prefill chunk (exact either way)")
-    add("--out", default=None, help="output folder (default results/chatrecall)")
-    add("--stem", default=None, help="output file stem (default chatrecall_<split>_<budget>)")
-    add("--quiet", action="store_true")
     live = parser.add_argument_group("live conversations (morphkv.eval.live)")
     live.add_argument("--live", choices=("serve", "mlx_lm"), default=None,
                       help="run the chats live through morphkv serve + the openai client, or "

@@ -22,6 +22,7 @@ from .arms import Cell, cells
 from .asking import ask
 from .chat_recall import Chats
 from .chat_report import summarize, table
+from .flags import add_flags, standard
 from .recall_items import build_item, build_natural_item, is_correct
 from .runner import run as run_evaluation
 
@@ -100,16 +101,13 @@ def make_item(tok, args, index: int):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--quick", action="store_true", help="smoke run (seconds): 2 short items")
-    add("--out", default=None, help="output folder (default results/recall)")
-    add("--model", default=None, help="model (default: the embedded SmolLM2)")
+    add_flags(parser, standard(NAME, "model", "first", "seed", "n_sink", "chunk", "out", "stem",
+                               "quiet", "max_minutes"))
     add("--arms", default=DEFAULT_ARMS,
         help="comma-separated arm specs, method[:field=value]... with KVCacheConfig fields "
         f"(morphkv_ prefix optional) or presets (default {DEFAULT_ARMS})")
     add("--budgets", default="128", help="comma-separated budgets (default 128)")
     add("--items", type=int, default=48, help="items to build (default 48)")
-    add("--first", type=int, default=0, help="index of the first item")
-    add("--max-minutes", type=float, default=0, help="stop adding items after this")
-    add("--seed", type=int, default=0)
     add("--split", choices=("tune", "test"), default="test")
     add("--set", choices=("canned", "natural"), default="canned",
         help="items (recall_items): canned (short fixed replies, one fact) or natural (long "
@@ -118,10 +116,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--distance", type=int, default=0,
         help="min tokens after the fact (0: 3 x the largest budget)")
     add("--max-tokens", type=int, default=8, help="answer tokens generated (default 8)")
-    add("--n-sink", type=int, default=4)
-    add("--chunk", type=int, default=256, help="prefill chunk (exact either way)")
-    add("--stem", default=None, help="output file name stem (default recall)")
-    add("--quiet", action="store_true")
 
 
 def _settings(args: argparse.Namespace) -> tuple[list, list[int]]:
