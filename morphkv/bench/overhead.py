@@ -3,11 +3,11 @@
 Arms are interleaved and repeated so machine noise hits all of them alike; by default mlx_lm's
 ``KVCache`` (grows without bound) and ``RotatingKVCache(budget, keep=4)``, MorphKV with the
 model's real queries and with keys as proxy queries (both exact chunks through the attention
-hook). Prefill: a ``--prompt-tokens`` prompt of Python-docs prose in chunks of
-``--prefill-step`` (mlx_lm's default 2048); decode: ``--decode`` greedy tokens after it,
-per-token median. Ratios: prefill vs ``kvcache``, decode vs ``rotating``. ``--contexts
-1024,4096,8192`` repeats the measurement at each prompt length and prints one table with the
-ratios the speed targets name (prefill and decode vs ``rotating``, decode vs ``kvcache``).
+hook). Prefill: a prompt of Python-docs prose of each of ``--contexts`` tokens (default 2048)
+in chunks of ``--prefill-step`` (mlx_lm's default 2048); decode: ``--decode`` greedy tokens
+after it, per-token median. ``--contexts 1024,4096,8192`` repeats the measurement at each
+prompt length (an item of the shared runner) and prints one table with the ratios the speed
+targets name (prefill and decode vs ``rotating``, decode vs ``kvcache``).
 Beside wall time each figure has its CPU time (``process_time``: all threads of this
 process), which other processes' load changes far less on a shared machine. Memory at each
 context: MLX peak memory over the arm's run and the bytes its caches hold at the end
@@ -85,9 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         *standard(NAME, "model", "out", "no_plot"),
         ("--budget", 512, "tokens kept per KV head"),
-        ("--prompt-tokens", 2048, "prompt length"),
-        ("--contexts", [0], "prompt lengths to measure in turn, e.g. 1024,4096,8192 (0: "
-         "--prompt-tokens); each one item of the shared runner"),
+        ("--contexts", [2048], "prompt lengths to measure in turn, e.g. 1024,4096,8192"),
         ("--prefill-step", 2048, "prefill chunk"),
         ("--decode", 48, "decode steps"),
         ("--repeats", 2, "interleaved repeats"),
@@ -106,21 +104,19 @@ class Overhead(Evaluation):
         a = self.args
         if a.quick:
             a.model = a.model or RANDOM_TINY
-            a.budget, a.prompt_tokens, a.prefill_step = 32, 128, 64
-            a.decode, a.repeats = 8, 1
+            a.budget, a.prefill_step, a.decode, a.repeats = 32, 64, 8, 1
+            a.contexts = [128] if a.contexts == [2048] else a.contexts
         return list(zip(a.arms, parse_arms([ALIASES.get(x, x) for x in a.arms]), strict=True))
 
     def items(self, model, tok):
         text = prose_text(PROSE_TOPICS)
         self.ids = tok.encode(text) if tok is not None else [b % 256 for b in text.encode()]
-        self.contexts = [c or self.args.prompt_tokens for c in self.args.contexts] or [
-            self.args.prompt_tokens]
-        while len(self.ids) < max(self.contexts):  # long contexts: the prose again
+        while len(self.ids) < max(self.args.contexts):  # long contexts: the prose again
             self.ids = self.ids + self.ids
-        return self.contexts
+        return self.args.contexts
 
     def steps(self, arms) -> int:
-        return self.args.repeats * len(arms) * len(self.contexts)
+        return self.args.repeats * len(arms) * len(self.args.contexts)
 
     def measure(self, model, tok, context, arms, bar) -> dict:
         prompt, runs = mx.array(self.ids[:context]), {name: [] for name, _ in arms}
