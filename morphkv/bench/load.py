@@ -52,22 +52,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- the load -------------------------------------------------------------------------------
-def drive(users: list[User], rounds: int, seconds: float, kinds=None) -> tuple[list, float]:
-    """Every user runs ``rounds`` steps in its own thread, stopping early at ``seconds``."""
+def drive(users: list[User], seconds: float, request, join_s: float = 300,
+          label: str = "", total: int = 0) -> tuple[list, float]:
+    """Every user, in its own thread, runs ``request(user, n)`` for n = 0, 1, ... until it
+    returns None or ``seconds`` pass; with ``label``, a progress line every 25 requests."""
     records, lock = [], threading.Lock()
-    deadline = time.monotonic() + seconds
+    deadline, t0 = time.monotonic() + seconds, time.perf_counter()
 
     def work(u: User):
-        for n in range(rounds):
-            if time.monotonic() > deadline:
-                return
-            r = u.step(n, kinds)
+        n = 0
+        while time.monotonic() < deadline and (r := request(u, n)) is not None:
+            n += 1
             with lock:
                 records.append(r)
+                if label and len(records) % 25 == 0:
+                    bad = sum(not x["ok"] for x in records if x["kind"] != "bad")
+                    print(f"    {label} {len(records)}/{total} requests, "
+                          f"{time.perf_counter() - t0:.0f} s, failed good {bad}", flush=True)
 
-    t0 = time.perf_counter()
-    in_threads(work, users, seconds + 300)
+    in_threads(work, users, seconds + join_s)
     return records, time.perf_counter() - t0
+
+
+def rounds(users: list[User], n: int, seconds: float, kinds=None) -> tuple[list, float]:
+    """Every user runs ``n`` steps of its script (``kinds``: of these kinds only)."""
+    return drive(users, seconds, lambda u, k: u.step(k, kinds) if k < n else None)
 
 
 SHORT = ["chat", "stream", "completion", "turn", "chat", "drop", "stream", "bad"]
@@ -89,25 +98,14 @@ def drive_mixed(users: list[User], total: int, seconds: float, with_8k: bool = T
                 label: str = "") -> tuple[list, float]:
     """The users take the next request number (``kind_of``) until ``total`` are taken or
     ``seconds`` pass; a progress line every 25 requests."""
-    records, lock = [], threading.Lock()
-    counter, deadline, t0 = iter(range(total)), time.monotonic() + seconds, time.perf_counter()
+    counter, lock = iter(range(total)), threading.Lock()
 
-    def work(u: User):
-        while time.monotonic() < deadline:
-            with lock:
-                k = next(counter, None)
-            if k is None:
-                return
-            r = getattr(u, f"_{kind_of(k, with_8k)}")(k)
-            with lock:
-                records.append(r)
-                if len(records) % 25 == 0:
-                    bad = sum(not x["ok"] for x in records if x["kind"] != "bad")
-                    print(f"    {label} {len(records)}/{total} requests, "
-                          f"{time.perf_counter() - t0:.0f} s, failed good {bad}", flush=True)
+    def request(u: User, _):
+        with lock:
+            k = next(counter, None)
+        return None if k is None else getattr(u, f"_{kind_of(k, with_8k)}")(k)
 
-    in_threads(work, users, seconds + 1200)
-    return records, time.perf_counter() - t0
+    return drive(users, seconds, request, 1200, label, total)
 
 
 def pct(values, q: float):
@@ -200,11 +198,11 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
         top = max(args.levels)
         drive_mixed(mk(top, patient), 3 * top, args.level_seconds * 2, False, "warm-up")
         marks["warm"] = time.time()
-        phases["short_8"] = figures(*drive(mk(8), args.short, args.level_seconds, ["chat"]))
+        phases["short_8"] = figures(*rounds(mk(8), args.short, args.level_seconds, ["chat"]))
         print(f"  {kind} short x8: {phases['short_8']['tokens_per_s']:.1f} tok/s", flush=True)
         marks["short_8"] = time.time()
         for n in args.levels:
-            phases[f"load_{n}"] = figures(*drive(mk(n), args.rounds, args.level_seconds),
+            phases[f"load_{n}"] = figures(*rounds(mk(n), args.rounds, args.level_seconds),
                                           args.budget)
             marks[f"load_{n}"] = time.time()
             f = phases[f"load_{n}"]
@@ -222,7 +220,7 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
                   f" 5xx {f['responses_5xx']}, bad 4xx {f['bad_4xx']}/{f['bad']}, "
                   f"{loadavg()}", flush=True)
         phases["conversations_8"] = figures(
-            *drive(mk(8), args.turns, args.level_seconds, ["turn"]), args.budget)
+            *rounds(mk(8), args.turns, args.level_seconds, ["turn"]), args.budget)
         marks["end"] = time.time()
         phases["probe"] = probe(server)
     finally:
