@@ -49,6 +49,7 @@ class LongChats(Chats):
     """Long chats with one early fact (``recall_items``: canned or natural), per budget."""
 
     name, key, command, pngs = NAME, "items", "morphkv eval recall --data longchat", ("",)
+    stem_of = "{name}"
 
     def arms(self) -> list:
         """The full cache (at the largest budget) first, then every other arm at each budget."""
