@@ -5,14 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
 import pytest
 
 from morphkv.eval import fidelity as F
 from morphkv.eval import generation as G
 from morphkv.eval import texts as T
-from morphkv.eval.arms import Arm, grid_specs
-from morphkv.eval.forced import Feeder
+from morphkv.eval.arms import Arm, grid_arms
 from morphkv.eval.metrics import distinct, repetition_rate
 from morphkv.eval.models import tiny_llama
 
@@ -54,21 +52,6 @@ def test_fidelity_quick_writes_json_and_png(tiny, tmp_path):
             assert r["kv_bytes_kept"] < max(x["kv_bytes_kept"] for x in full)
 
 
-def test_feeding_modes_agree_with_token_by_token(tiny):
-    """Exact chunks must give the token-by-token numbers."""
-    toks = [int(x) for x in np.random.default_rng(0).integers(0, 256, 110)]
-    arms = ["streaming_llm", "h2o", "morphkv:mean:8", "random", "morphkv:max:8:attn"]
-    out = {}
-    for mode in ("step", "chunked"):
-        res = F.run_fidelity(tiny, {"t": toks}, arms, [24], feeder=Feeder(mode, 32), quiet=True)
-        out[mode] = [(r["arm"], r["kl"], r["top1"], r["positions"]) for r in res["rows"]]
-    for a, b in zip(out["step"], out["chunked"], strict=True):
-        assert a[0] == b[0] and a[2:] == b[2:]
-        assert a[1] == pytest.approx(b[1], rel=1e-3, abs=1e-6)
-    kls = {a: kl for a, kl, _, _ in out["step"]}
-    assert kls["full"] < 1e-5 and min(v for k, v in kls.items() if k != "full") > 1e-4
-
-
 def test_arm_parsing():
     arm = Arm.parse("morphkv:max:32:attn")
     assert (arm.method, arm.fusion, arm.window, arm.scoring) == ("morphkv", "max", 32, "attention")
@@ -84,7 +67,7 @@ def test_arm_options_map_onto_any_config_field():
     cfg = arm.config(128)
     assert (cfg.morphkv_window, cfg.morphkv_n_sink, cfg.seed, cfg.scoring) == (32, 2, 7, "proxy")
     assert cfg.morphkv_budget == 128 and arm.name == "morphkv_mean_w32_n_sink2_seed7"
-    grid = grid_specs("morphkv", window=[8, 32], scoring=["attention"])
+    grid = grid_arms("morphkv", ["window=8/32", "scoring=attention"])
     assert grid == ["morphkv:window=8:scoring=attention", "morphkv:window=32:scoring=attention"]
     assert [Arm.parse(g).name for g in grid] == ["morphkv_mean_w8_attn", "morphkv_mean_w32_attn"]
     with pytest.raises(ValueError, match="no KVCacheConfig field"):
@@ -113,11 +96,12 @@ def test_equal_bytes_budget_is_measured(tiny):
     assert 37 <= budget < 96 and held <= target
 
 
-def test_fidelity_equal_bytes_rows(tiny):
-    toks = [int(x) for x in np.random.default_rng(1).integers(0, 256, 120)]
-    res = F.run_fidelity(tiny, {"t": toks}, ["streaming_llm", "morphkv:attn"], [96],
-                         quiet=True, equal_bytes="streaming_llm")
-    rows = {r["arm"]: r for r in res["rows"] if r["arm"] != "full"}
+def test_fidelity_equal_bytes_rows(tiny, tmp_path):
+    args = _args(F, "--quiet", "--out", str(tmp_path), "--texts", "prose", "--prose-tokens",
+                 "120", "--budgets", "96", "--arms", "streaming_llm,morphkv:attn",
+                 "--equal-bytes", "streaming_llm", "--no-full-arm")
+    res = F.execute(args, tiny, ByteTokenizer())
+    rows = {r["arm"]: r for r in res["rows"]}
     assert rows["streaming_llm_w8"]["arm_budget"] == 96
     assert rows["morphkv_mean_w8_attn"]["arm_budget"] < 96
     morph, stream = rows["morphkv_mean_w8_attn"], rows["streaming_llm_w8"]

@@ -21,7 +21,7 @@ def test_overhead_records_time_and_memory_per_context(tmp_path):
 
     args = _parse(overhead, "--quick", "--contexts", "64,600", "--out", str(tmp_path))
     assert overhead.run(args) == 0
-    by_context = json.loads((tmp_path / "overhead_quick.json").read_text())["by_context"]
+    by_context = json.loads((tmp_path / "overhead_quick.json").read_text())["summary"]
     assert set(by_context) == {"64", "600"}
     for c in ("64", "600"):
         kv = {arm: m["kv_mib"] for arm, m in by_context[c].items()}
@@ -39,8 +39,9 @@ def test_overhead_quick(tmp_path):
     parse = _parse
     assert overhead.run(parse(overhead, "--quick", "--out", str(tmp_path))) == 0
     data = json.loads((tmp_path / "overhead_quick.json").read_text())
-    assert set(data["median"]) == {"kvcache", "rotating", "morphkv", "proxy"}
-    assert all(m["decode_ms"] > 0 for m in data["median"].values())
+    (median,) = data["summary"].values()
+    assert set(median) == {"kvcache", "rotating", "morphkv", "proxy"}
+    assert all(m["decode_ms"] > 0 for m in median.values())
 
 
 def test_kernels_counts_a_block_of_decode_steps(tmp_path):

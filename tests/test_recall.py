@@ -1,6 +1,5 @@
 """``morphkv eval recall --data longchat``: arm specs, scoring, items, intervals, retention, and
-smoke runs on the
-embedded model (answers and the prefill-only screen)."""
+a smoke run on the embedded model."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from morphkv.cli import main
 from morphkv.eval import asking, runner
 from morphkv.eval import recall as R
 from morphkv.eval import recall_items as I
-from morphkv.eval.recall_report import wilson
+from morphkv.eval.chat_report import wilson
 
 LONGCHAT = ["eval", "recall", "--data", "longchat"]  # the long-chat fact recall (was eval recall)
 
@@ -144,37 +143,23 @@ def test_quick_run_writes_table_json_and_png(tmp_path, capsys, one_load):
     out = tmp_path / "recall"
     assert main([*LONGCHAT, "--quick", "--quiet", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "| streaming_llm |" in printed and "budget 32" in printed and "95% CI" in printed
+    assert "| `streaming_llm@32` |" in printed and "Wilson" in printed
     result = json.loads((out / "recall.json").read_text())
     assert (out / "recall.png").stat().st_size > 0
-    summary = result["summary"]
-    assert summary["built"] == 2 and summary["full_correct"] >= 1
-    rows = {r["arm"]: r for r in summary["rows"]}
-    assert set(rows) == {"streaming_llm", "morphkv"}
-    for row in rows.values():
-        assert row["n"] == summary["full_correct"] and 0 <= row["correct"] <= row["n"]
-        lo, hi = row["interval"]
-        assert lo <= row["accuracy"] <= hi and len(row["layers"]) == 30
+    summary, items = result["summary"], result["items"]
+    full_right = sum(r["arms"]["full"]["correct"][0] for r in items)
+    assert summary["_items"]["chats"] == len(items) == 2 and full_right >= 1
+    for label in ("streaming_llm@32", "morphkv@32"):
+        s = summary[label]
+        assert s["of_full"]["n"] == full_right and 0 <= s["of_full"]["k"] <= full_right
+        lo, hi = s["of_full"]["ci95"]
+        assert lo <= s["of_full"]["rate"] <= hi and len(s["layers"]) == 30
+    rows = {label: summary[label] for label in ("full", "streaming_llm@32", "morphkv@32")}
     # same K/V storage; morphkv also holds its selection state (a few percent)
-    assert rows["streaming_llm"]["nbytes"] <= rows["morphkv"]["nbytes"]
-    assert rows["morphkv"]["nbytes"] <= 1.1 * rows["streaming_llm"]["nbytes"]
-    assert rows["morphkv"]["nbytes"] < summary["full_nbytes"]
+    assert rows["streaming_llm@32"]["mib"] <= rows["morphkv@32"]["mib"]
+    assert rows["morphkv@32"]["mib"] <= 1.1 * rows["streaming_llm@32"]["mib"]
+    assert rows["morphkv@32"]["mib"] < rows["full"]["mib"]
     # the fact lies past the budget: recency keeps none of it, the full cache all of it
-    assert rows["streaming_llm"]["retention"] == 0
-    assert all(r["full"]["retention"] == [1.0] * 30 for r in result["items"])
+    assert rows["streaming_llm@32"]["retention"] == 0
+    assert all(r["arms"]["full"]["retention"] == [[1.0] * 30] for r in items)
     assert "load_average" in result
-
-
-@pytest.mark.slow
-def test_screen_is_prefill_only_and_counts_every_item(tmp_path, capsys, one_load):
-    out = tmp_path / "screen"
-    argv = [*LONGCHAT, "--screen", "--quiet", "--items", "2", "--budgets", "32",
-            "--distance", "48", "--arms", "streaming_llm,peak:window=1:recent=8", "--out", str(out)]
-    assert main(argv) == 0
-    assert "retention by layer" in capsys.readouterr().out
-    result = json.loads((out / "recall_screen.json").read_text())
-    assert all("full" not in r and all("answer" not in x for x in r["arms"].values())
-               for r in result["items"])
-    rows = {r["arm"]: r for r in result["summary"]["rows"]}
-    assert rows["streaming_llm"]["n"] == 2 and rows["streaming_llm"]["retention"] == 0
-    assert rows["peak:window=1:recent=8"]["retention"] > 0  # peak keeps some of the fact

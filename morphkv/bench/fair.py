@@ -1,15 +1,15 @@
 """Fairness under mixed lengths: does a long prompt hold short requests hostage?
 
 Each server (morphkv serve, fair batching; mlx_lm's own server, ``mlx_lm.server.run`` with its
-default cache and BatchGenerator; optionally morphkv serve with ``--batching mlx_lm``) is
-started on loopback with the same model and flags and sent, with the official ``openai``
-client, streamed: a short chat alone, the long prompt alone, the long prompt with 4 short chats
-at the same moment ("together"), and the long prompt followed by 4 short chats
-``--after-s`` seconds later ("after"). Every request's prompt starts with its own number, so
-no prompt cache can reuse another's prefill. Recorded per request: time to first token and
-total time. The targets (issue 35): a short chat's TTFT together / after <= 2x its TTFT alone
-+ a quarter of the long prompt's time alone; the long prompt together <= 1.3x alone. Prints and
-saves JSON + PNG (default under results/serve_fair/).
+default cache and BatchGenerator; ``--cache-flags "--batching mlx_lm --prefill-step-size
+2048"``: morphkv serve with mlx_lm's scheduler) is started on loopback with the same model and
+flags and sent, with the official ``openai`` client, streamed: a short chat alone, the long
+prompt alone, the long prompt with 4 short chats at the same moment ("together"), and the long
+prompt followed by 4 short chats ``--after-s`` seconds later ("after"). Every request's prompt
+starts with its own number, so no prompt cache can reuse another's prefill. Recorded per
+request: time to first token and total time. The targets (issue 35): a short chat's TTFT
+together / after <= 2x its TTFT alone + a quarter of the long prompt's time alone; the long
+prompt together <= 1.3x alone. Prints and saves JSON + PNG (default under results/serve_fair/).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from ..eval import plots
 from .load import server_flags
-from .load_clients import QUESTIONS, long_text
-from .servers import Server, each_server, in_threads, stream_chat
+from .load_clients import QUESTIONS, User, long_text
+from .servers import Server, each_server, in_threads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--shorts", type=int, default=4, help="Short chats sent with it (default: 4).")
     a("--max-tokens", type=int, default=16, help="Tokens per reply (default: 16).")
     a("--after-s", type=float, default=2.0, help="'after': delay of the short chats (default: 2).")
-    a("--servers", default="morphkv,mlx_lm",
-      help="morphkv, mlx_lm (its own server), morphkv-mlx_lm (morphkv serve --batching mlx_lm).")
+    a("--servers", default="morphkv,mlx_lm", help="morphkv, mlx_lm (its own server).")
     a("--cache-flags", default="", help="More morphkv serve flags, e.g. '--method full'.")
     a("--prompt-cache-bytes", default="32M", help="Both servers' --prompt-cache-bytes.")
     a("--out", default="results/serve_fair", help="Output directory.")
@@ -46,17 +45,10 @@ _counter = iter(range(10**9))
 
 
 def _streamed(client, content: str, max_tokens: int, kind: str) -> dict:
-    n = next(_counter)
-    t0 = time.perf_counter()
-    try:
-        r = stream_chat(client, [{"role": "user", "content": f"Request {n}. {content}"}],
-                        max_tokens, temperature=0.0)
-        ttft = None if r["first"] is None else r["first"] - t0
-        return {"kind": kind, "ok": True, "ttft_s": ttft, "total_s": time.perf_counter() - t0,
-                "tokens": r["chunks"]}
-    except Exception as e:  # recorded, the run goes on
-        return {"kind": kind, "ok": False, "error": f"{type(e).__name__}: {e}"[:200],
-                "total_s": time.perf_counter() - t0}
+    """One streamed chat (``User.ask``), its prompt numbered: no prompt cache reuses another's."""
+    r = User(client, "", 0, max_tokens, "").ask(kind, f"Request {next(_counter)}. {content}",
+                                                 stream=True, temperature=0.0)
+    return {**r, "total_s": r["end"] - r["start"]}
 
 
 def _at_once(jobs: list[tuple[float, callable]]) -> list[dict]:
@@ -117,11 +109,7 @@ def summarize(runs: dict, args) -> dict:
 
 
 def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
-    flags = args.cache_flags
-    if kind == "morphkv-mlx_lm":
-        flags = f"{flags} --batching mlx_lm --prefill-step-size 2048"
-    server_kind = "mlx_lm" if kind == "mlx_lm" else "morphkv"
-    server = Server(server_kind, server_flags(server_kind, args, flags), out)
+    server = Server(kind, server_flags(kind, args, args.cache_flags), out)
     client = server.client(1200)
     try:
         runs = scenarios(client, args, long_prompt)

@@ -52,22 +52,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- the load -------------------------------------------------------------------------------
-def drive(users: list[User], rounds: int, seconds: float, kinds=None) -> tuple[list, float]:
-    """Every user runs ``rounds`` steps in its own thread, stopping early at ``seconds``."""
+def drive(users: list[User], seconds: float, request, join_s: float = 300,
+          label: str = "", total: int = 0) -> tuple[list, float]:
+    """Every user, in its own thread, runs ``request(user, n)`` for n = 0, 1, ... until it
+    returns None or ``seconds`` pass; with ``label``, a progress line every 25 requests."""
     records, lock = [], threading.Lock()
-    deadline = time.monotonic() + seconds
+    deadline, t0 = time.monotonic() + seconds, time.perf_counter()
 
     def work(u: User):
-        for n in range(rounds):
-            if time.monotonic() > deadline:
-                return
-            r = u.step(n, kinds)
+        n = 0
+        while time.monotonic() < deadline and (r := request(u, n)) is not None:
+            n += 1
             with lock:
                 records.append(r)
+                if label and len(records) % 25 == 0:
+                    bad = sum(not x["ok"] for x in records if x["kind"] != "bad")
+                    print(f"    {label} {len(records)}/{total} requests, "
+                          f"{time.perf_counter() - t0:.0f} s, failed good {bad}", flush=True)
 
-    t0 = time.perf_counter()
-    in_threads(work, users, seconds + 300)
+    in_threads(work, users, seconds + join_s)
     return records, time.perf_counter() - t0
+
+
+def rounds(users: list[User], n: int, seconds: float, kinds=None) -> tuple[list, float]:
+    """Every user runs ``n`` steps of its script (``kinds``: of these kinds only)."""
+    return drive(users, seconds, lambda u, k: u.step(k, kinds) if k < n else None)
 
 
 SHORT = ["chat", "stream", "completion", "turn", "chat", "drop", "stream", "bad"]
@@ -89,25 +98,20 @@ def drive_mixed(users: list[User], total: int, seconds: float, with_8k: bool = T
                 label: str = "") -> tuple[list, float]:
     """The users take the next request number (``kind_of``) until ``total`` are taken or
     ``seconds`` pass; a progress line every 25 requests."""
-    records, lock = [], threading.Lock()
-    counter, deadline, t0 = iter(range(total)), time.monotonic() + seconds, time.perf_counter()
+    counter, lock = iter(range(total)), threading.Lock()
 
-    def work(u: User):
-        while time.monotonic() < deadline:
-            with lock:
-                k = next(counter, None)
-            if k is None:
-                return
-            r = getattr(u, f"_{kind_of(k, with_8k)}")(k)
-            with lock:
-                records.append(r)
-                if len(records) % 25 == 0:
-                    bad = sum(not x["ok"] for x in records if x["kind"] != "bad")
-                    print(f"    {label} {len(records)}/{total} requests, "
-                          f"{time.perf_counter() - t0:.0f} s, failed good {bad}", flush=True)
+    def request(u: User, _):
+        with lock:
+            k = next(counter, None)
+        return None if k is None else getattr(u, f"_{kind_of(k, with_8k)}")(k)
 
-    in_threads(work, users, seconds + 1200)
-    return records, time.perf_counter() - t0
+    return drive(users, seconds, request, 1200, label, total)
+
+
+def pct(values, q: float):
+    """The ``q`` quantile of ``values`` (the element at ``int(q * n)``), None when empty."""
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
 def by_class(records: list[dict]) -> dict:
@@ -115,31 +119,25 @@ def by_class(records: list[dict]) -> dict:
     out = {}
     for name, kinds in CLASSES.items():
         rows = [r for r in records if r["kind"] in kinds]
-        done = sorted(r["end"] - r["start"] for r in rows if r["ok"])
-        ttft = sorted(r["ttft_s"] for r in rows if r["ok"] and r.get("ttft_s") is not None)
-        out[name] = {
-            "requests": len(rows), "failed": len(rows) - len(done),
-            "p50_s": done[len(done) // 2] if done else None,
-            "p95_s": done[min(len(done) - 1, int(0.95 * len(done)))] if done else None,
-            "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None}
+        done = [r["end"] - r["start"] for r in rows if r["ok"]]
+        out[name] = {"requests": len(rows), "failed": len(rows) - len(done),
+                     "p50_s": pct(done, 0.5), "p95_s": pct(done, 0.95), "ttft_p50_s": pct(
+                         [r["ttft_s"] for r in rows if r["ok"] and r.get("ttft_s") is not None],
+                         0.5)}
     return out
 
 
 def figures(records: list[dict], wall: float, budget: int | None = None) -> dict:
     good = [r for r in records if r["kind"] != "bad"]
     done = [r for r in good if r["ok"]]
-    lat = sorted(r["end"] - r["start"] for r in done if r["kind"] != "drop")
-
-    def pct(q):
-        return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else None
-
+    lat = [r["end"] - r["start"] for r in done if r["kind"] != "drop"]
     bad = [r for r in records if r["kind"] == "bad"]
     tokens = sum(r["tokens"] for r in done)
     out = {
         "requests": len(records), "wall_s": wall, "tokens": tokens,
         "tokens_per_s": tokens / wall if wall else 0.0,
         "requests_per_s": len(done) / wall if wall else 0.0,
-        "p50_s": pct(0.5), "p95_s": pct(0.95),
+        "p50_s": pct(lat, 0.5), "p95_s": pct(lat, 0.95),
         "failed_good": len(good) - len(done),
         "responses_5xx": sum(1 for r in records if (r["status"] or 0) >= 500),
         "bad": len(bad), "bad_4xx": sum(1 for r in bad if r["ok"]),
@@ -200,11 +198,11 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
         top = max(args.levels)
         drive_mixed(mk(top, patient), 3 * top, args.level_seconds * 2, False, "warm-up")
         marks["warm"] = time.time()
-        phases["short_8"] = figures(*drive(mk(8), args.short, args.level_seconds, ["chat"]))
+        phases["short_8"] = figures(*rounds(mk(8), args.short, args.level_seconds, ["chat"]))
         print(f"  {kind} short x8: {phases['short_8']['tokens_per_s']:.1f} tok/s", flush=True)
         marks["short_8"] = time.time()
         for n in args.levels:
-            phases[f"load_{n}"] = figures(*drive(mk(n), args.rounds, args.level_seconds),
+            phases[f"load_{n}"] = figures(*rounds(mk(n), args.rounds, args.level_seconds),
                                           args.budget)
             marks[f"load_{n}"] = time.time()
             f = phases[f"load_{n}"]
@@ -222,7 +220,7 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
                   f" 5xx {f['responses_5xx']}, bad 4xx {f['bad_4xx']}/{f['bad']}, "
                   f"{loadavg()}", flush=True)
         phases["conversations_8"] = figures(
-            *drive(mk(8), args.turns, args.level_seconds, ["turn"]), args.budget)
+            *rounds(mk(8), args.turns, args.level_seconds, ["turn"]), args.budget)
         marks["end"] = time.time()
         phases["probe"] = probe(server)
     finally:

@@ -3,11 +3,11 @@
 Arms are interleaved and repeated so machine noise hits all of them alike; by default mlx_lm's
 ``KVCache`` (grows without bound) and ``RotatingKVCache(budget, keep=4)``, MorphKV with the
 model's real queries and with keys as proxy queries (both exact chunks through the attention
-hook). Prefill: a ``--prompt-tokens`` prompt of Python-docs prose in chunks of
-``--prefill-step`` (mlx_lm's default 2048); decode: ``--decode`` greedy tokens after it,
-per-token median. Ratios: prefill vs ``kvcache``, decode vs ``rotating``. ``--contexts
-1024,4096,8192`` repeats the measurement at each prompt length and prints one table with the
-ratios the speed targets name (prefill and decode vs ``rotating``, decode vs ``kvcache``).
+hook). Prefill: a prompt of Python-docs prose of each of ``--contexts`` tokens (default 2048)
+in chunks of ``--prefill-step`` (mlx_lm's default 2048); decode: ``--decode`` greedy tokens
+after it, per-token median. ``--contexts 1024,4096,8192`` repeats the measurement at each
+prompt length (an item of the shared runner) and prints one table with the ratios the speed
+targets name (prefill and decode vs ``rotating``, decode vs ``kvcache``).
 Beside wall time each figure has its CPU time (``process_time``: all threads of this
 process), which other processes' load changes far less on a shared machine. Memory at each
 context: MLX peak memory over the arm's run and the bytes its caches hold at the end
@@ -26,10 +26,10 @@ import mlx.core as mx
 from ..eval import plots
 from ..eval.arms import parse_arms
 from ..eval.flags import add_flags, standard
-from ..eval.models import RANDOM_TINY, load_model
-from ..eval.output import environment, finish, markdown_table
-from ..eval.plots import require_matplotlib
-from ..eval.progress import Progress
+from ..eval.models import RANDOM_TINY
+from ..eval.output import markdown_table
+from ..eval.runner import Evaluation
+from ..eval.runner import run as run_evaluation
 from ..eval.texts import PROSE_TOPICS, prose_text
 
 NAME = "overhead"
@@ -85,9 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         *standard(NAME, "model", "out", "no_plot"),
         ("--budget", 512, "tokens kept per KV head"),
-        ("--prompt-tokens", 2048, "prompt length"),
-        ("--contexts", [0], "prompt lengths to measure in turn, e.g. 1024,4096,8192 (0: "
-         "--prompt-tokens)"),
+        ("--contexts", [2048], "prompt lengths to measure in turn, e.g. 1024,4096,8192"),
         ("--prefill-step", 2048, "prefill chunk"),
         ("--decode", 48, "decode steps"),
         ("--repeats", 2, "interleaved repeats"),
@@ -97,46 +95,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ])
 
 
-def run(args: argparse.Namespace) -> int:
-    """CLI entry point (``morphkv`` command contract): 0 on success."""
-    require_matplotlib(args)
-    if args.quick:
-        args.model = args.model or RANDOM_TINY
-        args.budget, args.prompt_tokens, args.prefill_step = 32, 128, 64
-        args.decode, args.repeats = 8, 1
-    arms = dict(zip(args.arms, parse_arms([ALIASES.get(a, a) for a in args.arms]), strict=True))
-    model, tokenizer = load_model(args.model)
-    text = prose_text(PROSE_TOPICS)
-    ids = tokenizer.encode(text) if tokenizer is not None else [b % 256 for b in text.encode()]
-    contexts = [c or args.prompt_tokens for c in args.contexts] or [args.prompt_tokens]
-    while len(ids) < max(contexts):  # long contexts: the prose again
-        ids = ids + ids
-    by_context, all_runs = {}, {}
-    bar = Progress(args.repeats * len(arms) * len(contexts), NAME)
-    for context in contexts:
-        prompt = mx.array(ids[:context])
-        runs: dict[str, list] = {name: [] for name in arms}
-        for _ in range(args.repeats):
-            for name, arm in arms.items():
-                runs[name].append(run_arm(arm, model, prompt, args))
-                r = runs[name][-1]
+class Overhead(Evaluation):
+    """Contexts x arms, the arms interleaved ``--repeats`` times at each context."""
+
+    name, key, pngs, stem_of = NAME, "contexts", ("",), "overhead{_quick}"
+
+    def arms(self) -> list:
+        a = self.args
+        if a.quick:
+            a.model = a.model or RANDOM_TINY
+            a.budget, a.prefill_step, a.decode, a.repeats = 32, 64, 8, 1
+            a.contexts = [128] if a.contexts == [2048] else a.contexts
+        return list(zip(a.arms, parse_arms([ALIASES.get(x, x) for x in a.arms]), strict=True))
+
+    def items(self, model, tok):
+        text = prose_text(PROSE_TOPICS)
+        self.ids = tok.encode(text) if tok is not None else [b % 256 for b in text.encode()]
+        while len(self.ids) < max(self.args.contexts):  # long contexts: the prose again
+            self.ids = self.ids + self.ids
+        return self.args.contexts
+
+    def steps(self, arms) -> int:
+        return self.args.repeats * len(arms) * len(self.args.contexts)
+
+    def measure(self, model, tok, context, arms, bar) -> dict:
+        prompt, runs = mx.array(self.ids[:context]), {name: [] for name, _ in arms}
+        for _ in range(self.args.repeats):
+            for name, arm in arms:
+                runs[name].append(r := run_arm(arm, model, prompt, self.args))
                 bar.update(1, f"{context} {name}: prefill {r['prefill_s']:.2f} s, decode "
                               f"{r['decode_ms']:.1f} ms")
-        by_context[context] = {name: {k: statistics.median(r[k] for r in rs) for k in KEYS}
-                               for name, rs in runs.items()}
-        all_runs[context] = runs
-    first = contexts[0]
-    args.prompt_tokens = first
-    result = {"benchmark": NAME, "args": vars(args), "runs": all_runs[first],
-              "median": by_context[first], "by_context": by_context}
-    result["environment"] = environment()
-    def plot(path):
-        median = by_context[first]
+        return {"context": context, "runs": runs,
+                "median": {name: {k: statistics.median(r[k] for r in rs) for k in KEYS}
+                           for name, rs in runs.items()}}
+
+    def report(self, records: list, arms) -> tuple:
+        by_context = {r["context"]: r["median"] for r in records}
+        return by_context, context_table(by_context)
+
+    def plot(self, result: dict, suffix: str, path) -> None:
+        median = result["contexts"][0]["median"]
         fig, axes = plots.panels(2, 5, 4)
         for ax, key in zip(axes[0], ("prefill_s", "decode_ms"), strict=True):
             plots.grouped_bars(ax, list(median), {key: [m[key] for m in median.values()]}, key)
         plots.save(fig, path)
 
-    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}", plot,
-           context_table(by_context), png=NAME)
+
+def run(args: argparse.Namespace) -> int:
+    """CLI entry point (``morphkv`` command contract): 0 on success."""
+    run_evaluation(Overhead(args))
     return 0

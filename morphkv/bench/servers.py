@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ..eval.process import free_port, stop_process
+from ..eval.process import free_port, stop_process, wait_healthy
 
 
 def server_main(argv: list[str]) -> int:
@@ -74,12 +74,10 @@ class Server:
             [sys.executable, "-c", code, str(self.log), kind, str(every), *flags],
             stdout=self.output.open("w"), stderr=subprocess.STDOUT,
             env=blas_env(dict(os.environ)))
-        deadline = time.monotonic() + 600
-        while not self.healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{label} server did not start:\n{self.output.read_text()}")
-            time.sleep(0.5)
+        try:
+            wait_healthy(self.proc, self.url, f"the {label} server")
+        except SystemExit as e:
+            raise RuntimeError(f"{e}:\n{self.output.read_text()}") from None
 
     def health(self) -> int | None:
         """/health's status (None: no answer)."""
@@ -90,9 +88,6 @@ class Server:
             return e.code
         except OSError:
             return None
-
-    def healthy(self) -> bool:
-        return self.health() == 200
 
     def client(self, timeout: float):
         import openai

@@ -7,7 +7,8 @@ Shared parts: ``output`` (result folder, machine facts, JSON, tables), ``flags``
 shared runner: arms x items x models -> JSON + PNG + a table), ``asking`` (a chat prefilled
 once, each question from a copy), ``forced`` (teacher-forced feeding). ``eval recall --data``:
 chats and said (``chat_recall``, ``chat_items``, ``chat_report``, ``chat_answers``,
-``choose_said``), longchat (``recall``, ``recall_items``, ``recall_report``), answers,
+``choose_said``), longchat (``recall``,
+``recall_items``; its report is ``chat_report``'s), answers,
 ``--live`` (``live``); ``eval fidelity --mode`` texts (``fidelity``), bytes and state
 (``bytes``); ``eval generation``. A new evaluation: an ``Evaluation`` (arms, items, measure,
 report, plot) run by ``runner.run``, and one line in ``MODES``; an arm names any

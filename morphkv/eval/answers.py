@@ -28,7 +28,9 @@ import time
 
 from ..core.pins import pin
 from .arms import cells
+from .flags import add_flags, standard
 from .live import cluster_interval
+from .models import greedy_tokens
 from .output import markdown_table, out_dir, write_json
 from .runner import Evaluation
 from .runner import run as run_evaluation
@@ -51,19 +53,8 @@ def prompts(split: str) -> list[str]:
 
 def write(model, tok, ids: list[int], caches, length: int) -> list[int]:
     """Greedy tokens after ``ids`` (repetition penalty ``PENALTY``), up to an end token."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
-    ends, out = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id]), []
-    for token, _ in generate_step(mx.array(ids), model, prompt_cache=caches,
-                                  sampler=make_sampler(0.0), max_tokens=length,
-                                  logits_processors=make_logits_processors(
-                                      repetition_penalty=PENALTY)):
-        out.append(int(token))
-        if out[-1] in ends:
-            break
-    return out
+    ends = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])
+    return greedy_tokens(model, caches, ids, length, penalty=PENALTY, ends=ends)
 
 
 def free_repetition(model, tok, text: dict, arms, tokens: int) -> dict:
@@ -200,15 +191,12 @@ def table(summary: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", default=None, help="model (default: the embedded SmolLM2)")
+    add_flags(parser, standard("answers", "model", "chunk", "out", "stem"))
     add("--split", choices=("tune", "test"), default="tune")
     add("--arms", default="kvcache@128,recommended:memory=f16+pin@128",
         help="comma-separated arm specs, each spec[+pin][@tokens] (morphkv.eval.arms)")
     add("--texts", type=int, default=6, help="answers (prompts of the split) to use")
     add("--length", type=int, default=1024, help="tokens the full cache writes per answer")
-    add("--chunk", type=int, default=256, help="read-back chunk (exact either way)")
-    add("--out", default=None, help="output folder (default results/answers)")
-    add("--stem", default=None, help="output file stem (default answers_<split>)")
     add("--free", type=int, default=0, help="also let every arm write this many tokens itself "
         "and measure their 10-gram repetition (default 0: not run)")
 
@@ -216,10 +204,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Answers(Evaluation):
     """Long answers the full cache wrote, read back by every arm."""
 
-    name, key, command = "answers", "texts", "morphkv eval recall"
-
-    def stem(self) -> str:
-        return self.args.stem or f"answers_{self.args.split}"
+    name, key, command, stem_of = "answers", "texts", "morphkv eval recall", "answers_{split}"
 
     def arms(self) -> list:
         try:

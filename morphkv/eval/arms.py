@@ -252,30 +252,16 @@ def parse_arms(specs, aliases: dict | None = None, **defaults) -> list[Arm]:
     return [s if isinstance(s, Arm) else Arm.parse(s, aliases, **defaults) for s in specs]
 
 
-def check_specs(specs, aliases: dict | None = None) -> None:
-    """Stop with a one-line error before any work when a spec does not parse."""
-    try:
-        parse_arms(specs, aliases)
-    except ValueError as e:
-        raise SystemExit(f"morphkv: error: --arms: {e}") from None
-
-
-def grid_specs(method: str, **values) -> list[str]:
-    """Arm specs for every combination, e.g. ``grid_specs("morphkv", window=[8, 32],
-    recent=[32, 64])`` -> ``["morphkv:window=8:recent=32", ...]`` (for a sweep)."""
+def grid_arms(base: str, grid: list[str]) -> list[str]:
+    """``--grid`` items ``key=v1/v2/...``: an arm spec over ``base`` for every combination
+    (``["window=8/32"]`` -> ``base:window=8``, ``base:window=32``)."""
     import itertools
 
-    keys = list(values)
-    return [method + "".join(f":{k}={v}" for k, v in zip(keys, combo, strict=True))
-            for combo in itertools.product(*values.values())]
-
-
-def grid_arms(base: str, grid: list[str]) -> list[str]:
-    """``--grid`` items ``key=v1/v2/...``: every combination of them over ``base``."""
     values = {}
     for item in grid:
         key, _, options = item.partition("=")
         if not options:
             raise SystemExit(f"morphkv: error: --grid {item!r}: expected key=v1/v2/...")
         values[key] = options.split("/")
-    return grid_specs(base, **values) if values else []
+    return [base + "".join(f":{k}={v}" for k, v in zip(values, combo, strict=True))
+            for combo in itertools.product(*values.values())] if values else []

@@ -32,8 +32,7 @@ from .arms import Arm, cells
 from .flags import add_flags, csv_ints, standard
 from .forced import position_kl, reference_logprobs
 from .metrics import held_bytes
-from .models import load_model
-from .output import markdown_table, out_dir, write_json
+from .output import markdown_table
 from .runner import Evaluation
 from .runner import run as run_evaluation
 from .texts import CONVERSATIONS, split_texts
@@ -84,9 +83,7 @@ class Bytes(Evaluation):
     """Texts x token counts x arms: KL to the unquantized full cache, bytes held."""
 
     name, key, command, pngs = NAME, "rows", "morphkv eval fidelity --mode bytes", ("",)
-
-    def stem(self) -> str:
-        return self.args.stem or f"{NAME}_{self.args.split}"
+    stem_of = "bytes_{split}"
 
     def arms(self) -> list:
         found = cells(self.args.arms, 0)  # spec+pin: the conversations' user turns pinned
@@ -199,7 +196,7 @@ def state_of(model, spec: str, tokens: int) -> dict:
             "bytes_held": storage + state}
 
 
-class State:
+class State(Evaluation):
     """What every byte of a bounded cache holds, per rule.
 
     Each arm (default: every evicting rule of the registry and the recommended presets, at the
@@ -211,6 +208,30 @@ class State:
     of all bytes held. Every byte that is state is a token recency holds instead.
     """
 
+    name, key, command, stem_of = "state", "rows", "morphkv eval fidelity --mode state", \
+        "state_bytes"
+
+    def arms(self) -> list:
+        self.specs = (self.args.arms or STATE_ARMS).format(m=self.args.memory).split(",")
+        return [Arm.parse(spec) for spec in self.specs]  # a bad spec: named before any work
+
+    def items(self, model, tok):
+        return self.specs
+
+    def measure(self, model, tok, spec, arms, bar) -> dict:
+        r = state_of(model, spec, 1024)
+        print(f"{spec}: {r['tokens']} tokens, state {r['state_bytes_per_slot']:.1f} of "
+              f"{r['kv_bytes_per_slot'] + r['state_bytes_per_slot']:.1f} bytes a slot "
+              f"({100 * r['state_share']:.1f}%)", flush=True)
+        return r
+
+    def report(self, rows: list, arms) -> tuple:
+        return None, markdown_table(
+            ["arm", "tokens per KV head", "K/V bytes a slot", "state bytes a slot",
+             "state share"], [[r["arm"], r["tokens"], f"{r['kv_bytes_per_slot']:.1f}",
+                               f"{r['state_bytes_per_slot']:.1f}",
+                               f"{100 * r['state_share']:.1f}%"] for r in rows])
+
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         add = parser.add_argument
@@ -221,22 +242,5 @@ class State:
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
-        model, _ = load_model(args.model)
-        specs = (args.arms or STATE_ARMS).format(m=args.memory).split(",")
-        rows = []
-        for spec in specs:
-            r = state_of(model, spec, 1024)
-            rows.append(r)
-            print(f"{spec}: {r['tokens']} tokens, state {r['state_bytes_per_slot']:.1f} of "
-                  f"{r['kv_bytes_per_slot'] + r['state_bytes_per_slot']:.1f} bytes a slot "
-                  f"({100 * r['state_share']:.1f}%)", flush=True)
-        table = markdown_table(["arm", "tokens per KV head", "K/V bytes a slot",
-                                "state bytes a slot", "state share"],
-                               [[r["arm"], r["tokens"], f"{r['kv_bytes_per_slot']:.1f}",
-                                 f"{r['state_bytes_per_slot']:.1f}",
-                                 f"{100 * r['state_share']:.1f}%"] for r in rows])
-        print(table)
-        path = out_dir(args, "state") / "state_bytes.json"
-        write_json(path, {"benchmark": "state", "args": vars(args), "rows": rows, "table": table})
-        print(f"wrote {path}")
+        run_evaluation(State(args))
         return 0

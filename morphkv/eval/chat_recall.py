@@ -15,7 +15,7 @@ most N tokens) (``morphkv.pin``: evicted last, the assistant's
 turns first). An arm ``spec@N`` runs at N tokens (``memory=f16``: the float16 bytes of N
 tokens) instead of ``--budget``, on the same chats: the chats are cut by ``--min-distance``
 budgets of ``--budget``, so one run measures several sizes on the same items (statement
-distance / size differs, the distance plot shows it).
+distance / size differs: each question's distance is in the JSON).
 
 ``--data said`` (``Said``): the chats of ``chat_items.build_said_chat`` (two names the model
 invented, three facts the user said, one updated), run the same way (``+pin``: the user turns
@@ -35,7 +35,8 @@ from ..mlxlm.turns import user_positions
 from .arms import Arm, cells
 from .asking import ask, until_end
 from .chat_items import build_chat, build_said_chat, encode, judge, tokenize
-from .chat_report import FULL, distance_plot, plot, said_report, summarize, table
+from .chat_report import FULL, plot, said_report, summarize, table
+from .flags import add_flags, standard
 from .output import environment, out_dir, write_json
 from .runner import Evaluation
 from .runner import run as run_evaluation
@@ -49,10 +50,8 @@ DEFAULT_ARMS = ("kvcache,nofact,recommended:memory=f16,h2o,streaming_llm,"
 class Chats(Evaluation):
     """Chats of ``chat_items``, three questions each, every arm prefilled once per chat."""
 
-    name, key, command, pngs = NAME, "chats", "morphkv eval recall", ("", "_distance")
-
-    def stem(self) -> str:
-        return self.args.stem or f"{self.name}_{self.args.split}_{self.args.budget}"
+    name, key, command, pngs = NAME, "chats", "morphkv eval recall", ("",)
+    stem_of = "{name}_{split}_{budget}"
 
     def arms(self) -> list:
         found = cells(self.args.arms, self.args.budget, nofact=True)
@@ -101,31 +100,22 @@ class Chats(Evaluation):
         return summary, table(summary)
 
     def plot(self, result: dict, suffix: str, path) -> None:
-        if suffix:
-            distance_plot(result["chats"], path, self.args.budget)
-        else:
-            plot(result["summary"], path)
+        plot(result["summary"], path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", default=None, help="model (default: the embedded SmolLM2)")
+    add_flags(parser, standard(NAME, "model", "first", "seed", "n_sink", "chunk", "out", "stem",
+                               "quiet"))
     add("--split", choices=("tune", "test"), default="test")
     add("--arms", default=DEFAULT_ARMS,
         help="comma-separated arm specs (morphkv.eval.arms; memory=f16: the bytes of a float16 "
         f"cache of --budget tokens) and 'nofact' (default {DEFAULT_ARMS})")
     add("--budget", type=int, default=128, help="token count of the arms (default 128)")
     add("--chats", type=int, default=14, help="chats, three questions each (default 14)")
-    add("--first", type=int, default=0, help="index of the first chat")
-    add("--seed", type=int, default=0)
     add("--min-distance", type=float, default=3.0,
         help="statements at least this many budgets back (default 3)")
     add("--max-tokens", type=int, default=6, help="answer tokens (default 6)")
-    add("--n-sink", type=int, default=4)
-    add("--chunk", type=int, default=256, help="prefill chunk (exact either way)")
-    add("--out", default=None, help="output folder (default results/chatrecall)")
-    add("--stem", default=None, help="output file stem (default chatrecall_<split>_<budget>)")
-    add("--quiet", action="store_true")
     live = parser.add_argument_group("live conversations (morphkv.eval.live)")
     live.add_argument("--live", choices=("serve", "mlx_lm"), default=None,
                       help="run the chats live through morphkv serve + the openai client, or "
@@ -163,8 +153,7 @@ def run(args: argparse.Namespace, evaluation=Chats) -> int:
 class Said(Chats):
     """Names the model invented and facts the user said, one chat (``build_said_chat``)."""
 
-    def stem(self) -> str:
-        return self.args.stem or f"said_{self.args.split}_{self.args.budget}"
+    stem_of = "said_{split}_{budget}"
 
     def build(self, model, tok, index: int):
         a = self.args

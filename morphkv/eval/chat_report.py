@@ -3,16 +3,26 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
 from .chat_items import said_by
 from .live import cluster_interval
 from .output import markdown_table
-from .plots import plt
-from .recall_report import wilson
+from .plots import plt, save
 
 FULL = "kvcache"
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
+    """95% Wilson score interval of a binomial proportion k/n (None for n = 0)."""
+    if n == 0:
+        return None
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def _share(k: int, n: int) -> dict:
@@ -20,15 +30,16 @@ def _share(k: int, n: int) -> dict:
     return {"k": k, "n": n, "rate": k / n if n else None, "ci95": ci}
 
 
-def summarize(chats: list[dict], labels: list[str]) -> dict:
-    """Per arm: recall over all questions; recall over the questions the full cache answers
-    (the share of the full cache's items kept); mean retention of the value's tokens; bytes
+def summarize(chats: list[dict], labels: list[str], full: str = FULL) -> dict:
+    """Per arm: recall over all questions; recall over the questions the full cache (arm
+    ``full``) answers (the share of the full cache's items kept); mean retention of the value's
+    tokens, per layer (mean over questions) and in its worst layer; bytes
     and tokens held; answers split by updated / never-updated facts; ``fragment``: of the full
     cache's items, the wrong answers that begin with the value's first 3 letters ("Ansel" for
     Anselm, "852" for 8521): the start of the value was kept, its end was not."""
     out = {}
     full_ok = [(c["index"], i) for c in chats for i, ok in
-               enumerate(c["arms"].get(FULL, {}).get("correct", [])) if ok]  # fmt: skip
+               enumerate(c["arms"].get(full, {}).get("correct", [])) if ok]  # fmt: skip
     updated = {(c["index"], i): q["updated"] for c in chats for i, q in enumerate(c["questions"])}
     for label in labels:
         runs = [(c, c["arms"][label]) for c in chats if label in c["arms"]]
@@ -37,6 +48,8 @@ def summarize(chats: list[dict], labels: list[str]) -> dict:
         k = sum(ok for *_, ok, _ in flags)
         kept = sum(ok for ci, i, ok, _ in flags if (ci, i) in set(full_ok))
         ret = [sum(x) / len(x) for _, r in runs for x in r["retention"] if x]
+        per = [x for _, r in runs for x in r["retention"] if x]
+        layers = [sum(col) / len(col) for col in zip(*per, strict=True)]
         full_kept = [(ci, i) for ci, i in full_ok if not updated[(ci, i)]]
         out[label] = {
             "all": _share(k, len(flags)),
@@ -48,6 +61,7 @@ def summarize(chats: list[dict], labels: list[str]) -> dict:
                                       len(full_ok) - len(full_kept)),
             "updated": _share(sum(ok for *_, ok, u in flags if u), sum(u for *_, u in flags)),
             "retention": sum(ret) / len(ret) if ret else None,
+            "layers": layers, "worst_layer": min(layers, default=None),
             "mib": max((r["nbytes"] for _, r in runs), default=0) / 2**20,
             "tokens": max((r["tokens"] or 0 for _, r in runs), default=0) or None,
             "size": max((r.get("size", 0) for _, r in runs), default=0),
@@ -124,9 +138,11 @@ def table(summary: dict) -> str:
                "value tokens kept", "a fragment of the value"]
     rows = []
     arms = [(label, s) for label, s in summary.items() if not label.startswith("_")]
-    for label, s in sorted(arms, key=lambda a: (a[0].split("@")[0] not in (FULL, "nofact"),
+    for label, s in sorted(arms, key=lambda a: (a[0].split("@")[0] not in (FULL, "full",
+                                                                            "nofact"),
                                                   a[1].get("size", 0))):
-        ret = "-" if s["retention"] is None else f"{100 * s['retention']:.0f}%"
+        ret = "-" if s["retention"] is None else (f"{100 * s['retention']:.0f}% (worst layer "
+                                                  f"{100 * s['worst_layer']:.0f}%)")
         rows.append([f"`{label}`", s["tokens"] or "all", f"{s['mib']:.2f}", _pct(s["all"]),
                      _pct(s["of_full"]), _pct(s.get("of_full_kept", _share(0, 0))),
                      _pct(s.get("of_full_updated", _share(0, 0))), ret,
@@ -138,69 +154,6 @@ def table(summary: dict) -> str:
     return markdown_table(headers, rows) + note
 
 
-def finish(fig, ax, xlabel: str, ylabel: str, path: Path) -> None:
-    """Labels, a 0-100% axis, grid and legend; saved as a PNG and closed."""
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(-5, 105)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt().close(fig)
-
-
-EDGES = (1, 2, 3, 4, 6)
-BINS = ["<1", "1-2", "2-3", "3-4", "4-6", ">=6"]
-
-
-def by_distance(chats: list[dict], label: str, default_size: int, edges=EDGES) -> list:
-    """[(bin, k, n)]: the arm's answers to the full cache's items, binned by the statement's
-    distance in units of the tokens the arm holds per KV head: below 1, 1-2, 2-3, 3-4, 4-6, 6
-    and more (below 1: the statement is still within reach of a recency window that size)."""
-    bins: dict[int, list[int]] = {}
-    for c in chats:
-        full, run = c["arms"].get(FULL), c["arms"].get(label)
-        if not full or not run:
-            continue
-        size = run.get("tokens") or run.get("size") or default_size
-        for q, f, ok in zip(c["questions"], full["correct"], run["correct"], strict=True):
-            if f:
-                b = sum(q["distance"] / size >= e for e in edges)
-                bins.setdefault(b, [0, 0])
-                bins[b][0] += ok
-                bins[b][1] += 1
-    return [(b, k, n) for b, (k, n) in sorted(bins.items())]
-
-
-def distance_plot(chats: list[dict], path: Path, default_size: int, edges=EDGES) -> None:
-    """Recall of the full cache's items against statement distance / the tokens an arm holds,
-    per method (its sizes pooled), with 95% intervals."""
-    names = BINS
-    labels = [lab for lab in (chats[0]["arms"] if chats else {}) if lab.split("@")[0]
-              not in (FULL, "nofact")]
-    fig, ax = plt().subplots(figsize=(7.5, 4.5))
-    methods = list(dict.fromkeys(lab.split("@")[0] for lab in labels))
-    for j, method in enumerate(methods):
-        tally: dict[int, list[int]] = {}
-        for lab in labels:
-            if lab.split("@")[0] == method:
-                for b, k, n in by_distance(chats, lab, default_size, edges):
-                    tally.setdefault(b, [0, 0])
-                    tally[b][0] += k
-                    tally[b][1] += n
-        xs = sorted(tally)
-        rates = [tally[b][0] / tally[b][1] for b in xs]
-        cis = [wilson(*tally[b]) for b in xs]
-        err = [[100 * max(0.0, r - lo) for r, (lo, _) in zip(rates, cis, strict=True)],
-               [100 * max(0.0, hi - r) for r, (_, hi) in zip(rates, cis, strict=True)]]
-        ax.errorbar([x + 0.06 * j for x in xs], [100 * r for r in rates], yerr=err, marker="o",
-                    capsize=3, label=method)
-    ax.set_xticks(range(len(names)), names)
-    finish(fig, ax, "statement distance / tokens the cache holds per KV head",
-           "recall of the full cache's items (%)", path)
-
-
 def plot(summary: dict, path: Path) -> None:
     """Recall of the full cache's items per arm, with its 95% interval, against bytes held."""
     fig, ax = plt().subplots(figsize=(7.5, 4.5))
@@ -209,5 +162,8 @@ def plot(summary: dict, path: Path) -> None:
             r, (lo, hi) = s["of_full"]["rate"], s["of_full"]["ci95"]
             err = [[100 * max(0.0, r - lo)], [100 * max(0.0, hi - r)]]  # rounding: never < 0
             ax.errorbar([s["mib"]], [100 * r], yerr=err, marker="o", capsize=3, label=label)
-    finish(fig, ax, "bytes held over all layers (MiB)", "recall of the full cache's items (%)",
-           path)
+    ax.set(xlabel="bytes held over all layers (MiB)", ylim=(-5, 105),
+           ylabel="recall of the full cache's items (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    save(fig, path, 120)

@@ -1,7 +1,7 @@
 """Teacher-forced fidelity of each eviction rule against the full cache.
 
-Every text is fed through every arm and budget (``forced.Feeder``: exact chunks through the
-attention hook by default, or token by token). Per arm and budget, over the positions whose
+Every text is fed through every arm and budget (``forced.evaluate``: exact chunks through the
+attention hook). Per arm and budget, over the positions whose
 context exceeds the budget: mean KL(full || method) per token (nats), top-1 agreement,
 perplexity ratio exp(mean NLL_method - mean NLL_full); the measured KV bytes (stored, kept K+V,
 everything held); peak MLX memory and decode tokens/s. ``--equal-bytes ARM`` gives every arm,
@@ -11,28 +11,26 @@ counts all they hold, selection state included). A ``full`` arm (MorphKVCache, m
 like the others) checks the pipeline itself. Choosing settings: ``--split tune`` feeds the
 texts for choosing, ``--split heldout`` the disjoint texts for reporting
 (``texts.split_texts``); ``--grid`` adds every combination of ``key=v1/v2`` options over
-``--grid-base``.
+``--grid-base``. The shared runner (``runner.run``) does the rest: one text an item.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from functools import cache
 
 import mlx.core as mx
 
 from . import plots
-from .arms import Arm, check_specs, grid_arms, parse_arms
+from .arms import Arm, grid_arms, parse_arms
 from .flags import add_flags, standard
-from .forced import Feeder, evaluate_arms, reference_logprobs
+from .forced import evaluate, reference_logprobs
 from .metrics import held_bytes
-from .models import load_model
-from .output import environment, finish, markdown_table, out_dir, pivot, write_json
-from .plots import require_matplotlib
-from .progress import Progress
-from .texts import CONVERSATIONS, build_texts, split_texts
+from .output import markdown_table, pivot
+from .runner import Evaluation
+from .runner import run as run_evaluation
+from .texts import build_texts, split_texts
 
 NAME = "fidelity"
 N_SINK = 4
@@ -131,45 +129,66 @@ def _plan(token_texts, arms, budgets, n_sink, include_full, sized):
     return plan, skipped
 
 
-def run_fidelity(model, token_texts: dict[str, list[int]], arms, budgets, n_sink=N_SINK,
-                 feeder: Feeder | None = None, quiet=False, include_full=True, on_text=None,
-                 equal_bytes: str | None = None) -> dict:
-    """Core entry point: (model, {text name: token ids}) -> result dict."""
-    feeder = feeder or Feeder()
-    arms = arms_of(arms)
-    sized = {}
-    if equal_bytes:
-        sized = equal_byte_budgets(model, arms, arms_of([equal_bytes])[0], budgets, n_sink)
-    plan, skipped = _plan(token_texts, arms, budgets, n_sink, include_full, sized)
-    bar = Progress(sum(len(token_texts[n]) - own for n, _, _, own in plan), NAME, quiet)
-    rows = []
-    t_start = time.perf_counter()
-    for name, toks in token_texts.items():
-        items = [(arm, b, own) for n, arm, b, own in plan if n == name]
-        if not items:
-            continue
+class Fidelity(Evaluation):
+    """Texts x arms x budgets, teacher-forced against the full cache (see the module doc)."""
+
+    name, key, command, pngs = NAME, "rows", "morphkv eval fidelity", ("",)
+
+    def arms(self) -> list:
+        a = self.args
+        apply_presets(a)
+        a.arms = list(dict.fromkeys([*a.arms, *grid_arms(a.grid_base, a.grid)]))
+        self.reference = arms_of([a.equal_bytes])[0] if a.equal_bytes else None
+        self.found = arms_of(a.arms)
+        return self.found
+
+    def items(self, model, tok):
+        """The texts; with ``--equal-bytes`` each arm's budgets are measured first."""
+        a = self.args
+        mx.random.seed(0)
+        texts = texts_of(a, model, tok)
+        sized = {} if self.reference is None else equal_byte_budgets(
+            model, self.found, self.reference, a.budgets, a.n_sink)
+        self.plan, skipped = _plan(texts, self.found, a.budgets, a.n_sink, not a.no_full_arm,
+                                   sized)
+        self.sized = sized
+        for note in skipped:
+            print("note:", note, file=sys.stderr)
+        self.info.update(skipped=skipped, settings={
+            "budgets": list(a.budgets), "arms": [x.name for x in self.found],
+            "n_sink": a.n_sink, "chunk": a.chunk, "quick": bool(a.quick),
+            "texts": {k: len(v) for k, v in texts.items()},
+            "model": a.model or "embedded SmolLM2-135M-Instruct",
+            **({"equal_bytes": self.reference.name} if self.reference else {})})
+        return texts.items()
+
+    def steps(self, arms) -> int:
+        texts = self.info["settings"]["texts"]
+        return sum(texts[n] - own for n, _, _, own in self.plan)
+
+    def measure(self, model, tok, text, arms, bar) -> list:
+        name, toks = text
+        a, rows = self.args, []
         ref = reference_logprobs(model, toks)
-        cfgs = [arm.config(max(own, n_sink + arm.window + 1), n_sink=n_sink)
-                for arm, _, own in items]
-        results = evaluate_arms(model, toks, ref, cfgs, feeder, bar)
-        for (arm, b, _), res in zip(items, results, strict=True):
-            row = {"text": name, "tokens": len(toks), "arm": arm.name, "method": arm.method}
-            row.update(window=arm.window, fusion=arm.fusion, scoring=arm.scoring)
-            row["budget"] = b if arm.method != "full" else None
-            if equal_bytes and arm.method != "full":
-                row["arm_budget"], row["bytes_measured"], row["bytes_target"] = sized[(arm.name, b)]
-            rows.append({**row, **res})
-        del ref
-        if on_text is not None:
-            on_text(rows)
-    settings = {"budgets": list(budgets), "arms": [a.name for a in arms], "n_sink": n_sink,
-                "feed": feeder.resolve(), "chunk": feeder.chunk,
-                "texts": {k: len(v) for k, v in token_texts.items()}}
-    if equal_bytes:
-        settings["equal_bytes"] = arms_of([equal_bytes])[0].name
-    return {"benchmark": NAME, "settings": settings, "notes": feeder.notes, "skipped": skipped,
-            "rows": rows, "elapsed_s": time.perf_counter() - t_start,
-            "environment": environment()}
+        for n, arm, b, own in self.plan:
+            if n != name:
+                continue
+            cfg = arm.config(max(own, a.n_sink + arm.window + 1), n_sink=a.n_sink)
+            row = {"text": name, "tokens": len(toks), "arm": arm.name, "method": arm.method,
+                   "window": arm.window, "fusion": arm.fusion, "scoring": arm.scoring,
+                   "budget": b if arm.method != "full" else None}
+            if self.reference is not None and arm.method != "full":
+                row["arm_budget"], row["bytes_measured"], row["bytes_target"] = \
+                    self.sized[(arm.name, b)]
+            rows.append({**row, **evaluate(model, toks, ref, cfg, a.chunk, bar)})
+        return rows
+
+    def report(self, rows: list, arms) -> tuple:
+        result = {"settings": self.info["settings"], "rows": rows}
+        return {m: summary(result, m)[1] for m in METRICS}, "\n".join(tables(result))
+
+    def plot(self, result: dict, suffix: str, path) -> None:
+        plots.by_budget(result, summary, path)
 
 
 def summary(result: dict, metric: str = "kl") -> tuple[list[str], list[list]]:
@@ -204,8 +223,6 @@ def tables(result: dict) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--quick", False, "tiny smoke run (seconds)"),
-        ("--full", False, "wide run: 2 prose documents of 3,000 tokens, all conversations, the "
-         "model's own 1,000-token continuation, budgets 64-512 (hours on a 2-core CPU)"),
         *standard(NAME, "model", "out", "quiet"),
         ("--budgets", [64, 128, 256], "budgets in tokens per KV head"),
         ("--arms", list(DEFAULT_ARMS), "arm specs: method[:fusion][:window][:attn] or "
@@ -224,9 +241,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--n-sink", N_SINK, "protected first tokens"),
         ("--equal-bytes", None, "compare at equal total bytes: at each budget every arm gets the "
          "budget at which its caches hold what this arm's hold (measured), e.g. streaming_llm"),
-        ("--feed", "auto", "auto, chunked: exact chunks through the attention hook; step: token "
-         "by token (the reference)", ["auto", "step", "chunked"]),
-        ("--chunk", 256, "chunk size of the chunked feed"),
+        ("--chunk", 256, "chunk of the teacher-forced feed (exact chunks through the attention "
+         "hook)"),
         ("--no-full-arm", False, "skip the full-cache check arm"),
     ])
 
@@ -238,11 +254,6 @@ def apply_presets(args: argparse.Namespace) -> None:
         args.prose_tokens, args.conversation_tokens = 96, 96
         args.continuation_tokens = 40
         args.texts = [t for t in args.texts if t != "continuation"] or ["prose"]
-    if getattr(args, "full", False) and not args.quick:
-        args.budgets = [64, 128, 256, 512]
-        args.texts = ["prose", "conversation", "continuation"]
-        args.prose_tokens, args.prose_docs = 3000, 2
-        args.conversations, args.conversation_tokens = len(CONVERSATIONS), 0
 
 
 def texts_of(args: argparse.Namespace, model, tokenizer) -> dict[str, list[int]]:
@@ -258,27 +269,4 @@ def texts_of(args: argparse.Namespace, model, tokenizer) -> dict[str, list[int]]
 
 def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     """Run with the command-line settings; ``model``/``tokenizer`` bypass loading (tests)."""
-    require_matplotlib()
-    apply_presets(args)
-    args.arms = list(dict.fromkeys([*args.arms, *grid_arms(args.grid_base, args.grid)]))
-    check_specs(args.arms + ([args.equal_bytes] if args.equal_bytes else []))
-    if model is None:
-        model, tokenizer = load_model(args.model)
-    mx.random.seed(0)
-    texts = texts_of(args, model, tokenizer)
-    folder = out_dir(args, NAME)
-    model_name = args.model or "embedded SmolLM2-135M-Instruct"
-
-    def partial(rows):  # keep what is done if a long run is interrupted
-        write_json(folder / f"{NAME}.partial.json", {"model": model_name, "rows": rows})
-
-    result = run_fidelity(model, texts, args.arms, args.budgets, args.n_sink,
-                          Feeder(args.feed, args.chunk), args.quiet,
-                          include_full=not args.no_full_arm, on_text=partial,
-                          equal_bytes=args.equal_bytes)
-    result["settings"].update(quick=bool(args.quick), model=model_name)
-    for note in result["notes"] + result["skipped"]:
-        print("note:", note, file=sys.stderr)
-    finish(args, NAME, result, table="\n".join(tables(result)),
-           plot=lambda path: plots.by_budget(result, summary, path))
-    return result
+    return run_evaluation(Fidelity(args), model, tokenizer)

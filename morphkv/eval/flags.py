@@ -34,10 +34,17 @@ def csv_strs(text: str) -> list[str]:
 
 def standard(name: str, *keys: str) -> list[tuple]:
     """The flags most measurements share, for ``add_flags``: ``model``, ``out`` (default
-    results/<name>), ``quiet``, ``no_plot``."""
+    results/<name>), ``stem``, ``quiet``, ``no_plot``, and the items' ``first``, ``seed``,
+    ``n_sink``, ``chunk``, ``max_minutes``."""
     known = {"model": ("--model", None, "model: an mlx_lm path/repo or .gguf (default: the "
                        "embedded SmolLM2)"),
              "out": ("--out", None, f"output folder (default results/{name})"),
+             "stem": ("--stem", None, "output file stem (default: the command's)"),
              "quiet": ("--quiet", False, "no progress lines"),
-             "no_plot": ("--no-plot", False, "skip the PNG")}
+             "no_plot": ("--no-plot", False, "skip the PNG"),
+             "first": ("--first", 0, "index of the first item"),
+             "seed": ("--seed", 0, "the items' seed"),
+             "n_sink": ("--n-sink", 4, "protected first tokens"),
+             "chunk": ("--chunk", 256, "prefill chunk (exact either way)"),
+             "max_minutes": ("--max-minutes", 0.0, "stop adding items after this (0: never)")}
     return [known[k] for k in keys]

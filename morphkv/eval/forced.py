@@ -1,13 +1,10 @@
-"""Teacher-forced feeding: one text through the caches of several configs, per-position
-metrics summed against the full cache.
+"""Teacher-forced feeding: one text through the caches of a config, per-position metrics
+summed against the full cache.
 
 The full-cache next-token distributions are computed once (mlx_lm's ``KVCache``, chunked
-prefill). Every config then decodes the same tokens, one config at a time; ``Feeder`` feeds
-them in chunks of ``chunk`` (``"chunked"``, ``auto``: the attention hook's exact chunked mode,
-every query of a chunk reads exactly what token-by-token decoding would read) or one token per
-forward (``"step"``: the plain reference).
-
-The first ``budget`` tokens cause no eviction, so they are prefilled in one chunk either way.
+prefill). Every config then decodes the same tokens, one config at a time, in the attention
+hook's exact chunks (every query of a chunk reads exactly what token-by-token decoding would
+read). The first ``budget`` tokens cause no eviction, so they are prefilled in one chunk.
 Metrics (``metrics.token_stats``) cover the positions whose read set lacks an evicted token.
 """
 
@@ -15,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -40,55 +36,30 @@ def reference_logprobs(model, tokens: list[int], chunk: int = 256) -> mx.array:
     return mx.concatenate(out, axis=0)
 
 
-@dataclass
-class Feeder:
-    """Feeds one token stream through the caches of several configs (see the module doc)."""
-
-    mode: str = "auto"
-    chunk: int = 256
-    notes: list = field(default_factory=list)
-
-    def resolve(self) -> str:
-        return "chunked" if self.mode == "auto" else self.mode
-
-    def run(self, model, caches, tokens: list[int], prefill: int):
-        """Yield (s, logprobs (1, n, V)) blocks covering positions prefill..T-1 through
-        ``caches``; the first ``prefill`` tokens go in one chunk."""
-        ids = mx.array([int(t) for t in tokens])[None]
-        if prefill > 0:
-            mx.eval(model(ids[:, :prefill], cache=caches))
-        step = self.chunk if self.resolve() == "chunked" else 1
-        for s in range(prefill, len(tokens), step):
-            logits = model(ids[:, s : s + step], cache=caches).astype(mx.float32)
-            yield s, logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def first_scored(cfg) -> int:
-    """First position whose read set lacks an evicted token (0 for the full cache)."""
-    return 0 if cfg.method == "full" else cfg.budget + 1
-
-
-def evaluate_arms(model, tokens, ref_lp: mx.array, cfgs: list, feeder: Feeder, bar=None):
-    """Teacher-forced metrics of several cache configs on one token stream (list of dicts)."""
-    return [_evaluate(model, tokens, ref_lp, cfg, feeder, bar) for cfg in cfgs]
-
-
-def _evaluate(model, tokens, ref_lp, cfg, feeder, bar) -> dict:
-    T_len, first = len(tokens), first_scored(cfg)
+def evaluate(model, tokens, ref_lp: mx.array, cfg, chunk: int = 256, bar=None) -> dict:
+    """Teacher-forced metrics of one cache config on one token stream: the first ``budget``
+    tokens in one piece (no eviction yet), then chunks of ``chunk`` through the attention hook
+    (exact: every query reads what token-by-token decoding reads; ``tests/test_attach.py``)."""
+    T_len = len(tokens)
+    first = 0 if cfg.method == "full" else cfg.budget + 1  # the first read set missing a token
+    ids = mx.array([int(t) for t in tokens])[None]
     targets = mx.array([int(t) for t in tokens[1:]] + [0])
     sums = np.zeros(5)  # metrics.TOKEN_STATS
     mx.reset_peak_memory()
     caches = KVCacheBuilder.for_model(model, cfg)  # attaches the hook
-    t0, fed = time.perf_counter(), 0
-    for s, lp in feeder.run(model, caches, tokens, max(0, min(first - 1, T_len))):
+    t0, prefill = time.perf_counter(), max(0, min(first - 1, T_len))
+    if prefill > 0:
+        mx.eval(model(ids[:, :prefill], cache=caches))
+    for s in range(prefill, T_len, chunk):
+        logits = model(ids[:, s : s + chunk], cache=caches).astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         m = lp.shape[1]
-        fed += m
         lo, hi = max(s, first), min(s + m, T_len - 1)  # the last position has no target
         if hi > lo:
             sums += np.array(token_stats(lp[0, lo - s : hi - s], ref_lp[lo:hi], targets[lo:hi]))
         if bar is not None:
             bar.update(m)
-    elapsed = time.perf_counter() - t0
+    elapsed, fed = time.perf_counter() - t0, T_len - prefill
     kl, ag, nm, nf, n = sums
     n = max(n, 1)
     return {"kl": kl / n, "top1": ag / n, "ppl_ratio": math.exp((nm - nf) / n), "nll": nm / n,

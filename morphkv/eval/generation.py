@@ -16,14 +16,13 @@ import time
 import mlx.core as mx
 
 from . import plots
-from .arms import check_specs, parse_arms
+from .arms import parse_arms
 from .fidelity import ARM_DEFAULTS, N_SINK
 from .flags import add_flags, csv_ints, standard
 from .metrics import distinct, kv_bytes, repetition_rate
-from .models import load_model
-from .output import environment, finish, markdown_table
-from .plots import require_matplotlib
-from .progress import Progress
+from .output import markdown_table
+from .runner import Evaluation
+from .runner import run as run_evaluation
 from .texts import GENERATION_PROMPTS, chat_prompt
 
 NAME = "generation"
@@ -73,33 +72,65 @@ def generate(model, tokenizer, prompt: list[int], caches, max_tokens: int) -> di
             "peak_memory": int(mx.get_peak_memory())}
 
 
-def run_generation(model, tokenizer, prompts, arms, budgets, max_tokens: int, n_sink=N_SINK,
-                   quiet=False) -> dict:
-    """Core entry point: (model, tokenizer or None, prompt token ids) -> result dict."""
-    arms = parse_arms(arms, FULL, **ARM_DEFAULTS)
-    plan = []
-    for arm in arms:
-        for b in [None] if arm.method == "kvcache" else budgets:
-            if b is None or b > n_sink + arm.window:
-                plan.extend((arm, b, p) for p in range(len(prompts)))
-    bar = Progress(len(plan) * max_tokens, NAME, quiet)
-    rows = []
-    t_start = time.perf_counter()
-    for arm, b, p in plan:
-        caches = arm.caches(model, max(b or 0, n_sink + arm.window + 1), n_sink)
-        out = generate(model, tokenizer, prompts[p], caches, max_tokens)
-        toks = out.pop("tokens")
-        row = {"arm": "full" if arm.method == "kvcache" else arm.name, "budget": b, "prompt": p}
-        row.update(prompt_tokens=len(prompts[p]), generated=len(toks))
-        row.update(rep10=repetition_rate(toks, 10), distinct1=distinct(toks, 1))
-        row.update(distinct2=distinct(toks, 2), sample=out.pop("text")[:600])
-        rows.append({**row, **out, **kv_bytes(caches)})
-        bar.update(max_tokens, f"{arm.name} b{b} p{p}")
-    settings = {"arms": ["full" if a.method == "kvcache" else a.name for a in arms],
-                "budgets": list(budgets), "max_tokens": max_tokens, "n_sink": n_sink,
-                "prompts": len(prompts), "sampler": "greedy"}
-    return {"benchmark": NAME, "settings": settings, "rows": rows,
-            "elapsed_s": time.perf_counter() - t_start, "environment": environment()}
+class Generation(Evaluation):
+    """Prompts x arms x budgets: each arm writes its own answer to each prompt."""
+
+    name, key, pngs = NAME, "rows", ("",)
+
+    def arms(self) -> list:
+        a = self.args
+        if isinstance(a.prompts, str):
+            a.prompts = csv_ints(a.prompts)
+        if a.quick:
+            a.max_tokens, a.budgets = 40, [24]
+            a.arms = ["full", "streaming_llm", "morphkv:mean:8"]
+            a.prompts = a.prompts or [0]
+        self.chosen = a.prompts if a.prompts is not None else range(len(GENERATION_PROMPTS))
+        self.found = parse_arms(a.arms, FULL, **ARM_DEFAULTS)
+        return [(arm, b) for arm in self.found
+                for b in ([None] if arm.method == "kvcache" else a.budgets)
+                if b is None or b > a.n_sink + arm.window]
+
+    def items(self, model, tok):
+        a = self.args
+        mx.random.seed(0)
+        self.info["settings"] = {
+            "arms": [_label(arm) for arm in self.found],
+            "budgets": list(a.budgets), "max_tokens": a.max_tokens, "n_sink": a.n_sink,
+            "prompts": len(self.chosen), "sampler": "greedy", "quick": bool(a.quick),
+            "prompt_ids": list(self.chosen), "model": a.model or "embedded SmolLM2-135M-Instruct"}
+        return [(p, chat_prompt(tok, GENERATION_PROMPTS[i])) for p, i in enumerate(self.chosen)]
+
+    def steps(self, arms) -> int:
+        return len(arms) * len(self.chosen) * self.args.max_tokens
+
+    def measure(self, model, tok, item, arms, bar) -> list:
+        (p, prompt), a, rows = item, self.args, []
+        for arm, b in arms:
+            caches = arm.caches(model, max(b or 0, a.n_sink + arm.window + 1), a.n_sink)
+            out = generate(model, tok, prompt, caches, a.max_tokens)
+            toks = out.pop("tokens")
+            row = {"arm": _label(arm), "budget": b, "prompt": p, "prompt_tokens": len(prompt),
+                   "generated": len(toks), "rep10": repetition_rate(toks, 10),
+                   "distinct1": distinct(toks, 1), "distinct2": distinct(toks, 2),
+                   "sample": out.pop("text")[:600]}
+            rows.append({**row, **out, **kv_bytes(caches)})
+            bar.update(a.max_tokens, f"{arm.name} b{b} p{p}")
+        return rows
+
+    def report(self, rows: list, arms) -> tuple:
+        headers, body = summary({"rows": rows})
+        return {"headers": headers, "body": body}, (
+            "10-gram rep.: fraction of the answer's 10-grams seen earlier in it (lower: less "
+            "looping); distinct-n: unique n-grams / all n-grams; KV kept: bytes of kept K+V\n"
+            + markdown_table(headers, body))
+
+    def plot(self, result: dict, suffix: str, path) -> None:
+        plots.bars(summary(result), ["10-gram rep.", "distinct-2"], path)
+
+
+def _label(arm) -> str:
+    return "full" if arm.method == "kvcache" else arm.name
 
 
 def summary(result: dict) -> tuple[list[str], list[list]]:
@@ -128,25 +159,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
     """Run with the command-line settings; ``model``/``tokenizer`` bypass loading (tests)."""
-    require_matplotlib()
-    if isinstance(args.prompts, str):
-        args.prompts = csv_ints(args.prompts)
-    if args.quick:
-        args.max_tokens, args.budgets = 40, [24]
-        args.arms = ["full", "streaming_llm", "morphkv:mean:8"]
-        args.prompts = args.prompts or [0]
-    check_specs(args.arms, FULL)
-    if model is None:
-        model, tokenizer = load_model(args.model)
-    mx.random.seed(0)
-    chosen = args.prompts if args.prompts is not None else range(len(GENERATION_PROMPTS))
-    prompts = [chat_prompt(tokenizer, GENERATION_PROMPTS[i]) for i in chosen]
-    result = run_generation(model, tokenizer, prompts, args.arms, args.budgets, args.max_tokens,
-                            args.n_sink, args.quiet)
-    result["settings"].update(quick=bool(args.quick), prompt_ids=list(chosen),
-                              model=args.model or "embedded SmolLM2-135M-Instruct")
-    print("10-gram rep.: fraction of the answer's 10-grams seen earlier in it (lower: less "
-          "looping); distinct-n: unique n-grams / all n-grams; KV kept: bytes of kept K+V")
-    finish(args, NAME, result, table=markdown_table(*summary(result)),
-           plot=lambda path: plots.bars(summary(result), ["10-gram rep.", "distinct-2"], path))
-    return result
+    return run_evaluation(Generation(args), model, tokenizer)

@@ -27,13 +27,12 @@ import shlex
 import subprocess
 import sys
 import time
-import urllib.request
 
 import numpy as np
 
 from .chat_answers import questions
-from .chat_items import build_chat
-from .process import free_port, stop_process
+from .chat_items import build_chat, judge
+from .process import free_port, stop_process, wait_healthy
 
 NOFACT = ":nofact"  # an arm name ending so runs the chats without their facts
 MLX_LM = "mlx_lm"  # --live mlx_lm: mlx_lm's own cache (make_prompt_cache of the bare model)
@@ -88,7 +87,6 @@ def mlx_lm_chat(model, tok, flags: list[str], chats, args) -> list[dict]:
     from mlx_lm.sample_utils import make_sampler
 
     from ..mlxlm.builder import patch_model, unpatch_model
-    from .chat_items import judge
 
     unpatch_model(model)
     if flags != [MLX_LM]:
@@ -111,7 +109,7 @@ def mlx_lm_chat(model, tok, flags: list[str], chats, args) -> list[dict]:
         firsts = [say(cache, t, args.reply_tokens)[1] for t in user_turns(chat, args.turns, nofact)]
         answers = [say(copy.deepcopy(cache), q.text, args.answer_tokens)[0]
                    for q in chat.questions]
-        rows.append(row(chat, answers, firsts, [], judge, cache))
+        rows.append(row(chat, answers, firsts, [], cache))
     unpatch_model(model)
     return rows
 
@@ -126,7 +124,7 @@ def cache_config(flags: list[str]):
     return config_from_flags(p.parse_args(flags))
 
 
-def row(chat, answers, firsts, rss, judge, cache=None) -> dict:
+def row(chat, answers, firsts, rss, cache=None) -> dict:
     out = {"chat": chat.index, "answers": answers, "first_token_s": firsts, "rss_mb": rss,
            "right": [judge(a, q) for a, q in zip(answers, chat.questions, strict=True)],
            "values": [q.value for q in chat.questions]}
@@ -148,23 +146,13 @@ def start_server(model: str | None, flags: list[str], log) -> tuple[subprocess.P
            "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            status = stop_process(proc)
-            raise SystemExit(f"morphkv: error: the server ({' '.join(cmd)}) did not start "
-                             f"(status {status})")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return proc, url, " ".join(cmd)
-        except OSError:
-            time.sleep(0.5)
+    wait_healthy(proc, url, f"the server ({' '.join(cmd)})")
+    return proc, url, " ".join(cmd)
 
 
 def served_chat(model_name: str | None, flags: list[str], chats, args, log) -> list[dict]:
     import openai
 
-    from .chat_items import judge
 
     proc, url, _ = start_server(model_name, flags, log)
     try:
@@ -192,7 +180,7 @@ def served_chat(model_name: str | None, flags: list[str], chats, args, log) -> l
                 rss.append(_rss_mb(proc.pid))
             answers = [ask([*history, {"role": "user", "content": q.text}],
                            args.answer_tokens)[0] for q in chat.questions]
-            rows.append(row(chat, answers, firsts, rss, judge))
+            rows.append(row(chat, answers, firsts, rss))
         return rows
     finally:
         stop_process(proc, 30)  # by its process id, also when a request failed

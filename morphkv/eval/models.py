@@ -29,13 +29,20 @@ def tiny_llama(seed: int = 0, head_dim: int | None = None):
     return model
 
 
-def greedy_tokens(model, caches, prompt, max_tokens: int, prefill_step_size: int = 2048):
-    """Greedy token ids from mlx_lm's own ``generate_step`` with the given caches."""
+def greedy_tokens(model, caches, prompt, max_tokens: int, prefill_step_size: int = 2048,
+                  penalty: float | None = None, ends=()) -> list[int]:
+    """Greedy token ids from mlx_lm's own ``generate_step`` with the given caches (a
+    repetition ``penalty`` when given), up to and with the first of ``ends``."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-    steps = generate_step(mx.array(prompt), model, prompt_cache=caches,
-                          prefill_step_size=prefill_step_size, sampler=make_sampler(0.0),
-                          max_tokens=max_tokens)
-    return [int(token) for token, _ in steps]
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, prompt_cache=caches,
+                                  prefill_step_size=prefill_step_size, sampler=make_sampler(0.0),
+                                  max_tokens=max_tokens, logits_processors=penalty and
+                                  make_logits_processors(repetition_penalty=penalty)):
+        out.append(int(token))
+        if out[-1] in ends:
+            break
+    return out

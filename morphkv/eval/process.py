@@ -1,4 +1,4 @@
-"""Process helpers: a free loopback port, stopping a child process."""
+"""Process helpers: a free loopback port, waiting for a server child, stopping a child."""
 
 from __future__ import annotations
 
@@ -26,3 +26,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(proc, url: str, what: str, seconds: float = 600) -> None:
+    """Wait until the server child ``proc`` answers ``url``/health with 200; when it exits or
+    ``seconds`` pass, stop it and raise SystemExit naming ``what`` and its status."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except OSError:  # not up yet (refused, or a non-200 status)
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"morphkv: error: {what} did not start (status "
+                             f"{stop_process(proc)})")
+        time.sleep(0.5)

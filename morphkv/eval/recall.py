@@ -6,22 +6,24 @@ distractor turns and the question. Every arm (an arm spec of ``morphkv.eval.arms
 ``KVCacheConfig`` field, presets, mlx_lm's caches) prefills the prompt through fresh caches
 (exact chunks: ``KVCacheBuilder.for_model`` attaches the attention hook) and reports its
 *retention*: per layer, the fraction of the fact's value tokens still stored when the question
-is read (mean over KV heads). With ``--screen`` that is all (a prefill per item and arm, no
-generation: cheap enough to screen many settings); otherwise the model then answers greedily
-for a few tokens, the answer counts when the fact's words appear in it, and recall is counted
-over the items the full cache answers correctly, with a 95% Wilson interval. Total bytes
+is read (mean over KV heads). The model then answers greedily for a few tokens, the answer
+counts when the fact's words appear in it, and recall is counted over the items the full cache
+answers correctly (the other arms run only on those), with a 95% Wilson interval. Total bytes
 (``cache.nbytes``: storage + selection state, summed over layers) stand next to every figure.
+The records, summary, table and plot are those of ``--data chats`` (``chat_report``), one
+question per item; an arm at budget B is labelled ``spec@B``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from .arms import cells
+from .arms import Cell, cells
 from .asking import ask
+from .chat_recall import Chats
+from .chat_report import summarize, table
+from .flags import add_flags, standard
 from .recall_items import build_item, build_natural_item, is_correct
-from .recall_report import plot, summarize, table
-from .runner import Evaluation
 from .runner import run as run_evaluation
 
 NAME = "recall"
@@ -43,63 +45,50 @@ def is_full(cell) -> bool:
     return cell.arm.method in ("full", "kvcache")
 
 
-class LongChats(Evaluation):
+class LongChats(Chats):
     """Long chats with one early fact (``recall_items``: canned or natural), per budget."""
 
-    name, command, pngs = NAME, "morphkv eval recall --data longchat", ("",)
-
-    def stem(self) -> str:
-        return self.args.stem or f"{NAME}{'_screen' if self.args.screen else ''}"
+    name, key, command, pngs = NAME, "items", "morphkv eval recall --data longchat", ("",)
+    stem_of = "{name}"
 
     def arms(self) -> list:
-        arms, self.budgets = _settings(self.args)
-        self.full = next((a for a in arms if is_full(a)), None) or parse_arms("full")[0]
-        return [(a, b) for a in arms if not is_full(a) for b in self.budgets]
+        """The full cache (at the largest budget) first, then every other arm at each budget."""
+        arms, budgets = _settings(self.args)
+        full = next((a for a in arms if is_full(a)), None) or parse_arms("full")[0]
+        return [Cell(full.label, full.arm, max(budgets))] + [
+            Cell(f"{a.label}@{b}", a.arm, b) for a in arms if not is_full(a) for b in budgets]
 
     def items(self, model, tok):
         return range(self.args.first, self.args.first + self.args.items)
 
     def steps(self, arms) -> int:
-        return self.args.items * (len(arms) + (not self.args.screen))
-
-    def one(self, model, tok, item, caches, answer: bool) -> dict:
-        """Prefill all but the prompt's last token, read the retention, then (``answer``) feed
-        the last token and decode ``--max-tokens`` greedily."""
-        a = self.args
-        out = ask(model, caches, [list(item.ids)], a.chunk, a.max_tokens if answer else 0,
-                  [item.fact_positions])
-        out["retention"] = out["retention"][0]
-        if answer:
-            text = tok.decode(out.pop("answers")[0])
-            out.update(answer=text, correct=is_correct(text, item.value))
-        return out
+        return self.args.items * len(arms)
 
     def measure(self, model, tok, index, cells, bar) -> dict:
-        """Screen every arm, or answer with every arm when the full cache answers correctly."""
+        """The full cache, then (when it answers right) every other arm: a prefill of all but
+        the prompt's last token, the retention, then ``--max-tokens`` greedy tokens."""
         a = self.args
         item = make_item(tok, a, index)
         rec = {"index": index, "kind": item.kind, "value": item.value, "tokens": len(item.ids),
-               "distance": item.distance, "turns": item.turns,
-               "distractors": list(item.distractors), "arms": {}}
-        ok = True
-        if not a.screen:
-            full = self.full.arm.caches(model, max(self.budgets), a.n_sink)
-            rec["full"] = self.one(model, tok, item, full, answer=True)
-            ok = rec["full"]["correct"]
-            bar.total -= 0 if ok else len(cells)
-            bar.update(1, f"item {index}: full {'ok' if ok else 'wrong'}")
-        for c, budget in cells if ok else []:
-            caches = c.arm.caches(model, budget, a.n_sink)
-            rec["arms"][f"{c.label}@{budget}"] = self.one(model, tok, item, caches, not a.screen)
-            bar.update(1, f"item {index}: {c.label} @ {budget}")
+               "turns": item.turns, "distractors": list(item.distractors), "arms": {},
+               "questions": [{"kind": item.kind, "value": item.value, "updated": False,
+                              "distance": item.distance,
+                              "value_tokens": len(item.fact_positions)}]}
+        for c in cells:
+            out = ask(model, c.arm.caches(model, c.size, a.n_sink), [list(item.ids)], a.chunk,
+                      a.max_tokens, [item.fact_positions])
+            text = tok.decode(out.pop("answers")[0])
+            out.update(answers=[text], correct=[is_correct(text, item.value)], size=c.size)
+            rec["arms"][c.label] = out
+            bar.update(1, f"item {index}: {c.label} {'right' if out['correct'][0] else 'wrong'}")
+            if c is cells[0] and not out["correct"][0]:
+                bar.total -= len(cells) - 1  # the full cache is wrong: not counted
+                break
         return rec
 
     def report(self, records: list, cells) -> tuple:
-        summary = summarize(records, self.full.label, cells, self.args.screen)
-        return summary, table(summary, self.budgets)
-
-    def plot(self, result: dict, suffix: str, path) -> None:
-        plot(result["summary"], self.budgets, path)
+        summary = summarize(records, [c.label for c in cells], full=cells[0].label)
+        return summary, table(summary)
 
 
 def make_item(tok, args, index: int):
@@ -113,18 +102,13 @@ def make_item(tok, args, index: int):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--quick", action="store_true", help="smoke run (seconds): 2 short items")
-    add("--screen", action="store_true",
-        help="retention only: prefill each item through each arm, no answers (cheap)")
-    add("--out", default=None, help="output folder (default results/recall)")
-    add("--model", default=None, help="model (default: the embedded SmolLM2)")
+    add_flags(parser, standard(NAME, "model", "first", "seed", "n_sink", "chunk", "out", "stem",
+                               "quiet", "max_minutes"))
     add("--arms", default=DEFAULT_ARMS,
         help="comma-separated arm specs, method[:field=value]... with KVCacheConfig fields "
         f"(morphkv_ prefix optional) or presets (default {DEFAULT_ARMS})")
     add("--budgets", default="128", help="comma-separated budgets (default 128)")
     add("--items", type=int, default=48, help="items to build (default 48)")
-    add("--first", type=int, default=0, help="index of the first item")
-    add("--max-minutes", type=float, default=0, help="stop adding items after this")
-    add("--seed", type=int, default=0)
     add("--split", choices=("tune", "test"), default="test")
     add("--set", choices=("canned", "natural"), default="canned",
         help="items (recall_items): canned (short fixed replies, one fact) or natural (long "
@@ -133,10 +117,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--distance", type=int, default=0,
         help="min tokens after the fact (0: 3 x the largest budget)")
     add("--max-tokens", type=int, default=8, help="answer tokens generated (default 8)")
-    add("--n-sink", type=int, default=4)
-    add("--chunk", type=int, default=256, help="prefill chunk (exact either way)")
-    add("--stem", default=None, help="output file name stem (default recall, or recall_screen)")
-    add("--quiet", action="store_true")
 
 
 def _settings(args: argparse.Namespace) -> tuple[list, list[int]]:

@@ -26,6 +26,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from .chat_items import value_spans
+
 SPLITS = ("tune", "test")
 
 
@@ -91,7 +93,7 @@ def build_item(tok, seed: int, split: str, index: int, distance: int) -> Item:
     statement, ack, ask = fact.turns(value)
     head = [{"role": "user", "content": statement}, {"role": "assistant", "content": ack}]
     head_ids = encode_chat(tok, head, None)
-    fact_end, spots = len(head_ids), tuple(value_token_positions(tok, head_ids, value))
+    fact_end, spots = len(head_ids), value_token_positions(tok, head_ids, value)
     question = [{"role": "user", "content": ask}]
     fillers: list[dict] = []
     kinds: list[str] = []
@@ -109,13 +111,10 @@ def build_item(tok, seed: int, split: str, index: int, distance: int) -> Item:
         fillers += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
 
 
-def value_token_positions(tok, ids: list[int], value: str):
+def value_token_positions(tok, ids: list[int], value: str) -> tuple[int, ...]:
     """Positions of the value's own tokens, wherever its token sequence occurs (statement and
     acknowledgement); before issue 33 any 2-letter token inside the value counted too."""
-    from .chat_items import value_spans
-
-    for span in value_spans(tok, ids, value):
-        yield from span
+    return tuple(p for span in value_spans(tok, ids, value) for p in span)
 
 
 def words(text: str) -> list[str]:
@@ -244,7 +243,7 @@ def build_natural_item(tok, seed: int, split: str, index: int, budget: int,
         fact_ids = encode_chat(tok, fact_turns, None)
         ids = encode_chat(tok, head + turns + question, kind.lead_in)
         if len(ids) - len(fact_ids) >= distance:
-            spots = tuple(p for p in value_token_positions(tok, fact_ids, value))
+            spots = value_token_positions(tok, fact_ids, value)
             return Item(index, kind.name, value, tuple(ids), len(fact_ids), len(topics),
                         spots, tuple(topics))
     raise RuntimeError(f"distractor pool {split!r} too small for distance {distance}")

@@ -29,6 +29,7 @@ class Evaluation:
     and, per suffix of ``pngs``, ``plot(result, suffix, path)``."""
 
     name = ""  # results/<name> and the JSON's "benchmark"
+    stem_of = "{name}"  # the files' default stem: formatted with the args, name and _quick
     key = "items"  # the JSON's list of records
     command = "morphkv eval"  # names the command in a one-line error
     pngs: tuple[str, ...] = ()  # the PNGs drawn at the end: <stem><suffix>.png
@@ -37,7 +38,9 @@ class Evaluation:
         self.args, self.info = args, {}  # ``info``: more top-level JSON fields
 
     def stem(self) -> str:
-        return getattr(self.args, "stem", None) or self.name
+        quick = "_quick" if getattr(self.args, "quick", False) else ""
+        return getattr(self.args, "stem", None) or self.stem_of.format(
+            name=self.name, _quick=quick, **vars(self.args))
 
     def steps(self, arms) -> int:
         """Progress steps in all (0: no progress line)."""
@@ -68,10 +71,10 @@ def run(ev: Evaluation, model=None, tok=None) -> dict:
     start, load = time.perf_counter(), os.getloadavg()
     result = {"benchmark": ev.name, "args": vars(args), "environment": environment(),
               ev.key: []}
-    records = result[ev.key]
+    records, items = result[ev.key], ev.items(model, tok)  # then the steps: items may plan
     total = ev.steps(arms)
     bar = Progress(total, ev.name, getattr(args, "quiet", False) or not total, every=5.0)
-    for item in ev.items(model, tok):
+    for item in items:
         minutes = getattr(args, "max_minutes", 0)
         if minutes and time.perf_counter() - start > 60 * minutes:
             print(f"[{ev.name}] --max-minutes reached", file=sys.stderr)

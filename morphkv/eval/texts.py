@@ -32,13 +32,9 @@ def prose_text(topics: tuple[str, ...] = PROSE_TOPICS) -> str:
 def prose_documents(tokenizer, n_tokens: int, n_docs: int = 1) -> list[list[int]]:
     """``n_docs`` documents of ``n_tokens`` tokens each: the first is the design notes' text
     (``PROSE_TOPICS``), the next ones continue through ``MORE_TOPICS``."""
-    ids = encode(tokenizer, prose_text(PROSE_TOPICS + MORE_TOPICS))
+    ids = list(tokenizer.encode(prose_text(PROSE_TOPICS + MORE_TOPICS)))
     docs = [ids[i * n_tokens : (i + 1) * n_tokens] for i in range(n_docs)]
     return [d for d in docs if len(d) == n_tokens]
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer.encode(text))
 
 
 def chat_tokens(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
@@ -51,11 +47,14 @@ def chat_tokens(tokenizer, messages: list[dict], add_generation_prompt: bool = F
         except Exception:  # noqa: BLE001 - fall back to ChatML below
             pass
     text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return encode(tokenizer, text + ("<|im_start|>assistant\n" if add_generation_prompt else ""))
+    return list(tokenizer.encode(text + ("<|im_start|>assistant\n" if add_generation_prompt
+                                         else "")))
 
 
-def conversation_tokens(tokenizer, index: int = 0) -> list[int]:
-    return chat_tokens(tokenizer, CONVERSATIONS[index])
+def conversation_tokens(tokenizer, index: int = 0, cut: int = 0) -> list[int]:
+    """Conversation ``index`` in the chat template: its first ``cut`` tokens (0: whole)."""
+    ids = chat_tokens(tokenizer, CONVERSATIONS[index])
+    return ids[:cut] if cut else ids
 
 
 def chat_prompt(tokenizer, user: str) -> list[int]:
@@ -87,15 +86,12 @@ def split_texts(tokenizer, model, split: str, prose_tokens=1024, continuation_to
     if split not in ("tune", "heldout"):
         raise ValueError(f"unknown split {split!r}; valid: tune, heldout")
     tune = split == "tune"
-    docs = prose_documents(tokenizer, prose_tokens, 2)
-    out = {"prose": docs[0] if tune else docs[1]}
-    for i in (0,) if tune else (1, 2):
-        ids = conversation_tokens(tokenizer, i)
-        out[f"conversation{i}"] = ids[:conversation_tokens_max] if conversation_tokens_max else ids
+    out = {"prose": prose_documents(tokenizer, prose_tokens, 2)[0 if tune else 1]}
+    out.update((f"conversation{i}", conversation_tokens(tokenizer, i, conversation_tokens_max))
+               for i in ((0,) if tune else (1, 2)))
     prompt = CONTINUATION_PROMPT if tune else GENERATION_PROMPTS[1]
-    out["continuation"] = greedy_continuation(
-        model, chat_prompt(tokenizer, prompt), continuation_tokens
-    )
+    out["continuation"] = greedy_continuation(model, chat_prompt(tokenizer, prompt),
+                                              continuation_tokens)
     return out
 
 
@@ -109,9 +105,8 @@ def build_texts(tokenizer, kinds, model=None, prose_tokens=1100, prose_docs=1, c
             docs = prose_documents(tokenizer, prose_tokens, prose_docs)
             found.update((f"prose{i}", doc) for i, doc in enumerate(docs))
         elif kind == "conversation":
-            for i in range(min(conversations, len(CONVERSATIONS))):
-                ids = conversation_tokens(tokenizer, i)
-                found[f"conversation{i}"] = ids[:conversation_max] if conversation_max else ids
+            found.update((f"conversation{i}", conversation_tokens(tokenizer, i, conversation_max))
+                         for i in range(min(conversations, len(CONVERSATIONS))))
         elif kind == "continuation":
             prompt = chat_prompt(tokenizer, CONTINUATION_PROMPT)
             found["continuation"] = greedy_continuation(model, prompt, continuation_tokens)
