@@ -29,7 +29,7 @@ import time
 from ..core.pins import pin
 from .arms import cells
 from .flags import add_flags, standard
-from .live import cluster_interval
+from .metrics import cluster_interval
 from .models import greedy_tokens
 from .output import markdown_table, out_dir, write_json
 from .runner import Evaluation

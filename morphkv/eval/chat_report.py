@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from .chat_items import said_by
-from .live import cluster_interval
+from .metrics import cluster_interval
 from .output import markdown_table
 from .plots import plt, save
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from .chat_answers import questions
 from .chat_items import build_chat, judge
+from .metrics import cluster_interval
 from .process import free_port, stop_process, wait_healthy
 
 NOFACT = ":nofact"  # an arm name ending so runs the chats without their facts
@@ -64,20 +65,6 @@ def user_turns(chat, turns: int, nofact: bool) -> list[str]:
         raise SystemExit(f"morphkv: error: --turns {turns}: the {chat.split} split has "
                          f"{len(said)} user turns")
     return said[:turns]
-
-
-def cluster_interval(hits: list[list[bool]], draws: int = 2000, seed: int = 0):
-    """(share, low, high): the share of items right, 95% bootstrap over chats."""
-    hits = [h for h in hits if h]
-    if not hits:
-        return None
-    rng = np.random.default_rng(seed)
-    k = np.array([sum(h) for h in hits])
-    n = np.array([len(h) for h in hits])
-    idx = rng.integers(0, len(hits), (draws, len(hits)))
-    shares = k[idx].sum(1) / n[idx].sum(1)
-    return float(k.sum() / n.sum()), float(np.quantile(shares, 0.025)), float(
-        np.quantile(shares, 0.975))
 
 
 # ---- the plain mlx_lm chat loop ---------------------------------------------------------------

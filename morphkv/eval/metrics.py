@@ -6,6 +6,7 @@ A new metric is one function here and one column where a command records it.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from ..core.quant import dims
 
@@ -59,3 +60,17 @@ def kv_bytes(caches) -> dict:
             kept += int(getattr(c, "nbytes", 0))
     held = sum(held_bytes(c) for c in caches)
     return {"kv_bytes_storage": storage, "kv_bytes_kept": kept, "kv_bytes_held": held}
+
+
+def cluster_interval(hits: list[list[bool]], draws: int = 2000, seed: int = 0):
+    """(share, low, high): the share of items right, 95% bootstrap over chats."""
+    hits = [h for h in hits if h]
+    if not hits:
+        return None
+    rng = np.random.default_rng(seed)
+    k = np.array([sum(h) for h in hits])
+    n = np.array([len(h) for h in hits])
+    idx = rng.integers(0, len(hits), (draws, len(hits)))
+    shares = k[idx].sum(1) / n[idx].sum(1)
+    return float(k.sum() / n.sum()), float(np.quantile(shares, 0.025)), float(
+        np.quantile(shares, 0.975))
