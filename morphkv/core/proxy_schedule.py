@@ -154,10 +154,10 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
         cols = np.concatenate([live, np.broadcast_to(np.arange(n0 + i0, n0 + i1),
                                                      (R, i1 - i0))], 1)
         valid = qvalid[:, i0 : i1 + W - 1]
-        own = (Ks[heads, qrow[:, i0 : i1 + W - 1]] @ K[heads, cols].transpose(0, 2, 1))
-        own = own.astype(dtype, copy=False)
-        top = np.fmax.reduce(own, axis=2, initial=-np.inf)  # NaN is no maximum
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite keys: NaN scores
+            own = (Ks[heads, qrow[:, i0 : i1 + W - 1]] @ K[heads, cols].transpose(0, 2, 1))
+            own = own.astype(dtype, copy=False)
+            top = np.fmax.reduce(own, axis=2, initial=-np.inf)  # NaN is no maximum
             np.exp(np.subtract(own, top[..., None], out=own), out=own)
         own[~valid] = 0.0
         live = replay(own, valid, cols, pos[heads, cols], live.shape[1], i0, k, evicted, t0, c,
