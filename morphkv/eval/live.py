@@ -140,7 +140,6 @@ def start_server(model: str | None, flags: list[str], log) -> tuple[subprocess.P
 def served_chat(model_name: str | None, flags: list[str], chats, args, log) -> list[dict]:
     import openai
 
-
     proc, url, _ = start_server(model_name, flags, log)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
