@@ -116,23 +116,23 @@ def _step_fn(rule, mirrored: bool, n_sink: int, recent: int, scale: float):
             K = mx.put_along_axis(K, slot, k_new, axis=2)
             V = mx.put_along_axis(V, slot, v_new, axis=2)
             pos = mx.where(cols == victim, t, pos)
-            victim = victim.reshape(R, 1, 1)
-            kt = k_new.reshape(R, 1, D).astype(mx.float32)
-            if mirrored:
-                kf = mx.put_along_axis(kf, victim, kt, axis=1)
-                keys = kf
+            kt = k_new.astype(mx.float32)  # (B, H, 1, D)
+            if mirrored:  # (B, H, n, D) as the storage: the same scatter indices
+                kf = keys = mx.put_along_axis(kf, slot, kt, axis=2)
             else:
-                keys = K.reshape(R, n, D)
-            row = kt @ keys.swapaxes(-1, -2)  # (R, 1, n): the token x every key, unscaled
+                keys = K
+            row = (kt @ keys.swapaxes(-1, -2)).reshape(R, 1, n)  # the token x every key
             top = row.max(axis=-1, keepdims=True)
             # the old rows' tokens x the token: its row at their slots (the window is protected)
             column = mx.take_along_axis(row, slots, axis=2)  # (R, W, 1)
-            grown = mx.maximum(M, column)
-            fresh = mx.exp((row - top) * scale)  # (R, 1, n); returned: not fused into E's
-            rescale = mx.exp((M - grown) * scale)  # (R, W, 1)
-            added = mx.exp((column - grown) * scale)
+            # exps of the small arrays, returned so none is fused into the E-sized pass; each
+            # from M and column alone (min(M - c, 0) = M - max(M, c)): no shared intermediate
+            fresh = mx.exp((row - top) * scale)  # (R, 1, n)
+            rescale = mx.exp(mx.minimum(M - column, 0.0) * scale)  # (R, W, 1)
+            added = mx.exp(mx.minimum(column - M, 0.0) * scale)
+            victim = victim.reshape(R, 1, 1)
             E = mx.where(mine, fresh, mx.where(cols == victim, added, E * rescale))
-            M = mx.where(mine, top, grown)
+            M = mx.where(mine, top, mx.maximum(M, column))
             slots = mx.where(mine, victim.astype(slots.dtype), slots)
             return K, V, kf, pos, slots, E, M, fresh, rescale, added
 
@@ -167,7 +167,8 @@ class ProxyState:
         logits = ring @ keys.swapaxes(-1, -2)  # unscaled: exps of (l - M) * scale
         self.M = logits.max(axis=-1, keepdims=True)
         self.E = mx.exp((logits - self.M) * engine.scale)
-        self.kf = keys if stored_keys.dtype != mx.float32 else None
+        mirrored = stored_keys.dtype != mx.float32  # the mirror: the storage's shape, float32
+        self.kf = keys.reshape(stored_keys.shape[:2] + keys.shape[1:]) if mirrored else None
         self.window, self.seen, self.scale = W, engine.seen, engine.scale
         self.constants = _constants(keys.shape[1], W)  # shared: not this state's bytes
         c = engine.config
