@@ -20,8 +20,9 @@ takes exps of the small arrays only (returned, so the compiler cannot fuse them 
 ``E``-sized pass). Recomputing the window's rows each token (W x n exps) measured 1.5-3x
 slower. Stored keys that are not float32 are mirrored in float32 (``kf``, the storage's shape,
 counted in the engine's bytes) so no step converts the whole storage. Shapes are constant
-once full, so the compiled graph is traced once per cache shape. Decisions are ``DeviceEngine.select``'s: the same scores
-up to float32 rounding (inside ``RTOL``), the same (score bits, position) keys to ``argmin``.
+once full, so the compiled graph is traced once per cache shape. Decisions are
+``DeviceEngine.select``'s: the same scores up to float32 rounding (inside ``RTOL``), the same
+(score bits, position) keys to ``argmin``.
 """
 
 from __future__ import annotations
