@@ -18,8 +18,9 @@ an exp costs ~20 ns an element: the step keeps the graph small (constants such a
 index and the one-hot row masks come in as inputs, the token's position from the host) and
 takes exps of the small arrays only (returned, so the compiler cannot fuse them into the
 ``E``-sized pass). Recomputing the window's rows each token (W x n exps) measured 1.5-3x
-slower. Stored keys that are not float32 are mirrored in float32 (``kf``, the storage's shape,
-counted in the engine's bytes) so no step converts the whole storage. Shapes are constant
+slower. Stored keys that are not float32 are mirrored in float32 (``kf``, (B, H, D, n):
+transposed, the token's row is a plain product, which OpenBLAS packs faster; counted in the
+engine's bytes) so no step converts the whole storage. Shapes are constant
 once full, so the compiled graph is traced once per cache shape. Decisions are
 ``DeviceEngine.select``'s: the same scores up to float32 rounding (inside ``RTOL``), the same
 (score bits, position) keys to ``argmin``.
@@ -118,11 +119,11 @@ def _step_fn(rule, mirrored: bool, n_sink: int, recent: int, scale: float):
             V = mx.put_along_axis(V, slot, v_new, axis=2)
             pos = mx.where(cols == victim, t, pos)
             kt = k_new.astype(mx.float32)  # (B, H, 1, D)
-            if mirrored:  # (B, H, n, D) as the storage: the same scatter indices
-                kf = keys = mx.put_along_axis(kf, slot, kt, axis=2)
+            if mirrored:  # (B, H, D, n): a plain product, no transposed operand
+                kf = keys = mx.put_along_axis(kf, slot, kt.reshape(B, H, D, 1), axis=3)
             else:
-                keys = K
-            row = (kt @ keys.swapaxes(-1, -2)).reshape(R, 1, n)  # the token x every key
+                keys = K.swapaxes(-1, -2)
+            row = (kt @ keys).reshape(R, 1, n)  # the token x every key
             top = row.max(axis=-1, keepdims=True)
             # the old rows' tokens x the token: its row at their slots (the window is protected)
             column = mx.take_along_axis(row, slots, axis=2)  # (R, W, 1)
@@ -169,7 +170,8 @@ class ProxyState:
         self.M = logits.max(axis=-1, keepdims=True)
         self.E = mx.exp((logits - self.M) * engine.scale)
         mirrored = stored_keys.dtype != mx.float32  # the mirror: the storage's shape, float32
-        self.kf = keys.reshape(stored_keys.shape[:2] + keys.shape[1:]) if mirrored else None
+        kT = mx.contiguous(keys.swapaxes(-1, -2))
+        self.kf = kT.reshape(stored_keys.shape[:2] + kT.shape[1:]) if mirrored else None
         self.window, self.seen, self.scale = W, engine.seen, engine.scale
         self.constants = _constants(keys.shape[1], W)  # shared: not this state's bytes
         c = engine.config
