@@ -4,18 +4,26 @@ Once the storage is full (``budget + 1`` rows, an eviction due before every toke
 a window rule scored by keys as proxy queries (MorphKV's window, TOVA's newest key; the seed's
 API: a cache used alone) costs one compiled call (``step``). The window's proxy attention is
 kept as a matrix and updated by one row in and one column in per token instead of recomputed
-(``ProxyState``): ``E`` (rows, window, slots) holds ``exp(l - M)`` for the logits ``l`` of the
-newest ``window`` keys (row ``p % window`` for the token at position ``p``) against every
-stored key, ``M`` each row's running maximum; a row's softmax is ``E / E.sum()``, summed
-afresh each step (no running sum drifts). Per token: the rule scores the slots from those rows,
-the lowest (score, position) unprotected slot goes and the token's key and value take its slot
-(no row moves: the storage stays ``budget + 1`` rows, slots out of position order as ever),
-the token's column replaces the victim's in every row, and its own row (its key against every
-stored key) replaces the row of the token leaving the window. Stored keys that are not float32
-are mirrored in float32 (``kf``, counted in the engine's bytes) so no step converts the whole
-storage. Shapes are constant once full, so the compiled graph is traced once per cache shape.
-Decisions are ``DeviceEngine.select``'s: the same scores up to float32 rounding (inside
-``RTOL``), the same (score bits, position) keys to ``argmin``.
+(``ProxyState``): ``E`` (rows, window, slots) holds ``exp((l - M) * scale)`` for the unscaled
+logits ``l`` of the newest ``window`` keys (row ``p % window`` for the token at position ``p``)
+against every stored key, ``M`` (rows, window, 1) each row's running maximum; a row's softmax
+is ``E / E.sum()``, summed afresh each step (no running sum drifts). Per token: the rule scores
+the slots from those rows, the lowest (score, position) unprotected slot goes and the token's
+key and value take its slot (no row moves: the storage stays ``budget + 1`` rows, slots out of
+position order as ever); then one elementwise pass over ``E`` rescales every row to its grown
+maximum, writes the token's column (its logit with each window key, read off its own row at
+the window's ``slots``) in the victim's place and its own row (its key against every stored
+key) over the row of the token leaving the window. MLX's CPU backend pays per primitive, and
+an exp costs ~20 ns an element: the step keeps the graph small (constants such as the slot
+index and the one-hot row masks come in as inputs, the token's position from the host) and
+takes exps of the small arrays only (returned, so the compiler cannot fuse them into the
+``E``-sized pass). Recomputing the window's rows each token (W x n exps) measured 1.5-3x
+slower. Stored keys that are not float32 are mirrored in float32 (``kf``, (B, H, D, n):
+transposed, the token's row is a plain product, which OpenBLAS packs faster; counted in the
+engine's bytes) so no step converts the whole storage. Shapes are constant
+once full, so the compiled graph is traced once per cache shape. Decisions are
+``DeviceEngine.select``'s: the same scores up to float32 rounding (inside ``RTOL``), the same
+(score bits, position) keys to ``argmin``.
 """
 
 from __future__ import annotations
@@ -26,8 +34,12 @@ from .rules import Tova, WindowAttention
 
 TOP_BITS = mx.array(0xFFFFFFFF, mx.uint32)  # as ``core.device``: above every score's bits
 SHIFT = mx.array(32, mx.uint64)
+ABS = mx.array(0x7FFFFFFF, mx.uint32)  # a float32's bits but the sign
+INF_BITS = mx.array(0x7F800000, mx.uint32)
+ZERO = mx.array(0, mx.uint32)
 
 _STEPS: dict = {}
+_CONSTANTS: dict = {}  # (slots, window) -> the slot index and the one-hot rows, shared
 E_DUMMY = mx.zeros((1,))  # the mirror's place when the stored keys are float32
 
 
@@ -51,7 +63,7 @@ def bound_nbytes(engine) -> int:
     R, W, cap = engine.rows, engine.config.window, engine.capacity
     D = engine.head_dim
     mirror = 0 if engine.key_bytes == 4 else R * cap * D * 4
-    return mirror + 4 * (2 * R * W + R * W * cap + 1)
+    return mirror + 4 * (2 * R * W + R * W * cap)
 
 
 class _Rows:
@@ -73,56 +85,72 @@ class _Rows:
         return mx.take_along_axis(self.probs, self.newest[..., None], axis=1)[:, 0]
 
 
+def _scores(rule, E, t):
+    """The rule's (R, n) float32 scores from the window's exp-logit rows ``E`` (R, W, n)."""
+    R, W = E.shape[:2]
+    if isinstance(rule, WindowAttention) and rule.window_rows == "all":  # MorphKV's window
+        if rule.fusion == "mean":
+            return (E / (E.sum(axis=-1, keepdims=True) * W)).sum(axis=1)
+        if rule.fusion == "max":
+            return (E / E.sum(axis=-1, keepdims=True)).max(axis=1)
+    newest = mx.broadcast_to(mx.remainder(t - 1, W).astype(mx.int32), (R, 1))
+    probs = E / E.sum(axis=-1, keepdims=True)
+    return rule.score(_Rows(probs, newest)).astype(mx.float32)
+
+
 def _step_fn(rule, mirrored: bool, n_sink: int, recent: int, scale: float):
     """The compiled step for ``rule`` and these constants (traced per shape)."""
     key = (rule, mirrored, n_sink, recent, scale)
     if key not in _STEPS:
 
-        def step(K, V, kf, pos, slots, E, M, k_new, v_new, t):
+        def step(K, V, kf, pos, slots, E, M, k_new, v_new, t, mine, cols):
             B, H, n, D = K.shape
-            R, W = slots.shape
-            at = mx.remainder(t, W)
-            if isinstance(rule, WindowAttention) and rule.window_rows == "all" and (
-                    rule.fusion == "mean"):  # the window mean as one product
-                weights = 1.0 / (E.sum(axis=-1) * W)  # (R, W)
-                scores = (weights[:, None, :] @ E)[:, 0]
-            else:
-                probs = E / E.sum(axis=-1, keepdims=True)
-                newest = mx.broadcast_to(mx.remainder(t - 1, W).astype(mx.int32), (R, 1))
-                scores = rule.score(_Rows(probs, newest)).astype(mx.float32)
-            scores = mx.where(mx.isnan(scores), mx.inf, scores)  # NaN ranks as +inf
+            R = B * H
+            # the victim: the lowest (score bits, position) unprotected slot; NaN ranks as +inf
+            bits = _scores(rule, E, t).view(mx.uint32)
+            nan = (bits & ABS) > INF_BITS
+            bits = mx.where(nan, INF_BITS, mx.where(bits > ABS, ZERO, bits))  # -x: 0
             protected = (pos < n_sink) | (pos > t - 1 - recent)
-            bits = mx.where(protected, TOP_BITS, mx.maximum(scores, 0.0).view(mx.uint32))
+            bits = mx.where(protected, TOP_BITS, bits)
             victim = mx.argmin((bits.astype(mx.uint64) << SHIFT) | pos.astype(mx.uint64),
                                axis=1, keepdims=True)  # (R, 1)
             slot = victim.reshape(B, H, 1, 1)
             K = mx.put_along_axis(K, slot, k_new, axis=2)
             V = mx.put_along_axis(V, slot, v_new, axis=2)
-            pos = mx.put_along_axis(pos, victim, mx.broadcast_to(t, victim.shape), axis=1)
-            kt = k_new.reshape(R, 1, D).astype(mx.float32)
-            if mirrored:
-                kf = mx.put_along_axis(kf, victim[..., None], kt, axis=1)
-                keys = kf
+            pos = mx.where(cols == victim, t, pos)
+            kt = k_new.astype(mx.float32)  # (B, H, 1, D)
+            if mirrored:  # (B, H, D, n): a plain product, no transposed operand
+                kf = keys = mx.put_along_axis(kf, slot, kt.reshape(B, H, D, 1), axis=3)
             else:
-                keys = K.reshape(R, n, D)
-            row = (kt @ keys.swapaxes(-1, -2)) * scale  # (R, 1, n): the token x every key
-            # the old rows' tokens x the token: its row at their slots (the window is protected)
-            column = mx.take_along_axis(row[:, 0], slots, axis=1)[..., None]  # (R, W, 1)
-            grown = mx.maximum(M, column)
-            # exps of the small arrays only: sort (a no-op on a length-1 axis) and
-            # put_along_axis stop the compiler from fusing an exp into a (R, W, n) kernel
-            E = E * mx.sort(mx.exp(M - grown), axis=-1)
-            E = mx.put_along_axis(E, mx.broadcast_to(victim[:, None], (R, W, 1)),
-                                  mx.exp(column - grown), axis=2)
+                keys = K.swapaxes(-1, -2)
+            row = (kt @ keys).reshape(R, 1, n)  # the token x every key
             top = row.max(axis=-1, keepdims=True)
-            mine = mx.broadcast_to(at.astype(mx.int32), (R, 1, 1))  # the row the token takes
-            E = mx.put_along_axis(E, mine, mx.exp(row - top), axis=1)
-            M = mx.put_along_axis(grown, mine, top, axis=1)
-            slots = mx.put_along_axis(slots, mine[..., 0], victim.astype(slots.dtype), axis=1)
-            return K, V, kf, pos, slots, E, M, t + 1
+            # the old rows' tokens x the token: its row at their slots (the window is protected)
+            column = mx.take_along_axis(row, slots, axis=2)  # (R, W, 1)
+            # exps of the small arrays, returned so none is fused into the E-sized pass; each
+            # from M and column alone (min(M - c, 0) = M - max(M, c)): no shared intermediate
+            fresh = mx.exp((row - top) * scale)  # (R, 1, n)
+            rescale = mx.exp(mx.minimum(M - column, 0.0) * scale)  # (R, W, 1)
+            added = mx.exp(mx.minimum(column - M, 0.0) * scale)
+            victim = victim.reshape(R, 1, 1)
+            E = mx.where(mine, fresh, mx.where(cols == victim, added, E * rescale))
+            M = mx.where(mine, top, mx.maximum(M, column))
+            slots = mx.where(mine, victim.astype(slots.dtype), slots)
+            return K, V, kf, pos, slots, E, M, fresh, rescale, added
 
         _STEPS[key] = mx.compile(step)
     return _STEPS[key]
+
+
+def _constants(n: int, W: int):
+    """The step's constant inputs: the slot index (n,) and, per ``p % W``, the one-hot (W, 1)
+    mask of the token's row (inputs, not ops: no primitive per token)."""
+    if (n, W) not in _CONSTANTS:
+        cols = mx.arange(n, dtype=mx.uint32)
+        mine = tuple(mx.arange(W)[:, None] == w for w in range(W))
+        mx.eval(cols, mine)
+        _CONSTANTS[n, W] = cols, mine
+    return _CONSTANTS[n, W]
 
 
 class ProxyState:
@@ -135,20 +163,23 @@ class ProxyState:
         keys = keys.astype(mx.float32)
         order = mx.argsort(engine.stored_positions, axis=1)[:, -W:]  # oldest .. newest
         shift = engine.seen % W  # the token at position p is row p % W
-        self.slots = mx.roll(order, shift, axis=1) if shift else order
-        ring = mx.take_along_axis(keys, self.slots[..., None], axis=1)
-        logits = (ring @ keys.swapaxes(-1, -2)) * engine.scale
+        slots = mx.roll(order, shift, axis=1) if shift else order
+        self.slots = slots[..., None]  # (R, W, 1)
+        ring = mx.take_along_axis(keys, self.slots, axis=1)
+        logits = ring @ keys.swapaxes(-1, -2)  # unscaled: exps of (l - M) * scale
         self.M = logits.max(axis=-1, keepdims=True)
-        self.E = mx.exp(logits - self.M)
-        self.kf = keys if stored_keys.dtype != mx.float32 else None
+        self.E = mx.exp((logits - self.M) * engine.scale)
+        mirrored = stored_keys.dtype != mx.float32  # the mirror: the storage's shape, float32
+        kT = mx.contiguous(keys.swapaxes(-1, -2))
+        self.kf = kT.reshape(stored_keys.shape[:2] + kT.shape[1:]) if mirrored else None
         self.window, self.seen, self.scale = W, engine.seen, engine.scale
-        self.t = mx.array(engine.seen, mx.int32)  # the next token's position, kept by the step
+        self.constants = _constants(keys.shape[1], W)  # shared: not this state's bytes
         c = engine.config
         self.fn = _step_fn(engine.rule, self.kf is not None, c.n_sink, c.recent, self.scale)
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.slots, self.E, self.M, self.kf, self.t)
+        arrays = (self.slots, self.E, self.M, self.kf)
         return sum(int(a.nbytes) for a in arrays if a is not None)
 
     def valid(self, engine) -> bool:
@@ -160,10 +191,11 @@ def step(engine, storage_kv, state: ProxyState, k_new, v_new):
     (keys, values) storage; the engine's positions and ``state`` follow."""
     t = engine.seen
     K, V = storage_kv
+    cols, mine = state.constants
     mirrored = state.kf is not None
-    K, V, kf, engine.positions, state.slots, state.E, state.M, state.t = state.fn(
+    K, V, kf, engine.positions, state.slots, state.E, state.M, *_ = state.fn(
         K, V, state.kf if mirrored else E_DUMMY, engine.positions, state.slots, state.E, state.M,
-        k_new, v_new, state.t)
+        k_new, v_new, mx.array(t, mx.int32), mine[t % state.window], cols)
     state.kf = kf if mirrored else None
     if engine.unpinned is not None:
         engine.unpinned = engine.unpinned.arrived(t, 1, engine.pins)
