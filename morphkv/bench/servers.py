@@ -149,8 +149,27 @@ def in_threads(work, users, timeout: float | None) -> None:
         t.join(timeout=timeout)
 
 
-def model_flag(args) -> list[str]:
-    return ["--model", args.model] if args.model else []
+def add_server_arguments(parser, max_tokens: int, out: str) -> None:
+    """The options of every ``bench serve`` scenario that starts servers."""
+    a = parser.add_argument
+    a("--model", default=None, help="Model to serve (default: embedded).")
+    a("--budget", type=int, default=64, help="morphkv budget (tokens).")
+    a("--max-tokens", type=int, default=max_tokens, help="Tokens per reply.")
+    a("--servers", default="morphkv,mlx_lm", help="morphkv, mlx_lm (its own server).")
+    a("--cache-flags", default="", help="More morphkv serve flags, e.g. '--method full'.")
+    a("--prompt-cache-bytes", default="32M", help="Both servers' --prompt-cache-bytes.")
+    a("--out", default=out, help="Output directory.")
+    a("--quick", action="store_true", help="A minutes-scale smoke run.")
+
+
+def server_flags(kind: str, args) -> list[str]:
+    """The flags both servers get; the morphkv one also ``--cache-flags``."""
+    flags = ["--budget", str(args.budget), "--max-tokens", str(args.max_tokens),
+             "--prompt-cache-bytes", args.prompt_cache_bytes,
+             *(["--model", args.model] if args.model else [])]
+    if kind == "morphkv":
+        return flags + args.cache_flags.split()
+    return flags + ["--prefill-step-size", "2048"]  # mlx_lm's server as it is: its own step
 
 
 def each_server(args, name: str, bench, long_prompt: str, report, plot) -> dict:
