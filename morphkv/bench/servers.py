@@ -62,20 +62,19 @@ class Server:
     def __init__(self, kind: str, flags: list[str], out: Path):
         from ..runtime.blas import blas_env
 
-        label, every = kind, 0.25
         self.kind, self.port = kind, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log, self.output = out / f"memory_{label}.log", out / f"server_{label}.txt"
+        self.log, self.output = out / f"memory_{kind}.log", out / f"server_{kind}.txt"
         self.log.unlink(missing_ok=True)
         flags = ["--port", str(self.port), "--log-level", "WARNING", *flags]
         code = ("import sys; from morphkv.bench.servers import server_main; "
                 "sys.exit(server_main(sys.argv[1:]))")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(self.log), kind, str(every), *flags],
+            [sys.executable, "-c", code, str(self.log), kind, "0.25", *flags],
             stdout=self.output.open("w"), stderr=subprocess.STDOUT,
             env=blas_env(dict(os.environ)))
         try:
-            wait_healthy(self.proc, self.url, f"the {label} server")
+            wait_healthy(self.proc, self.url, f"the {kind} server")
         except SystemExit as e:
             raise RuntimeError(f"{e}:\n{self.output.read_text()}") from None
 

@@ -29,6 +29,7 @@ import time
 from ..core.pins import pin
 from .arms import cells
 from .flags import add_flags, standard
+from .forced import log_probs
 from .metrics import cluster_interval
 from .models import greedy_tokens
 from .output import markdown_table, out_dir, write_json
@@ -108,13 +109,6 @@ def rementions(tok, ids: list[int], start: int, size: int) -> list[int]:
     return out
 
 
-def _log_probs(logits):
-    import mlx.core as mx
-
-    z = logits[0].astype(mx.float32)
-    return z - mx.logsumexp(z, axis=-1, keepdims=True)
-
-
 def read_back(model, text: dict, arms, chunk: int) -> dict:
     """Every arm (``arms.Cell``) and the full cache over one text, chunk by chunk: per
     arm, per answer position, (KL, agreement with the full cache's top-1, written-token top-1,
@@ -133,12 +127,12 @@ def read_back(model, text: dict, arms, chunk: int) -> dict:
     stats = {label: [] for label in caches}
     cuts = [0, n0, *range(n0 + chunk, len(ids), chunk), len(ids)]
     for s, e in zip(cuts[:-1], cuts[1:], strict=True):
-        ref = _log_probs(model(x[:, s:e], cache=full))
+        ref = log_probs(model(x[:, s:e], cache=full)[0])
         lo = max(s, n0 - 1) - s  # rows predicting an answer token
         ref, targets = ref[lo : e - s - (e == len(ids))], x[0, s + lo + 1 : e + 1]
         top = ref.argmax(axis=-1)
         for label, c in caches.items():
-            lp = _log_probs(model(x[:, s:e], cache=c))
+            lp = log_probs(model(x[:, s:e], cache=c)[0])
             lp = lp[lo : lo + ref.shape[0]]
             kl = (mx.exp(ref) * (ref - lp)).sum(axis=-1)
             arg = lp.argmax(axis=-1)
