@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 
 from .load_clients import PROBE_BAD, User, long_text, raw_post
-from .servers import (Server, add_server_arguments, each_server, in_threads, loadavg,
-                      server_flags)
+from .servers import Server, add_server_arguments, each_server, in_threads, loadavg, server_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

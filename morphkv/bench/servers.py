@@ -114,26 +114,6 @@ class Server:
         return stop_process(self.proc, 30)
 
 
-def stream_chat(client, messages: list[dict], max_tokens: int, drop: bool = False, **kw) -> dict:
-    """One streamed chat: first-content time (perf_counter, None if none), completion and
-    prompt tokens (usage), content chunks; ``drop`` closes the stream at the first content."""
-    first, tokens, prompt, chunks = None, 0, 0, 0
-    stream = client.chat.completions.create(
-        model="default_model", messages=messages, max_tokens=max_tokens, stream=True,
-        stream_options={"include_usage": True}, **kw)
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            chunks += 1
-            if first is None:
-                first = time.perf_counter()
-                if drop:
-                    stream.close()
-                    break
-        if chunk.usage is not None:
-            tokens, prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
-    return {"first": first, "tokens": tokens, "prompt_tokens": prompt, "chunks": chunks}
-
-
 def loadavg() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 

@@ -33,7 +33,7 @@ import numpy as np
 from .chat_answers import questions
 from .chat_items import build_chat, judge
 from .metrics import cluster_interval
-from .process import free_port, stop_process, wait_healthy
+from .process import free_port, stop_process, stream_chat, wait_healthy
 
 NOFACT = ":nofact"  # an arm name ending so runs the chats without their facts
 MLX_LM = "mlx_lm"  # --live mlx_lm: mlx_lm's own cache (make_prompt_cache of the bare model)
@@ -145,15 +145,9 @@ def served_chat(model_name: str | None, flags: list[str], chats, args, log) -> l
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
 
         def ask(history, max_tokens):
-            start, first, out = time.perf_counter(), None, []
-            stream = client.chat.completions.create(model="default_model", messages=history,
-                                                    max_tokens=max_tokens, temperature=0.0,
-                                                    stream=True)
-            for part in stream:
-                if part.choices and part.choices[0].delta.content:
-                    first = first or time.perf_counter() - start
-                    out.append(part.choices[0].delta.content)
-            return "".join(out), first
+            start = time.perf_counter()
+            r = stream_chat(client, history, max_tokens, temperature=0.0)
+            return r["text"], r["first"] and r["first"] - start
 
         rows = []
         for chat, nofact in chats:
