@@ -130,8 +130,7 @@ def resume_check(conv, model, tokenizer, config, args) -> dict:
         size = path.stat().st_size
         loaded = session.load(path, model, "bench", fp, config)
     resumed = Conversation(model, tokenizer, config)
-    resumed.caches, resumed.messages, resumed.turns = loaded.caches, loaded.messages, loaded.turns
-    resumed.fed, resumed.pending = loaded.fed, loaded.pending
+    resumed.resume(loaded)  # as morphkv chat --resume does
     nxt = "Thank you. What was the first thing I asked you to summarize?"
     replies = []
     for c in (conv, resumed):

@@ -34,7 +34,6 @@ from .metrics import cluster_interval
 from .models import greedy_tokens
 from .output import markdown_table, out_dir, write_json
 from .runner import Evaluation
-from .runner import run as run_evaluation
 
 DATA_FILE = "answer_prompts.json"
 RARE = 3  # a re-mention's token occurred at most this many times before
@@ -230,6 +229,4 @@ class Answers(Evaluation):
         return summary, table(summary)
 
 
-def run(args: argparse.Namespace) -> int:
-    run_evaluation(Answers(args))
-    return 0
+EVALUATION = Answers

@@ -35,7 +35,6 @@ from .forced import position_kl, reference_logprobs
 from .metrics import held_bytes
 from .output import markdown_table
 from .runner import Evaluation
-from .runner import run as run_evaluation
 from .texts import CONVERSATIONS, split_texts
 
 NAME = "bytes"
@@ -120,8 +119,7 @@ class Bytes(Evaluation):
         plot(result["summary"], path)
 
 
-def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
-    return run_evaluation(Bytes(args), model, tokenizer)
+EVALUATION = Bytes
 
 
 def summarize(rows: list[dict], reference: str) -> list[dict]:
@@ -236,8 +234,3 @@ class State(Evaluation):
         add("--memory", type=int, default=1572864, help="bytes per sequence (default 1.5 MiB)")
         add("--arms", default=None, help="comma-separated arm specs ({m} stands for --memory)")
         add("--out", default=None, help="output folder (default results/state)")
-
-    @staticmethod
-    def run(args: argparse.Namespace) -> int:
-        run_evaluation(State(args))
-        return 0
