@@ -174,33 +174,26 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
         def mk(n, c=client):
             return [User(c, server.url, i, args.max_tokens, long_prompt) for i in range(n)]
 
+        def done(name: str, f: dict) -> None:  # a phase's figures, its end time, one line
+            phases[name], marks[name] = f, time.time()
+            print(f"  {kind} {name}: {f['requests']} requests, {f['tokens_per_s']:.1f} tok/s, "
+                  f"p95 {f['p95_s']}, failed {f['failed_good']}, 5xx {f['responses_5xx']}, "
+                  f"bad 4xx {f['bad_4xx']}/{f['bad']}, {loadavg()}", flush=True)
+
         # warm-up at the highest concurrency with the mixed level's kinds and lengths (2k
         # prompts, no 8k): the peak that batch sizes and prefill pieces reach is set here, so
         # what grows afterwards grows with time
         top = max(args.levels)
         drive_mixed(mk(top, patient), 3 * top, args.level_seconds * 2, False, "warm-up")
         marks["warm"] = time.time()
-        phases["short_8"] = figures(*rounds(mk(8), args.short, args.level_seconds, ["chat"]))
-        print(f"  {kind} short x8: {phases['short_8']['tokens_per_s']:.1f} tok/s", flush=True)
-        marks["short_8"] = time.time()
+        done("short_8", figures(*rounds(mk(8), args.short, args.level_seconds, ["chat"])))
         for n in args.levels:
-            phases[f"load_{n}"] = figures(*rounds(mk(n), args.rounds, args.level_seconds),
-                                          args.budget)
-            marks[f"load_{n}"] = time.time()
-            f = phases[f"load_{n}"]
-            print(f"  {kind} load x{n}: {f['requests']} requests, {f['tokens_per_s']:.1f} tok/s,"
-                  f" p95 {f['p95_s']}, failed {f['failed_good']}, 5xx {f['responses_5xx']}, "
-                  f"bad 4xx {f['bad_4xx']}/{f['bad']}, {loadavg()}", flush=True)
+            done(f"load_{n}", figures(*rounds(mk(n), args.rounds, args.level_seconds), args.budget))
         if args.mixed:
             records, wall = drive_mixed(mk(top, patient), args.mixed, args.mixed_seconds,
                                         with_8k=not args.quick, label=f"{kind} mixed x{top}")
-            phases[f"mixed_{top}"] = {**figures(records, wall, args.budget),
-                                      "classes": by_class(records)}
-            marks[f"mixed_{top}"] = time.time()
-            f = phases[f"mixed_{top}"]
-            print(f"  {kind} mixed x{top}: {f['requests']} requests, failed {f['failed_good']},"
-                  f" 5xx {f['responses_5xx']}, bad 4xx {f['bad_4xx']}/{f['bad']}, "
-                  f"{loadavg()}", flush=True)
+            done(f"mixed_{top}", {**figures(records, wall, args.budget),
+                                  "classes": by_class(records)})
         phases["conversations_8"] = figures(
             *rounds(mk(8), args.turns, args.level_seconds, ["turn"]), args.budget)
         marks["end"] = time.time()
