@@ -113,9 +113,7 @@ class Arm:
         if self.method in PRESETS:  # a preset's own values (at a nominal budget)
             return getattr(self.config(4096), name)
         merged = {**dict(self.defaults), **dict(self.options)}
-        if name in merged:
-            return merged[name]
-        return getattr(KVCacheConfig(), name)
+        return merged[name] if name in merged else getattr(KVCacheConfig(), name)
 
     @property
     def window(self) -> int:
