@@ -1,4 +1,4 @@
-"""The servers and client calls every ``bench serve`` scenario shares.
+"""The servers, options and threads every ``bench serve`` scenario shares.
 
 A ``Server`` is one child process on loopback (``server_main``), stopped by its process id,
 that samples its own memory (time, RSS, MLX active, MLX peak) into a log; its kind: ``morphkv``
