@@ -183,6 +183,7 @@ def test_live_serve_runs_chats_through_the_real_server_and_stops_it(tmp_path):
             ["eval", "recall", "--live", "serve", "--chats", "1", "--turns", "2",
              "--reply-tokens", "3", "--answer-tokens", "3", "--live-arms",
              "memory=--kv-memory 1M", "--out", str(tmp_path)])
+        vars(args).pop("_run")  # as morphkv's main does: the Namespace stays JSON-able
         result = live.run_live(args)
     finally:
         live.start_server = real
