@@ -174,7 +174,7 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
         def mk(n, c=client):
             return [User(c, server.url, i, args.max_tokens, long_prompt) for i in range(n)]
 
-        def done(name: str, f: dict) -> None:  # a phase's figures, its end time, one line
+        def phase(name: str, f: dict) -> None:  # a phase's figures, its end time, one line
             phases[name], marks[name] = f, time.time()
             print(f"  {kind} {name}: {f['requests']} requests, {f['tokens_per_s']:.1f} tok/s, "
                   f"p95 {f['p95_s']}, failed {f['failed_good']}, 5xx {f['responses_5xx']}, "
@@ -186,13 +186,13 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
         top = max(args.levels)
         drive_mixed(mk(top, patient), 3 * top, args.level_seconds * 2, False, "warm-up")
         marks["warm"] = time.time()
-        done("short_8", figures(*rounds(mk(8), args.short, args.level_seconds, ["chat"])))
+        phase("short_8", figures(*rounds(mk(8), args.short, args.level_seconds, ["chat"])))
         for n in args.levels:
-            done(f"load_{n}", figures(*rounds(mk(n), args.rounds, args.level_seconds), args.budget))
+            phase(f"load_{n}", figures(*rounds(mk(n), args.rounds, args.level_seconds), args.budget))
         if args.mixed:
             records, wall = drive_mixed(mk(top, patient), args.mixed, args.mixed_seconds,
                                         with_8k=not args.quick, label=f"{kind} mixed x{top}")
-            done(f"mixed_{top}", {**figures(records, wall, args.budget),
+            phase(f"mixed_{top}", {**figures(records, wall, args.budget),
                                   "classes": by_class(records)})
         phases["conversations_8"] = figures(
             *rounds(mk(8), args.turns, args.level_seconds, ["turn"]), args.budget)
