@@ -188,12 +188,13 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
         marks["warm"] = time.time()
         phase("short_8", figures(*rounds(mk(8), args.short, args.level_seconds, ["chat"])))
         for n in args.levels:
-            phase(f"load_{n}", figures(*rounds(mk(n), args.rounds, args.level_seconds), args.budget))
+            phase(f"load_{n}", figures(*rounds(mk(n), args.rounds, args.level_seconds),
+                                       args.budget))
         if args.mixed:
             records, wall = drive_mixed(mk(top, patient), args.mixed, args.mixed_seconds,
                                         with_8k=not args.quick, label=f"{kind} mixed x{top}")
             phase(f"mixed_{top}", {**figures(records, wall, args.budget),
-                                  "classes": by_class(records)})
+                                   "classes": by_class(records)})
         phases["conversations_8"] = figures(
             *rounds(mk(8), args.turns, args.level_seconds, ["turn"]), args.budget)
         marks["end"] = time.time()
