@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from morphkv.eval.runner import run
+
 
 def _parse(module, *argv):
     parser = argparse.ArgumentParser()
@@ -20,7 +22,7 @@ def test_overhead_records_time_and_memory_per_context(tmp_path):
     from morphkv.bench import overhead
 
     args = _parse(overhead, "--quick", "--contexts", "64,600", "--out", str(tmp_path))
-    assert overhead.run(args) == 0
+    run(overhead.Overhead(args))
     by_context = json.loads((tmp_path / "overhead_quick.json").read_text())["summary"]
     assert set(by_context) == {"64", "600"}
     for c in ("64", "600"):
@@ -37,7 +39,7 @@ def test_overhead_quick(tmp_path):
     from morphkv.bench import overhead
 
     parse = _parse
-    assert overhead.run(parse(overhead, "--quick", "--out", str(tmp_path))) == 0
+    run(overhead.Overhead(parse(overhead, "--quick", "--out", str(tmp_path))))
     data = json.loads((tmp_path / "overhead_quick.json").read_text())
     (median,) = data["summary"].values()
     assert set(median) == {"kvcache", "rotating", "morphkv", "proxy"}

@@ -159,7 +159,7 @@ def test_a_fragment_is_the_values_start_without_its_end(answer, value, ok):
 
 
 @pytest.mark.slow
-def test_live_serve_runs_chats_through_the_real_server_and_stops_it():
+def test_live_serve_runs_chats_through_the_real_server_and_stops_it(tmp_path):
     """``--live serve``: the real ``morphkv serve`` on 127.0.0.1 and the ``openai`` client,
     each turn answered live; the server is stopped by its process id afterwards."""
     import os
@@ -182,11 +182,13 @@ def test_live_serve_runs_chats_through_the_real_server_and_stops_it():
         args = build_parser().parse_args(
             ["eval", "recall", "--live", "serve", "--chats", "1", "--turns", "2",
              "--reply-tokens", "3", "--answer-tokens", "3", "--live-arms",
-             "memory=--kv-memory 1M"])
+             "memory=--kv-memory 1M", "--out", str(tmp_path)])
+        vars(args).pop("_run")  # as morphkv's main does: the Namespace stays JSON-able
         result = live.run_live(args)
     finally:
         live.start_server = real
     (row,) = result["arms"]["memory"]["rows"]
+    assert (tmp_path / "chatrecall_live_serve_test.json").exists()  # written after each arm
     assert row["chat"] == 0
     assert [c.index for c in live.held_out_chats(args.split, 2, 1, args.seed)] == [2]  # --first
     assert len(row["first_token_s"]) == 2 and len(row["rss_mb"]) == 2 and all(row["rss_mb"])

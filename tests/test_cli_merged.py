@@ -24,11 +24,15 @@ def test_every_mode_parses_with_its_own_module(parser, name, mode):
     option, _, modes = MODES[name]
     args = parser.parse_args([*name.split(), option, mode])
     assert getattr(args, option.lstrip("-")) == mode
-    runner = args._run  # the mode's module's run, or its execute wrapped
+    runner = args._run  # the mode's module's run, its execute wrapped, or its evaluation's
     module = command_of(modes[mode])
-    own = getattr(module, "run", None)
-    assert runner is own or (own is None and runner.__closure__[0].cell_contents is
-                             module.execute)
+    own, wrapped = getattr(module, "run", None), runner.__closure__ and \
+        runner.__closure__[0].cell_contents
+    if own is None and not hasattr(module, "execute"):  # run by the shared runner
+        evaluation = getattr(module, "EVALUATION", module)
+        assert evaluation in [c.cell_contents for c in wrapped.__closure__]
+    else:
+        assert runner is own or (own is None and wrapped is module.execute)
 
 
 def test_the_default_mode_is_the_first(parser):
@@ -74,14 +78,17 @@ def test_an_old_name_names_the_new_command_and_exits_2(old, capsys, monkeypatch)
 
 
 def test_every_command_module_follows_the_contract():
-    """add_arguments, and run(args) or execute(args); its help is the docstring's first line."""
+    """add_arguments, and run(args), execute(args) or an evaluation of the shared runner (a
+    module's EVALUATION, or the class named); its help is the docstring's first line."""
     from morphkv.eval import runner
 
     modules = [m for _, m in COMMANDS] + [m for _, _, ms in MODES.values() for m in ms.values()]
     for name in dict.fromkeys(modules):
         module = command_of(name)
         assert callable(module.add_arguments), name
-        assert callable(getattr(module, "run", None) or getattr(module, "execute", None)), name
+        evaluation = getattr(module, "EVALUATION", module)
+        assert callable(getattr(module, "run", None) or getattr(module, "execute", None)) or (
+            isinstance(evaluation, type) and issubclass(evaluation, runner.Evaluation)), name
         assert getattr(module, "run", None) is not runner.run, name  # not the shared runner's
         assert (module.__doc__ or "").strip().splitlines()[0], name
 

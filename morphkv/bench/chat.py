@@ -48,14 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def user_messages(tokenizer, n: int, tokens: int) -> list[str]:
-    from ..eval.texts import MORE_TOPICS, PROSE_TOPICS, prose_text
+    from ..eval.texts import prose_documents
 
-    ids = list(tokenizer.encode(prose_text(PROSE_TOPICS + MORE_TOPICS)))
-    if len(ids) < n * tokens:
-        raise SystemExit(f"morphkv: error: the prose has {len(ids)} tokens, fewer than "
-                         f"--turns x --user-tokens = {n * tokens}")
-    return [f"Summarize: {tokenizer.decode(ids[i * tokens:(i + 1) * tokens]).strip()}"
-            for i in range(n)]
+    docs = prose_documents(tokenizer, tokens, n)
+    if len(docs) < n:
+        raise SystemExit(f"morphkv: error: the prose has fewer tokens than --turns x "
+                         f"--user-tokens = {n * tokens}")
+    return [f"Summarize: {tokenizer.decode(d).strip()}" for d in docs]
 
 
 def _no_end_of_turn(eos_ids):
@@ -131,8 +130,7 @@ def resume_check(conv, model, tokenizer, config, args) -> dict:
         size = path.stat().st_size
         loaded = session.load(path, model, "bench", fp, config)
     resumed = Conversation(model, tokenizer, config)
-    resumed.caches, resumed.messages, resumed.turns = loaded.caches, loaded.messages, loaded.turns
-    resumed.fed, resumed.pending = loaded.fed, loaded.pending
+    resumed.resume(loaded)  # as morphkv chat --resume does
     nxt = "Thank you. What was the first thing I asked you to summarize?"
     replies = []
     for c in (conv, resumed):

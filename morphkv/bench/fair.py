@@ -21,24 +21,16 @@ import time
 from pathlib import Path
 
 from ..eval import plots
-from .load import server_flags
 from .load_clients import QUESTIONS, User, long_text
-from .servers import Server, each_server, in_threads
+from .servers import Server, add_server_arguments, each_server, in_threads, server_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_server_arguments(parser, 16, "results/serve_fair")
     a = parser.add_argument
-    a("--model", default=None, help="Model to serve (default: embedded).")
-    a("--budget", type=int, default=64, help="morphkv budget (tokens, default: 64).")
-    a("--long-tokens", type=int, default=2000, help="The long prompt, ~tokens (default: 2000).")
-    a("--shorts", type=int, default=4, help="Short chats sent with it (default: 4).")
-    a("--max-tokens", type=int, default=16, help="Tokens per reply (default: 16).")
-    a("--after-s", type=float, default=2.0, help="'after': delay of the short chats (default: 2).")
-    a("--servers", default="morphkv,mlx_lm", help="morphkv, mlx_lm (its own server).")
-    a("--cache-flags", default="", help="More morphkv serve flags, e.g. '--method full'.")
-    a("--prompt-cache-bytes", default="32M", help="Both servers' --prompt-cache-bytes.")
-    a("--out", default="results/serve_fair", help="Output directory.")
-    a("--quick", action="store_true", help="A minute-scale smoke run (shorter long prompt).")
+    a("--long-tokens", type=int, default=2000, help="The long prompt, ~tokens.")
+    a("--shorts", type=int, default=4, help="Short chats sent with it.")
+    a("--after-s", type=float, default=2.0, help="'after': delay of the short chats.")
 
 
 _counter = iter(range(10**9))
@@ -109,7 +101,7 @@ def summarize(runs: dict, args) -> dict:
 
 
 def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
-    server = Server(kind, server_flags(kind, args, args.cache_flags), out)
+    server = Server(kind, server_flags(kind, args), out)
     client = server.client(1200)
     try:
         runs = scenarios(client, args, long_prompt)

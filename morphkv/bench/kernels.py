@@ -17,48 +17,20 @@ RotatingKVCache (update + mlx_lm's attention) is the reference.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 
-from ..eval.arms import Arm
 from ..eval.flags import add_flags
-from ..eval.output import environment, markdown_table, out_dir, write_json
+from ..eval.output import environment, finish, markdown_table
 from ..mlxlm.hooks import attention_step, queries_by_hand
+from .layer import D, H, make_cache, stream
 
 NAME = "kernels"
 VIEWS = {"Slice", "Reshape", "Broadcast", "Transpose", "ExpandDims", "Squeeze", "Copy",
          "AsStrided", "StopGradient"}
-
-
-B, H, D = 1, 4, 64  # one layer: batch 1, 4 KV heads, head_dim 64
-
-
-def stream(n: int, dtype=mx.float16, groups: int = 0, seed: int = 0):
-    """Keys, values (B, H, n, D) and queries (B, H * groups, n, D), or None for proxy."""
-    mx.random.seed(seed)
-    k = mx.random.normal((B, H, n, D)).astype(dtype)
-    v = mx.random.normal((B, H, n, D)).astype(dtype)
-    q = mx.random.normal((B, H * groups, n, D)).astype(dtype) if groups else None
-    mx.eval(k, v, q)
-    return k, v, q
-
-
-def make_cache(spec: str, budget: int, window: int = 8, n_sink: int = 4, groups: int = 0):
-    """``rotating`` (mlx_lm's RotatingKVCache) or any arm spec at ``budget``."""
-    from mlx_lm.models.cache import RotatingKVCache
-
-    from ..mlxlm.builder import KVCacheBuilder
-
-    if spec == "rotating":
-        return RotatingKVCache(max_size=budget, keep=n_sink)
-    config = Arm.parse(spec, window=window).config(budget, n_sink=n_sink)
-    if groups and config.rule.attention:  # the rules that read attention rows
-        config = dataclasses.replace(config, scoring="attention")
-    return KVCacheBuilder.build(config)
 
 
 def graph_nodes(arrays) -> list[str]:
@@ -89,7 +61,7 @@ class SyncCounter:
     def __init__(self) -> None:
         self.count, self.active, self._saved = 0, False, []
 
-    def _wrap(self, fn, first_is_array: bool = True):
+    def _wrap(self, fn):
         def wrapped(*args, **kwargs):
             if self.active and any(isinstance(a, mx.array) for a in args[:1]):
                 self.count += 1
@@ -120,7 +92,7 @@ def _batch(spec: str, budget: int, groups: int, rows: int, warm: int, k, v, q):
     phases), merged as mlx_lm's BatchGenerator merges a server's requests (``merge``)."""
     caches = []
     for i in range(rows):
-        cache = make_cache(spec, budget, groups=groups)
+        cache = make_cache(spec, budget, 8)[0]
         n = warm + 3 * i
         mx.eval(attention_step(cache, q[:, :, :n], k[:, :, :n], v[:, :, :n], D**-0.5))
         caches.append(cache)
@@ -132,7 +104,7 @@ def count(spec: str, budget: int, groups: int, blocks: int, rows: int = 1) -> di
     model runs them: ``attention_step``), averaged over ``blocks`` eviction blocks; with
     ``rows`` > 1, of a batch of that many rows merged from single caches (as the server's
     batches are) at different eviction phases."""
-    cache = make_cache(spec, budget, groups=groups)
+    cache = make_cache(spec, budget, 8)[0]
     block = getattr(getattr(cache, "config", None), "block", 1)
     steps = blocks * block
     n = budget + 32 + steps + block + 3 * rows
@@ -164,7 +136,7 @@ def count(spec: str, budget: int, groups: int, blocks: int, rows: int = 1) -> di
             mx.eval(out, *storage_of(cache), *getattr(cache, "state", []))
     return {"cache": spec, "block": block, "kernels_per_step": kernels / steps,
             "views_per_step": views / steps, "host_syncs_per_step": syncs.count / steps,
-            "steps": steps, "rows": B * H, "batch": rows, "class": type(cache).__name__}
+            "steps": steps, "rows": H, "batch": rows, "class": type(cache).__name__}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -188,7 +160,7 @@ def execute(args: argparse.Namespace) -> dict:
                 for spec in args.arms]
     columns = ["cache", "class", "batch", "block", "kernels_per_step", "views_per_step",
                "host_syncs_per_step"]
-    print(markdown_table(columns, [[r[c] for c in columns] for r in rows]))
     result = {"benchmark": NAME, "args": vars(args), "rows": rows, "environment": environment()}
-    write_json(out_dir(args, NAME) / f"{NAME}{'_quick' if args.quick else ''}.json", result)
+    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}",
+           table=markdown_table(columns, [[r[c] for c in columns] for r in rows]))
     return result

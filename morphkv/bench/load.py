@@ -26,29 +26,20 @@ import time
 from pathlib import Path
 
 from .load_clients import PROBE_BAD, User, long_text, raw_post
-from .servers import Server, each_server, in_threads, loadavg, model_flag
+from .servers import Server, add_server_arguments, each_server, in_threads, loadavg, server_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_server_arguments(parser, 8, "results/serve_load")
     a = parser.add_argument
-    a("--model", default=None, help="Model to serve (default: embedded).")
-    a("--budget", type=int, default=64, help="morphkv budget (tokens).")
-    a("--max-tokens", type=int, default=8, help="Tokens per reply (default: 8).")
-    a("--levels", default="4,8,16", help="Concurrent clients of the mixed load (default: 4,8,16).")
-    a("--rounds", type=int, default=8, help="Requests per client per level (default: 8).")
-    a("--level-seconds", type=float, default=240, help="Time limit per level (default: 240).")
-    a("--short", type=int, default=4, help="Short chats per client, 8 clients (default: 4).")
-    a("--turns", type=int, default=10, help="Turns of each long conversation (default: 10).")
-    a("--prompt-cache-bytes", default="32M", help="Both servers' --prompt-cache-bytes.")
-    a("--servers", default="morphkv,mlx_lm", help="Which servers (default: morphkv,mlx_lm).")
-    a("--cache-flags", default="",
-      help="More morphkv serve cache flags for the morphkv server, e.g. '--method streaming_llm'.")
-    a("--mixed", type=int, default=96,
-      help="Requests of the mixed-length level (short chats, 2k and 8k prompts, drops, "
-      "malformed) at the most clients (default: 96; 0: off; the issue's level: 500).")
+    a("--levels", default="4,8,16", help="Concurrent clients of the mixed load.")
+    a("--rounds", type=int, default=8, help="Requests per client per level.")
+    a("--level-seconds", type=float, default=240, help="Time limit per level.")
+    a("--short", type=int, default=4, help="Short chats per client, 8 clients.")
+    a("--turns", type=int, default=10, help="Turns of each long conversation.")
+    a("--mixed", type=int, default=96, help="Requests of the mixed-length level (short chats, 2k "
+      "and 8k prompts, drops, malformed) at the most clients (0: off; the issue's level: 500).")
     a("--mixed-seconds", type=float, default=3600, help="Time limit of the mixed level.")
-    a("--out", default="results/serve_load", help="Output directory.")
-    a("--quick", action="store_true", help="A minutes-scale smoke run.")
 
 
 # ---- the load -------------------------------------------------------------------------------
@@ -164,17 +155,8 @@ def probe(server) -> list[dict]:
     return rows
 
 
-def server_flags(kind: str, args, cache_flags: str) -> list[str]:
-    """The flags both servers get; the morphkv one also ``cache_flags``."""
-    flags = ["--budget", str(args.budget), "--max-tokens", str(args.max_tokens),
-             "--prompt-cache-bytes", args.prompt_cache_bytes, *model_flag(args)]
-    if kind == "morphkv":
-        return flags + cache_flags.split()
-    return flags + ["--prefill-step-size", "2048"]  # mlx_lm's server as it is: its own step
-
-
 def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
-    server = Server(kind, server_flags(kind, args, args.cache_flags), out)
+    server = Server(kind, server_flags(kind, args), out)
     client = server.client(180)
     patient = server.client(1200)  # the mixed level's 8k prompt
     cache_samples, done = [], threading.Event()
@@ -192,33 +174,27 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
         def mk(n, c=client):
             return [User(c, server.url, i, args.max_tokens, long_prompt) for i in range(n)]
 
+        def phase(name: str, f: dict) -> None:  # a phase's figures, its end time, one line
+            phases[name], marks[name] = f, time.time()
+            print(f"  {kind} {name}: {f['requests']} requests, {f['tokens_per_s']:.1f} tok/s, "
+                  f"p95 {f['p95_s']}, failed {f['failed_good']}, 5xx {f['responses_5xx']}, "
+                  f"bad 4xx {f['bad_4xx']}/{f['bad']}, {loadavg()}", flush=True)
+
         # warm-up at the highest concurrency with the mixed level's kinds and lengths (2k
         # prompts, no 8k): the peak that batch sizes and prefill pieces reach is set here, so
         # what grows afterwards grows with time
         top = max(args.levels)
         drive_mixed(mk(top, patient), 3 * top, args.level_seconds * 2, False, "warm-up")
         marks["warm"] = time.time()
-        phases["short_8"] = figures(*rounds(mk(8), args.short, args.level_seconds, ["chat"]))
-        print(f"  {kind} short x8: {phases['short_8']['tokens_per_s']:.1f} tok/s", flush=True)
-        marks["short_8"] = time.time()
+        phase("short_8", figures(*rounds(mk(8), args.short, args.level_seconds, ["chat"])))
         for n in args.levels:
-            phases[f"load_{n}"] = figures(*rounds(mk(n), args.rounds, args.level_seconds),
-                                          args.budget)
-            marks[f"load_{n}"] = time.time()
-            f = phases[f"load_{n}"]
-            print(f"  {kind} load x{n}: {f['requests']} requests, {f['tokens_per_s']:.1f} tok/s,"
-                  f" p95 {f['p95_s']}, failed {f['failed_good']}, 5xx {f['responses_5xx']}, "
-                  f"bad 4xx {f['bad_4xx']}/{f['bad']}, {loadavg()}", flush=True)
+            phase(f"load_{n}", figures(*rounds(mk(n), args.rounds, args.level_seconds),
+                                       args.budget))
         if args.mixed:
             records, wall = drive_mixed(mk(top, patient), args.mixed, args.mixed_seconds,
                                         with_8k=not args.quick, label=f"{kind} mixed x{top}")
-            phases[f"mixed_{top}"] = {**figures(records, wall, args.budget),
-                                      "classes": by_class(records)}
-            marks[f"mixed_{top}"] = time.time()
-            f = phases[f"mixed_{top}"]
-            print(f"  {kind} mixed x{top}: {f['requests']} requests, failed {f['failed_good']},"
-                  f" 5xx {f['responses_5xx']}, bad 4xx {f['bad_4xx']}/{f['bad']}, "
-                  f"{loadavg()}", flush=True)
+            phase(f"mixed_{top}", {**figures(records, wall, args.budget),
+                                   "classes": by_class(records)})
         phases["conversations_8"] = figures(
             *rounds(mk(8), args.turns, args.level_seconds, ["turn"]), args.budget)
         marks["end"] = time.time()

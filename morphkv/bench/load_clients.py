@@ -12,7 +12,7 @@ import http.client
 import json
 import time
 
-from .servers import stream_chat
+from ..eval.process import stream_chat
 
 QUESTIONS = [
     "Name a color.",

@@ -54,12 +54,8 @@ def summarize(results: dict, args) -> dict:
         out[kind] = s
     if {"morphkv", "mlx_lm"} <= set(results):
         m, b = results["morphkv"]["phases"], results["mlx_lm"]["phases"]
-        ratio = {}
-        for phase in m:
-            if phase == "probe" or phase not in b:
-                continue
-            if b[phase]["tokens_per_s"]:
-                ratio[phase] = m[phase]["tokens_per_s"] / b[phase]["tokens_per_s"]
+        ratio = {p: m[p]["tokens_per_s"] / b[p]["tokens_per_s"] for p in m
+                 if p != "probe" and p in b and b[p]["tokens_per_s"]}
         past_m = m.get("conversations_8", {}).get("past_4x_tokens_per_s")
         past_b = b.get("conversations_8", {}).get("past_4x_tokens_per_s")
         if past_m and past_b:

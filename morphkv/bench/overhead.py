@@ -29,7 +29,6 @@ from ..eval.flags import add_flags, standard
 from ..eval.models import RANDOM_TINY
 from ..eval.output import markdown_table
 from ..eval.runner import Evaluation
-from ..eval.runner import run as run_evaluation
 from ..eval.texts import PROSE_TOPICS, prose_text
 
 NAME = "overhead"
@@ -141,7 +140,4 @@ class Overhead(Evaluation):
         plots.save(fig, path)
 
 
-def run(args: argparse.Namespace) -> int:
-    """CLI entry point (``morphkv`` command contract): 0 on success."""
-    run_evaluation(Overhead(args))
-    return 0
+EVALUATION = Overhead

@@ -1,4 +1,4 @@
-"""The servers and client calls every ``bench serve`` scenario shares.
+"""The servers, options and threads every ``bench serve`` scenario shares.
 
 A ``Server`` is one child process on loopback (``server_main``), stopped by its process id,
 that samples its own memory (time, RSS, MLX active, MLX peak) into a log; its kind: ``morphkv``
@@ -62,20 +62,19 @@ class Server:
     def __init__(self, kind: str, flags: list[str], out: Path):
         from ..runtime.blas import blas_env
 
-        label, every = kind, 0.25
         self.kind, self.port = kind, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log, self.output = out / f"memory_{label}.log", out / f"server_{label}.txt"
+        self.log, self.output = out / f"memory_{kind}.log", out / f"server_{kind}.txt"
         self.log.unlink(missing_ok=True)
         flags = ["--port", str(self.port), "--log-level", "WARNING", *flags]
         code = ("import sys; from morphkv.bench.servers import server_main; "
                 "sys.exit(server_main(sys.argv[1:]))")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(self.log), kind, str(every), *flags],
+            [sys.executable, "-c", code, str(self.log), kind, "0.25", *flags],
             stdout=self.output.open("w"), stderr=subprocess.STDOUT,
             env=blas_env(dict(os.environ)))
         try:
-            wait_healthy(self.proc, self.url, f"the {label} server")
+            wait_healthy(self.proc, self.url, f"the {kind} server")
         except SystemExit as e:
             raise RuntimeError(f"{e}:\n{self.output.read_text()}") from None
 
@@ -115,26 +114,6 @@ class Server:
         return stop_process(self.proc, 30)
 
 
-def stream_chat(client, messages: list[dict], max_tokens: int, drop: bool = False, **kw) -> dict:
-    """One streamed chat: first-content time (perf_counter, None if none), completion and
-    prompt tokens (usage), content chunks; ``drop`` closes the stream at the first content."""
-    first, tokens, prompt, chunks = None, 0, 0, 0
-    stream = client.chat.completions.create(
-        model="default_model", messages=messages, max_tokens=max_tokens, stream=True,
-        stream_options={"include_usage": True}, **kw)
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            chunks += 1
-            if first is None:
-                first = time.perf_counter()
-                if drop:
-                    stream.close()
-                    break
-        if chunk.usage is not None:
-            tokens, prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
-    return {"first": first, "tokens": tokens, "prompt_tokens": prompt, "chunks": chunks}
-
-
 def loadavg() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -149,8 +128,27 @@ def in_threads(work, users, timeout: float | None) -> None:
         t.join(timeout=timeout)
 
 
-def model_flag(args) -> list[str]:
-    return ["--model", args.model] if args.model else []
+def add_server_arguments(parser, max_tokens: int, out: str) -> None:
+    """The options of every ``bench serve`` scenario that starts servers."""
+    a = parser.add_argument
+    a("--model", default=None, help="Model to serve (default: embedded).")
+    a("--budget", type=int, default=64, help="morphkv budget (tokens).")
+    a("--max-tokens", type=int, default=max_tokens, help="Tokens per reply.")
+    a("--servers", default="morphkv,mlx_lm", help="morphkv, mlx_lm (its own server).")
+    a("--cache-flags", default="", help="More morphkv serve flags, e.g. '--method full'.")
+    a("--prompt-cache-bytes", default="32M", help="Both servers' --prompt-cache-bytes.")
+    a("--out", default=out, help="Output directory.")
+    a("--quick", action="store_true", help="A minutes-scale smoke run.")
+
+
+def server_flags(kind: str, args) -> list[str]:
+    """The flags both servers get; the morphkv one also ``--cache-flags``."""
+    flags = ["--budget", str(args.budget), "--max-tokens", str(args.max_tokens),
+             "--prompt-cache-bytes", args.prompt_cache_bytes,
+             *(["--model", args.model] if args.model else [])]
+    if kind == "morphkv":
+        return flags + args.cache_flags.split()
+    return flags + ["--prefill-step-size", "2048"]  # mlx_lm's server as it is: its own step
 
 
 def each_server(args, name: str, bench, long_prompt: str, report, plot) -> dict:

@@ -3,8 +3,9 @@
 Adding a command is one line in ``COMMANDS``: a name ("bench speed" nests under "bench") and
 a module (or ``module:Class``: ``command_of``) exposing ``add_arguments(parser)`` and either
 ``run(args) -> int | None`` (the exit status) or, for a measurement, ``execute(args) -> dict``
-(its figures; the exit status is the dict's ``"exit"``, 0 when absent); the first line of the
-module's docstring is its help text.
+(its figures; the exit status is the dict's ``"exit"``, 0 when absent) or, for an evaluation of
+the shared runner, ``EVALUATION`` (a ``morphkv.eval.runner.Evaluation`` class; ``module:Class``
+may name one itself); the first line of the module's docstring is its help text.
 """
 
 from __future__ import annotations
@@ -207,7 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_command(p: argparse.ArgumentParser, module) -> None:
     module.add_arguments(p)
-    p.set_defaults(_run=getattr(module, "run", None) or _measurement(module.execute))
+    if hasattr(module, "run") or hasattr(module, "execute"):
+        p.set_defaults(_run=getattr(module, "run", None) or _measurement(module.execute))
+        return
+    from ..eval.runner import run as evaluate
+
+    evaluation = getattr(module, "EVALUATION", module)  # a module's, or the class named
+    p.set_defaults(_run=_measurement(lambda args: evaluate(evaluation(args))))
 
 
 def _add_modes(p: Parser, option: str, modes: dict[str, str]) -> None:

@@ -29,11 +29,11 @@ import time
 from ..core.pins import pin
 from .arms import cells
 from .flags import add_flags, standard
+from .forced import log_probs
 from .metrics import cluster_interval
 from .models import greedy_tokens
 from .output import markdown_table, out_dir, write_json
 from .runner import Evaluation
-from .runner import run as run_evaluation
 
 DATA_FILE = "answer_prompts.json"
 RARE = 3  # a re-mention's token occurred at most this many times before
@@ -45,10 +45,7 @@ WORD = re.compile(r"\s?([A-Za-z_][A-Za-z0-9_]{2,}|[0-9]{3,})")
 def prompts(split: str) -> list[str]:
     from .chat_items import DATA
 
-    data = json.loads((DATA / DATA_FILE).read_text())
-    if split not in data:
-        raise SystemExit(f"morphkv: error: data/{DATA_FILE} has no {split!r} split (yet)")
-    return data[split]
+    return json.loads((DATA / DATA_FILE).read_text())[split]  # --split: tune or test
 
 
 def write(model, tok, ids: list[int], caches, length: int) -> list[int]:
@@ -108,13 +105,6 @@ def rementions(tok, ids: list[int], start: int, size: int) -> list[int]:
     return out
 
 
-def _log_probs(logits):
-    import mlx.core as mx
-
-    z = logits[0].astype(mx.float32)
-    return z - mx.logsumexp(z, axis=-1, keepdims=True)
-
-
 def read_back(model, text: dict, arms, chunk: int) -> dict:
     """Every arm (``arms.Cell``) and the full cache over one text, chunk by chunk: per
     arm, per answer position, (KL, agreement with the full cache's top-1, written-token top-1,
@@ -133,12 +123,12 @@ def read_back(model, text: dict, arms, chunk: int) -> dict:
     stats = {label: [] for label in caches}
     cuts = [0, n0, *range(n0 + chunk, len(ids), chunk), len(ids)]
     for s, e in zip(cuts[:-1], cuts[1:], strict=True):
-        ref = _log_probs(model(x[:, s:e], cache=full))
+        ref = log_probs(model(x[:, s:e], cache=full)[0])
         lo = max(s, n0 - 1) - s  # rows predicting an answer token
         ref, targets = ref[lo : e - s - (e == len(ids))], x[0, s + lo + 1 : e + 1]
         top = ref.argmax(axis=-1)
         for label, c in caches.items():
-            lp = _log_probs(model(x[:, s:e], cache=c))
+            lp = log_probs(model(x[:, s:e], cache=c)[0])
             lp = lp[lo : lo + ref.shape[0]]
             kl = (mx.exp(ref) * (ref - lp)).sum(axis=-1)
             arg = lp.argmax(axis=-1)
@@ -236,6 +226,4 @@ class Answers(Evaluation):
         return summary, table(summary)
 
 
-def run(args: argparse.Namespace) -> int:
-    run_evaluation(Answers(args))
-    return 0
+EVALUATION = Answers

@@ -56,17 +56,11 @@ def field_name(key: str) -> str:
 _PIN = re.compile(r"\+pin(\d*)$")
 
 
-def unpinned(spec: str) -> tuple[str, bool]:
-    """(the spec without ``+pin`` / ``+pinN``, whether it had one)."""
+def unpinned(spec: str) -> tuple[str, bool, int]:
+    """(the spec without ``+pin`` / ``+pinN``, whether it had one, N: the assistant's replies
+    of at most N tokens, as the template renders them, are pinned with the user's turns)."""
     m = _PIN.search(spec)
-    return (spec[: m.start()], True) if m else (spec, False)
-
-
-def pinned_replies(spec: str) -> int:
-    """N of a spec ending ``+pinN`` (the assistant's replies of at most N tokens, as the
-    template renders them, are pinned with the user's turns); 0 otherwise."""
-    m = _PIN.search(spec)
-    return int(m.group(1)) if m and m.group(1) else 0
+    return (spec[: m.start()], True, int(m.group(1) or 0)) if m else (spec, False, 0)
 
 
 def parse_value(text: str) -> Any:
@@ -119,9 +113,7 @@ class Arm:
         if self.method in PRESETS:  # a preset's own values (at a nominal budget)
             return getattr(self.config(4096), name)
         merged = {**dict(self.defaults), **dict(self.options)}
-        if name in merged:
-            return merged[name]
-        return getattr(KVCacheConfig(), name)
+        return merged[name] if name in merged else getattr(KVCacheConfig(), name)
 
     @property
     def window(self) -> int:
@@ -240,11 +232,11 @@ def cells(text: str, size: int, nofact: bool = False, **defaults) -> list[Cell]:
         spec, at, n = label.rpartition("@") if "@" in label else (label, "", "")
         if at and (not n.isdigit() or int(n) < 1):
             raise ValueError(f"arm {label!r}: the size after '@' must be a positive token count")
-        base, pinned = unpinned(spec)
+        base, pinned, replies = unpinned(spec)
         if nofact and base == NOFACT and pinned:
             raise ValueError(f"arm {label!r}: nofact is the full cache, nothing to pin")
         arm = None if nofact and base == NOFACT else Arm.parse(base.replace(",", ":"), **defaults)
-        out.append(Cell(label, arm, int(n) if at else size, pinned, pinned_replies(spec)))
+        out.append(Cell(label, arm, int(n) if at else size, pinned, replies))
     return out
 
 

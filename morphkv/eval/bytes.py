@@ -29,12 +29,12 @@ from ..core.quant import dims
 from ..mlxlm.turns import user_positions
 from . import plots
 from .arms import Arm, cells
+from .asking import prefill
 from .flags import add_flags, csv_ints, standard
 from .forced import position_kl, reference_logprobs
 from .metrics import held_bytes
 from .output import markdown_table
 from .runner import Evaluation
-from .runner import run as run_evaluation
 from .texts import CONVERSATIONS, split_texts
 
 NAME = "bytes"
@@ -94,7 +94,7 @@ class Bytes(Evaluation):
     def items(self, model, tok):
         a = self.args
         texts = split_texts(tok, model, a.split, a.prose_tokens, a.continuation_tokens,
-                            getattr(a, "conversation_tokens", 0))
+                            a.conversation_tokens)
         self.info["texts"] = {k: len(v) for k, v in texts.items()}
         return ((name, tokens, user_pins(tok, name)) for name, tokens in texts.items())
 
@@ -119,8 +119,7 @@ class Bytes(Evaluation):
         plot(result["summary"], path)
 
 
-def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
-    return run_evaluation(Bytes(args), model, tokenizer)
+EVALUATION = Bytes
 
 
 def summarize(rows: list[dict], reference: str) -> list[dict]:
@@ -181,12 +180,8 @@ STATE_ARMS = ("streaming_llm:memory={m}:bits=8,h2o:memory={m}:bits=8:block=16,"
 
 def state_of(model, spec: str, tokens: int) -> dict:
     """Tokens per KV head, bytes a slot of K/V storage and of selection state (see ``State``)."""
-    import mlx.core as mx
-
     caches = Arm.parse(spec).caches(model, 128)
-    x = mx.arange(tokens)[None] % 1000 + 100
-    for s in range(0, tokens, 256):
-        mx.eval(model(x[:, s : s + 256], cache=caches))
+    prefill(model, caches, [t % 1000 + 100 for t in range(tokens)], 256)
     c = [k for k in caches if hasattr(k, "engine_nbytes")]
     slots = sum((k.config.budget + 1) * dims(k.keys)[1] for k in c)  # per layer x KV head
     storage = sum(k.storage_nbytes for k in c)
@@ -239,8 +234,3 @@ class State(Evaluation):
         add("--memory", type=int, default=1572864, help="bytes per sequence (default 1.5 MiB)")
         add("--arms", default=None, help="comma-separated arm specs ({m} stands for --memory)")
         add("--out", default=None, help="output folder (default results/state)")
-
-    @staticmethod
-    def run(args: argparse.Namespace) -> int:
-        run_evaluation(State(args))
-        return 0

@@ -67,12 +67,8 @@ class Chat:
 
 
 def _pick(rng: random.Random, split: str):
-    kinds = rng.sample(list(facts(split)), 3)
-    out = []
-    for k in kinds:
-        v1, v2 = rng.sample(k["values"], 2)
-        out.append((k, v1, v2, rng.choice(k["statements"])))
-    return out
+    return [(k, *rng.sample(k["values"], 2), rng.choice(k["statements"]))
+            for k in rng.sample(list(facts(split)), 3)]
 
 
 def build_chat(split: str, index: int, seed: int = 0) -> Chat:

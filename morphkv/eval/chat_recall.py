@@ -27,7 +27,6 @@ answers, with a 95% bootstrap interval over chats (a chat's questions are not in
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 from ..core.pins import pin
@@ -37,7 +36,6 @@ from .asking import ask, until_end
 from .chat_items import build_chat, build_said_chat, encode, judge, tokenize
 from .chat_report import FULL, plot, said_report, summarize, table
 from .flags import add_flags, standard
-from .output import environment, out_dir, write_json
 from .runner import Evaluation
 from .runner import run as run_evaluation
 
@@ -135,16 +133,7 @@ def run(args: argparse.Namespace, evaluation=Chats) -> int:
     if args.live:
         from .live import run_live
 
-        path = out_dir(args, NAME) / f"{args.stem or f'{NAME}_live_{args.live}_{args.split}'}.json"
-        head = {"benchmark": NAME, "args": vars(args), "environment": environment(),
-                "load_average": {"start": os.getloadavg()}}
-
-        def save(result):  # after every arm: a stopped run keeps what it measured
-            head["load_average"]["end"] = os.getloadavg()
-            write_json(path, {**head, **result})
-
-        run_live(args, save)
-        print(f"wrote {path}")
+        run_live(args)
         return 0
     run_evaluation(evaluation(args))
     return 0

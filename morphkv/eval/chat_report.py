@@ -38,28 +38,24 @@ def summarize(chats: list[dict], labels: list[str], full: str = FULL) -> dict:
     cache's items, the wrong answers that begin with the value's first 3 letters ("Ansel" for
     Anselm, "852" for 8521): the start of the value was kept, its end was not."""
     out = {}
-    full_ok = [(c["index"], i) for c in chats for i, ok in
-               enumerate(c["arms"].get(full, {}).get("correct", [])) if ok]  # fmt: skip
-    updated = {(c["index"], i): q["updated"] for c in chats for i, q in enumerate(c["questions"])}
+    full_ok = {(c["index"], i) for c in chats for i, ok in
+               enumerate(c["arms"].get(full, {}).get("correct", [])) if ok}  # fmt: skip
+    updated = {(c["index"], i) for c in chats for i, q in enumerate(c["questions"])
+               if q["updated"]}
+    full_kept = full_ok - updated
     for label in labels:
         runs = [(c, c["arms"][label]) for c in chats if label in c["arms"]]
-        flags = [(c["index"], i, ok, c["questions"][i]["updated"])
-                 for c, r in runs for i, ok in enumerate(r["correct"])]  # fmt: skip
-        k = sum(ok for *_, ok, _ in flags)
-        kept = sum(ok for ci, i, ok, _ in flags if (ci, i) in set(full_ok))
+        asked = {(c["index"], i) for c, r in runs for i in range(len(r["correct"]))}
+        right = {(c["index"], i) for c, r in runs for i, ok in enumerate(r["correct"]) if ok}
         ret = [sum(x) / len(x) for _, r in runs for x in r["retention"] if x]
         per = [x for _, r in runs for x in r["retention"] if x]
         layers = [sum(col) / len(col) for col in zip(*per, strict=True)]
-        full_kept = [(ci, i) for ci, i in full_ok if not updated[(ci, i)]]
         out[label] = {
-            "all": _share(k, len(flags)),
-            "of_full": _share(kept, len(full_ok)),
-            "of_full_kept": _share(sum(ok for ci, i, ok, _ in flags if (ci, i) in full_kept),
-                                   len(full_kept)),
-            "of_full_updated": _share(kept - sum(ok for ci, i, ok, _ in flags
-                                                 if (ci, i) in full_kept),
-                                      len(full_ok) - len(full_kept)),
-            "updated": _share(sum(ok for *_, ok, u in flags if u), sum(u for *_, u in flags)),
+            "all": _share(len(right), len(asked)),
+            "of_full": _share(len(right & full_ok), len(full_ok)),
+            "of_full_kept": _share(len(right & full_kept), len(full_kept)),
+            "of_full_updated": _share(len(right & full_ok & updated), len(full_ok & updated)),
+            "updated": _share(len(right & updated), len(asked & updated)),
             "retention": sum(ret) / len(ret) if ret else None,
             "layers": layers, "worst_layer": min(layers, default=None),
             "mib": max((r["nbytes"] for _, r in runs), default=0) / 2**20,

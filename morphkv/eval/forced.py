@@ -20,6 +20,12 @@ from ..mlxlm.builder import KVCacheBuilder
 from .metrics import kv_bytes, token_stats
 
 
+def log_probs(logits: mx.array) -> mx.array:
+    """Log-probabilities over the last axis, in float32."""
+    z = logits.astype(mx.float32)
+    return z - mx.logsumexp(z, axis=-1, keepdims=True)
+
+
 def reference_logprobs(model, tokens: list[int], chunk: int = 256) -> mx.array:
     """Full-cache log-probabilities (T, V) float32 for every position: mlx_lm's ``KVCache``,
     chunked prefill (never ``model.make_cache``, which ``patch_model`` may have replaced)."""
@@ -29,8 +35,7 @@ def reference_logprobs(model, tokens: list[int], chunk: int = 256) -> mx.array:
     out = []
     ids = mx.array([int(t) for t in tokens])
     for s in range(0, len(tokens), chunk):
-        logits = model(ids[None, s : s + chunk], cache=cache)[0].astype(mx.float32)
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        lp = log_probs(model(ids[None, s : s + chunk], cache=cache)[0])
         mx.eval(lp)
         out.append(lp)
     return mx.concatenate(out, axis=0)
@@ -51,8 +56,7 @@ def evaluate(model, tokens, ref_lp: mx.array, cfg, chunk: int = 256, bar=None) -
     if prefill > 0:
         mx.eval(model(ids[:, :prefill], cache=caches))
     for s in range(prefill, T_len, chunk):
-        logits = model(ids[:, s : s + chunk], cache=caches).astype(mx.float32)
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        lp = log_probs(model(ids[:, s : s + chunk], cache=caches))
         m = lp.shape[1]
         lo, hi = max(s, first), min(s + m, T_len - 1)  # the last position has no target
         if hi > lo:
@@ -80,8 +84,7 @@ def position_kl(model, caches, tokens: list[int], ref: mx.array, first: int, pre
         logits = model(ids[:, pos : pos + step], cache=caches)[0].astype(mx.float32)
         lo, hi = max(pos, first), min(pos + step, len(tokens) - 1)
         if hi > lo:
-            lp = logits[lo - pos : hi - pos]
-            lp, r = lp - mx.logsumexp(lp, axis=-1, keepdims=True), ref[lo:hi]
+            lp, r = log_probs(logits[lo - pos : hi - pos]), ref[lo:hi]
             each = mx.exp(r) * (r - lp)
             kl.append(np.array(each.sum(axis=-1)))
             agree.append(np.array(lp.argmax(-1) == r.argmax(-1)))

@@ -138,10 +138,9 @@ def summary(result: dict) -> tuple[list[str], list[list]]:
     groups: dict[tuple, list] = {}
     for r in result["rows"]:
         groups.setdefault((r["arm"], r["budget"]), []).append(r)
-    body = []
-    for (arm, b), rs in groups.items():
-        means = [sum(r[k] for r in rs) / len(rs) * scale for k, scale in COLUMNS.values()]
-        body.append([arm, b if b is not None else "-", *means])
+    body = [[arm, b if b is not None else "-", *[sum(r[k] for r in rs) / len(rs) * scale
+                                                  for k, scale in COLUMNS.values()]]
+            for (arm, b), rs in groups.items()]
     return ["arm", "budget", *COLUMNS], body
 
 

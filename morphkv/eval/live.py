@@ -33,8 +33,10 @@ import numpy as np
 from .chat_answers import questions
 from .chat_items import build_chat, judge
 from .metrics import cluster_interval
-from .process import free_port, stop_process, wait_healthy
+from .output import environment, out_dir, write_json
+from .process import free_port, stop_process, stream_chat, wait_healthy
 
+NAME = "chatrecall"  # results/chatrecall/, as eval recall's other data sets
 NOFACT = ":nofact"  # an arm name ending so runs the chats without their facts
 MLX_LM = "mlx_lm"  # --live mlx_lm: mlx_lm's own cache (make_prompt_cache of the bare model)
 
@@ -145,15 +147,9 @@ def served_chat(model_name: str | None, flags: list[str], chats, args, log) -> l
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
 
         def ask(history, max_tokens):
-            start, first, out = time.perf_counter(), None, []
-            stream = client.chat.completions.create(model="default_model", messages=history,
-                                                    max_tokens=max_tokens, temperature=0.0,
-                                                    stream=True)
-            for part in stream:
-                if part.choices and part.choices[0].delta.content:
-                    first = first or time.perf_counter() - start
-                    out.append(part.choices[0].delta.content)
-            return "".join(out), first
+            start = time.perf_counter()
+            r = stream_chat(client, history, max_tokens, temperature=0.0)
+            return r["text"], r["first"] and r["first"] - start
 
         rows = []
         for chat, nofact in chats:
@@ -177,8 +173,9 @@ def held_out_chats(split: str, first: int, count: int, seed: int) -> list:
     return [build_chat(split, i, seed) for i in range(first, first + count)]
 
 
-def run_live(args, save=lambda result: None) -> dict:
-    """Every arm over the same chats; the result dict, handed to ``save`` after each arm."""
+def run_live(args) -> dict:
+    """Every arm over the same chats; the JSON written after each arm (a stopped run keeps
+    what it measured)."""
     arms = parse_arms(args.live_arms)
     chats_of = held_out_chats(args.split, args.first, args.chats, args.seed)
     model = tok = None
@@ -186,8 +183,10 @@ def run_live(args, save=lambda result: None) -> dict:
         from .models import load_model
 
         model, tok = load_model(args.model)
-    result = {"live": args.live, "model": args.model, "split": args.split, "turns": args.turns,
-              "arms": {}}
+    path = out_dir(args, NAME) / f"{args.stem or f'{NAME}_live_{args.live}_{args.split}'}.json"
+    result = {"benchmark": NAME, "args": vars(args), "environment": environment(),
+              "load_average": {"start": os.getloadavg()}, "live": args.live, "model": args.model,
+              "split": args.split, "turns": args.turns, "arms": {}}
     log = open(os.devnull, "w") if not args.verbose else None
     for name, flags in arms:
         nofact = name.endswith(NOFACT)
@@ -209,5 +208,7 @@ def run_live(args, save=lambda result: None) -> dict:
               f"(interval over {len(rows)} chats: {summary['interval']}), first token last/"
               f"early turns {summary['first_token_last_over_early']:.2f}x, "
               f"{summary['seconds']:.0f} s", flush=True)
-        save(result)
+        result["load_average"]["end"] = os.getloadavg()
+        write_json(path, result)
+    print(f"wrote {path}")
     return result

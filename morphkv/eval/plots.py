@@ -9,9 +9,9 @@ import numpy as np
 BENCH_EXTRA = "pip install -e '.[bench]'"
 
 
-def require_matplotlib(args: argparse.Namespace | None = None) -> None:
+def require_matplotlib(args: argparse.Namespace) -> None:
     """Stop before any work, in one line, when the plots cannot be drawn."""
-    if args is not None and getattr(args, "no_plot", False):
+    if getattr(args, "no_plot", False):
         return
     try:
         import matplotlib  # noqa: F401
@@ -51,7 +51,7 @@ def by_budget(result: dict, summary, path) -> str:
             ax.plot(budgets, line[1:], marker="o", label=line[0])
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.set_xlabel(f"budget ({result['settings'].get('budget_unit', 'tokens per KV head')})")
+        ax.set_xlabel("budget (tokens per KV head)")
         ax.set_title(title)
     full = [r for r in result["rows"] if r["arm"] == "full"]
     if full:
@@ -82,24 +82,18 @@ def grouped_bars(ax, groups: list[str], series: dict[str, list[float]], title: s
     ax.set_title(title, fontsize=9)
 
 
-def lines(
-    ax, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, title: str, log=False
-):
+def lines(ax, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, title: str):
     """One line per series {label: (xs, ys)}."""
     for label, (xs, ys) in series.items():
-        ax.plot(xs, ys, "-o" if log else "-", label=label, markersize=3)
-    if log:
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        ax.plot(xs, ys, "-", label=label, markersize=3)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
 
 
-def panels(n: int, width: float = 5.5, height: float = 4.5, rows: int = 1):
-    """(figure, flat list of axes) for ``rows`` x ``n`` panels."""
-    fig, axes = plt().subplots(rows, n, figsize=(width * n, height * rows), squeeze=False)
-    return fig, axes
+def panels(n: int, width: float = 5.5, height: float = 4.5):
+    """(figure, axes: one row of ``n`` panels, indexed ``axes[0][i]``)."""
+    return plt().subplots(1, n, figsize=(width * n, height), squeeze=False)
 
 
 def labelled(axes, labels: list[tuple[str, str]], fontsize=None) -> None:

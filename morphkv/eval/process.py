@@ -1,6 +1,9 @@
-"""Process helpers: a free loopback port, waiting for a server child, stopping a child."""
+"""Process helpers: a free loopback port, waiting for a server child, stopping a child, a
+streamed chat with it."""
 
 from __future__ import annotations
+
+import time
 
 
 def stop_process(proc, timeout: float = 20) -> int:
@@ -31,7 +34,6 @@ def free_port() -> int:
 def wait_healthy(proc, url: str, what: str, seconds: float = 600) -> None:
     """Wait until the server child ``proc`` answers ``url``/health with 200; when it exits or
     ``seconds`` pass, stop it and raise SystemExit naming ``what`` and its status."""
-    import time
     import urllib.request
 
     deadline = time.monotonic() + seconds
@@ -45,3 +47,26 @@ def wait_healthy(proc, url: str, what: str, seconds: float = 600) -> None:
             raise SystemExit(f"morphkv: error: {what} did not start (status "
                              f"{stop_process(proc)})")
         time.sleep(0.5)
+
+
+def stream_chat(client, messages: list[dict], max_tokens: int, drop: bool = False, **kw) -> dict:
+    """One streamed chat of an openai ``client``: first-content time (perf_counter, None if
+    none), completion and prompt tokens (usage), content chunks, the text; ``drop`` closes the
+    stream at the first content."""
+    first, tokens, prompt, chunks, text = None, 0, 0, 0, []
+    stream = client.chat.completions.create(
+        model="default_model", messages=messages, max_tokens=max_tokens, stream=True,
+        stream_options={"include_usage": True}, **kw)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            chunks += 1
+            text.append(chunk.choices[0].delta.content)
+            if first is None:
+                first = time.perf_counter()
+                if drop:
+                    stream.close()
+                    break
+        if chunk.usage is not None:
+            tokens, prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+    return {"first": first, "tokens": tokens, "prompt_tokens": prompt, "chunks": chunks,
+            "text": "".join(text)}

@@ -28,10 +28,6 @@ class Progress:
         print(f"[{self.label}] {self.done}/{self.total} ({100 * self.done / self.total:.0f}%) "
               f"elapsed {_fmt(elapsed)} eta {_fmt(eta)} {note}", file=sys.stderr, flush=True)
 
-    @property
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
 
 def _fmt(seconds: float) -> str:
     if not math.isfinite(seconds):

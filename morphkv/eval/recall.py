@@ -24,7 +24,6 @@ from .chat_recall import Chats
 from .chat_report import summarize, table
 from .flags import add_flags, standard
 from .recall_items import build_item, build_natural_item, is_correct
-from .runner import run as run_evaluation
 
 NAME = "recall"
 DEFAULT_ARMS = "full,streaming_llm,tuned,h2o,peak:recent=32:value=true"
@@ -142,6 +141,4 @@ def _settings(args: argparse.Namespace) -> tuple[list, list[int]]:
     return arms, budgets
 
 
-def run(args: argparse.Namespace) -> int:
-    run_evaluation(LongChats(args))
-    return 0
+EVALUATION = LongChats

@@ -85,8 +85,6 @@ def encode_chat(tok, messages: list[dict], tail: str | None) -> list[int]:
 def build_item(tok, seed: int, split: str, index: int, distance: int) -> Item:
     """Item ``index`` of ``split``: distractor turns are added until at least ``distance``
     tokens separate the fact's acknowledgement from the end of the prompt."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; valid: {SPLITS}")
     rng = random.Random(f"recall:{seed}:{split}:{index}")
     fact = FACTS[index % len(FACTS)] if split == "test" else rng.choice(FACTS)
     value = rng.choice(fact.values)
@@ -211,8 +209,6 @@ def build_natural_item(tok, seed: int, split: str, index: int, budget: int,
                        ratios: tuple[float, float] = (3.0, 6.0)) -> Item:
     """Item ``index`` of ``split``: the asked fact lies ``ratio x budget`` tokens before the
     end, ``ratio`` drawn in ``ratios``."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; valid: {SPLITS}")
     rng = random.Random(f"natural:{seed}:{split}:{index}")
     chat = _facts(rng)
     distance = int(rng.uniform(*ratios) * budget)

@@ -19,8 +19,6 @@ PROSE_TOPICS: tuple[str, ...] = tuple(_DATA["prose_topics"])
 MORE_TOPICS: tuple[str, ...] = tuple(_DATA["more_topics"])
 TEXTS = ("prose", "conversation", "continuation")
 
-__all__ = ["CONVERSATIONS", "GENERATION_PROMPTS", "CONTINUATION_PROMPT", "TEXTS", "build_texts"]
-
 
 def prose_text(topics: tuple[str, ...] = PROSE_TOPICS) -> str:
     """The named ``pydoc_data.topics`` entries joined by blank lines (the design notes' text)."""
