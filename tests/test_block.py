@@ -30,13 +30,7 @@ def run(config, keys, queries, cuts, dtype):
     return cache
 
 
-RUNNING_NAN = pytest.mark.xfail(strict=True, reason=(
-    "MLX engine: a non-finite row's running score (h2o, peak) is not chunking-invariant; the "
-    "removed host engine cleaned NaN/inf rows (issue 43, left for the lead)"))
-
-
-@pytest.mark.parametrize("method", ["morphkv", "tova", pytest.param("h2o", marks=RUNNING_NAN),
-                                    pytest.param("peak", marks=RUNNING_NAN)])
+@pytest.mark.parametrize("method", ["morphkv", "tova", "h2o", "peak"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_keys_and_queries_decide_alike_for_any_chunking(method, bad):
     rng = np.random.default_rng(3)

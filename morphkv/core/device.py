@@ -92,8 +92,11 @@ def move(x, src, dst, axis: int):
 def running_update(acc, rows, n: int, k: int, kind: str, decay: float) -> None:
     """``acc[:, :n]`` (running scores) after k tokens' attention rows (R, k, n): h2o sums,
     peak keeps a running max (``decay``: max(d * peak, row) per token). Columns a row's
-    tokens do not reach must carry zero rows (a batch: ``core.device_batch``)."""
+    tokens do not reach must carry zero rows (a batch: ``core.device_batch``). A NaN entry (a
+    non-finite key or query) adds nothing, as in the reference, so the running scores do not
+    depend on how the tokens were chunked."""
     old = acc[:, :n]
+    rows = mx.where(mx.isnan(rows), 0.0, rows)
     if kind == "sum":
         new = old + (rows[:, 0] if k == 1 else rows.astype(mx.float32).sum(axis=1))
     elif decay == 1.0:
