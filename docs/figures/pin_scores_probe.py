@@ -11,7 +11,7 @@ heads. A score that knows the facts puts them near 1; chance is 0.5.
     python docs/figures/pin_scores_probe.py  ->  docs/figures/pin_scores_probe.json
 """
 
-import json
+import json  # noqa: I001 (morphkv, which loads OpenBLAS, before MLX)
 import sys
 
 import morphkv  # noqa: F401 (OpenBLAS before MLX)
@@ -38,6 +38,26 @@ def value_positions(tok, ids, value):
     return []
 
 
+def head_scores(model, x, user, method) -> np.ndarray:
+    """(layers, KV heads, user tokens): ``method``'s score of each user-turn token, nothing
+    evicted (teacher-forced in chunks of 256)."""
+    n = x.shape[1]
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, morphkv_budget=4096))
+    for s in range(0, n, 256):
+        model(x[:, s:s + 256], cache=caches)
+        mx.eval([c.state for c in caches])
+    layers = []
+    for c in caches:
+        e = c.engine
+        sc = np.array(e.rule.score(e).astype(mx.float32))
+        pos = np.array(e.positions[:, :e.slots])
+        heads = np.full((sc.shape[0], n), np.nan)
+        for r in range(sc.shape[0]):
+            heads[r, pos[r]] = sc[r]
+        layers.append(heads[:, user])
+    return np.array(layers)
+
+
 def main(out="docs/figures/pin_scores_probe.json", chats=3):
     model, tok = load("qwen2.5-0.5b")
     rows = []
@@ -52,21 +72,8 @@ def main(out="docs/figures/pin_scores_probe.json", chats=3):
         pooled = np.maximum(nll, np.maximum(np.r_[nll[1:], 0.0], np.r_[0.0, nll[:-1]]))
         share = {"surprise": percentile(pooled[user])[None]}
         for method in ("peak", "h2o", "keydiff"):
-            caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method,
-                                                                   morphkv_budget=4096))
-            for s in range(0, len(ids), 256):
-                model(x[:, s:s + 256], cache=caches)
-                mx.eval([c.state for c in caches])
-            per = []
-            for c in caches:
-                e = c.engine
-                sc = np.array(e.rule.score(e).astype(mx.float32))
-                pos = np.array(e.positions[:, :e.slots])
-                for r in range(sc.shape[0]):
-                    s = np.full(len(ids), np.nan)
-                    s[pos[r]] = sc[r]
-                    per.append(percentile(s[user]))
-            share[method] = np.array(per)
+            scores = head_scores(model, x, user, method)
+            share[method] = np.array([percentile(h) for h in scores.reshape(-1, len(user))])
         where = {int(p): i for i, p in enumerate(user)}
         for q in chat.questions:
             vp = [where[p] for p in value_positions(tok, ids, q.value) if p in where]
