@@ -87,7 +87,7 @@ class SyncCounter:
             setattr(owner, name, fn)
 
 
-def _batch(spec: str, budget: int, groups: int, rows: int, warm: int, k, v, q):
+def _batch(spec: str, budget: int, rows: int, warm: int, k, v, q):
     """``rows`` caches fed ``warm``, ``warm + 3``, ... tokens (rows at different eviction
     phases), merged as mlx_lm's BatchGenerator merges a server's requests (``merge``)."""
     caches = []
@@ -112,7 +112,7 @@ def count(spec: str, budget: int, groups: int, blocks: int, rows: int = 1) -> di
     warm = budget + 8
     warm += -(warm - budget) % block  # start right after an eviction
     if rows > 1:
-        cache = _batch(spec, budget, groups, rows, warm, k, v, q)
+        cache = _batch(spec, budget, rows, warm, k, v, q)
         k, v, q = (mx.concatenate([x] * rows) for x in (k, v, q))
     else:
         mx.eval(attention_step(cache, q[:, :, :warm], k[:, :, :warm], v[:, :, :warm], D**-0.5))
