@@ -11,7 +11,8 @@ from .rules.attention import FUSIONS
 SCORINGS = ("auto", "attention", "proxy")
 ENGINES = ("auto", "mlx")
 PIN_POLICIES = ("none", "prompt")
-PIN_RANKS = ("rule", "keydiff", "keydiff-span")  # how pinned tokens rank among themselves
+# how pinned tokens rank among themselves once they alone overflow (``pin_rank``)
+PIN_RANKS = ("rule", "keydiff", "keydiff-span", "vote")
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,10 @@ class KVCacheConfig:
             the oldest); ``"keydiff"``: key geometry (the pinned key most like the mean key
             goes: a template's tokens repeated every turn before a name or number said once);
             ``"keydiff-span"``: that score max-pooled over 5 neighbours, so a word's
-            sub-tokens stay or go together. Unpinned tokens always go before pinned ones.
+            sub-tokens stay or go together; ``"vote"``: one KeyDiff ranking averaged over every
+            layer and KV head decides, before each prefill chunk, which pinned tokens stay
+            pinned in every layer alike (``morphkv.core.vote``; a layer that must still take
+            a pinned token ranks as "keydiff"). Unpinned tokens always go before pinned ones.
         pin_replies: with ``pin="prompt"`` (no effect otherwise), when a prompt arrives,
             the model's tokens since the last pinned range (its reply) are pinned too if there
             are at most this many: a short answer (a name, a number, a decision) is kept as the
@@ -119,7 +123,13 @@ class KVCacheConfig:
         ``pin_rank`` "rule" or "keydiff")? The MLX engine then decides a chunk's evictions
         before its queries attend, one attention per chunk (``core.device_schedule``)."""
         rule = make_rule(self)
-        return rule.scheduled is not None and self.pin_rank in ("rule", "keydiff")
+        return rule.scheduled is not None and self.pin_rank != "keydiff-span"
+
+    @property
+    def pins_by_keys(self) -> bool:
+        """Do a layer's overflowing pinned tokens rank by KeyDiff (``pin_rank`` "keydiff", or
+        "vote" where the model-level vote has not made room: ``core.vote``)?"""
+        return self.pin_rank in ("keydiff", "vote")
 
     @property
     def rule(self):

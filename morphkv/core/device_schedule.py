@@ -30,7 +30,7 @@ LAST = np.iinfo(np.int64).max  # a position above every stored one
 
 def fits(engine) -> bool:
     """Can this engine's chunks be scheduled (``KVCacheConfig.scheduled``)?"""
-    rank = engine.config.pin_rank in ("rule", "keydiff")
+    rank = engine.config.pin_rank != "keydiff-span"
     return engine.rule.scheduled is not None and rank and engine.value_norms is None
 
 
@@ -105,7 +105,7 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
         free = cand & unpinned
         n_free = np.minimum(free.sum(axis=1), block)
         short = (n_free < block).any()
-        if geometry is None and (by_keys or (short and c.pin_rank == "keydiff")):
+        if geometry is None and (by_keys or (short and c.pins_by_keys)):
             geometry = _KeyGeometry(keys(), alive)
         kd = None if geometry is None or not (by_keys or short) else geometry.scores()
         score = kd if by_keys else pos
@@ -113,11 +113,11 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
         if not short:
             _pick(score, free, pos, block, picks)
         elif block == 1:  # rows without an unpinned candidate take their lowest pinned one
-            pinned_score = kd if c.pin_rank == "keydiff" else score
+            pinned_score = kd if c.pins_by_keys else score
             picks = [np.where(n_free > 0, _lowest(score, free, pos),
                               _lowest(pinned_score, cand & pinned, pos))]
         else:  # a row with too few unpinned candidates takes its lowest pinned ones too
-            pinned_score = kd if c.pin_rank == "keydiff" else score
+            pinned_score = kd if c.pins_by_keys else score
             per_row = []
             for r in range(R):
                 mine: list = []

@@ -69,12 +69,20 @@ class Feed:
         last pinned range (the model's reply) are pinned if at most ``pin_replies``. Read from
         the pins alone: merged, extracted, saved and loaded rows keep the policy. ``pin_fit``:
         only while the pinned positions, the reply with them, fit in the budget."""
+        n = self.reply_due(i, first)
+        if n:
+            self.pin_range(i, first - n, first)
+
+    def reply_due(self, i: int, first: int) -> int:
+        """How many tokens of row i's reply a prompt arriving at ``first`` pins
+        (``pin_reply``; 0: none)."""
+        if not (self.pin_prompts and self.config.pin_replies):
+            return 0
         pins = self.pins_of(i)
         ends = pins.ends[pins.ends <= first]
         n = first - int(ends.max()) if ends.size else 0
-        if 0 < n <= self.config.pin_replies and not (
-                self.config.pin_fit and len(pins) + n > self.config.budget):
-            self.pin_range(i, int(ends.max()), first)
+        fits = not (self.config.pin_fit and len(pins) + n > self.config.budget)
+        return n if 0 < n <= self.config.pin_replies and fits else 0
 
     def set_scale(self, scale: float) -> None:
         if scale != self._scale:

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..core.cache import MorphKVCache
 from ..core.config import KVCacheConfig
-from . import hooks
+from . import forward, hooks
 from .layout import count_global, morph_caches, native_caches, native_factory, replace_global
 from .memory import resolve_for_model
 
@@ -90,6 +90,8 @@ class KVCacheBuilder:
             )
         config = _scoring(model, config)
         config = resolve_for_model(model, config, _factory)
+        if config.pin_rank == "vote":  # one ranking over all layers: the model's forward pass
+            forward.watch(model)
         return replace_global(caches, lambda: MorphKVCache(config))
 
     @staticmethod
@@ -126,6 +128,7 @@ def patch_model(model: Any, config: KVCacheConfig) -> Any:
 def unpatch_model(model: Any) -> Any:
     """Undo ``patch_model``: the model's own factory again (one it had on the instance is
     put back)."""
+    forward.unwatch(model)
     installed = vars(model).get("make_cache")
     if installed is not None and hasattr(installed, "morphkv_native"):
         del model.make_cache

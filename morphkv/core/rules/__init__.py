@@ -63,7 +63,8 @@ PIN_SPAN = 5  # keydiff-span: neighbours a pinned token's key score is pooled ov
 def pin_scorer(config) -> Rule | None:
     """What ranks pinned tokens among themselves once they must go (``pin_rank``): None for
     the rule's own score, else a key-geometry rule (``KeyDiff``, span-pooled for
-    ``"keydiff-span"``). It needs only the stored keys, so it works beside any rule."""
+    ``"keydiff-span"``; ``"vote"`` ranks by it where the model-level vote made no room). It
+    needs only the stored keys, so it works beside any rule."""
     rank = getattr(config, "pin_rank", "rule")
     if rank == "rule":
         return None

@@ -1,0 +1,158 @@
+"""``pin_rank="vote"``: one ranking of the pinned tokens, shared by every layer.
+
+Once a long chat's pinned tokens (its user turns) alone overflow the budget, each layer's cache
+ranks them by itself (``pin_rank="keydiff"``: each KV head its own KeyDiff), so a name or a
+number said once loses a different sub-token in each head and comes back cut ("Reykjavia"). A
+probe found a fact value whole in the top 30% of the user's tokens in 62% of (layer, head)
+cells by each head's own ranking, and in 9 of 9 values by one ranking averaged over all layers
+and heads (docs/recall.md, ``docs/figures/pin_heads_probe.py``).
+
+``trim`` is that one ranking, run by the model's forward pass (``morphkv.mlxlm.forward``)
+before a chunk of several tokens (a prefill) reaches the layers: where a row's held pinned
+tokens, with those the chunk will pin, would leave less than ``room`` for the rest, every
+layer's pinned keys are read once (one host sync), each scored as KeyDiff does (1 - cos of the
+unit key with its head's mean unit key), averaged per position over every layer and KV head
+holding it, and the lowest are unpinned in every layer alike; the rule then evicts them as any
+unpinned token (recency: the oldest first). The newest pinned token stays pinned (it marks where
+the model's last reply starts: ``pin_replies``). Pins stay pins: merged, extracted, copied and
+saved rows keep the result. A chunk that alone exceeds the room leaves the layers to rank by
+themselves (as ``"keydiff"``). The new pins are at most ``MAX_RUNS`` ranges: where the choice
+is more fragmented, the cheapest gaps of pinned tokens between kept runs stay pinned too.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from . import quant, storage
+from .feed import PIN_AFTER
+from .pins import MAX_RANGES
+from .unpinned import Unpinned
+
+MAX_RUNS = MAX_RANGES - 8  # ranges a vote leaves (room for the turns pinned before the next)
+
+
+def room(config) -> int:
+    """Pinned tokens a row may hold after a prompt arrives and still have every eviction of its
+    reply take an unpinned token: the budget less the sinks, the protected recent tokens, one
+    block and the one-token updates pinned after a prompt."""
+    return config.budget - config.n_sink - config.recent - config.block - PIN_AFTER
+
+
+def trim(caches: list, C: int) -> None:
+    """Before a forward pass of ``C`` columns: the vote in every row that needs one."""
+    voting = [c for c in caches if getattr(getattr(c, "config", None), "pin_rank", None)
+              == "vote" and hasattr(c, "engines")]
+    if C < 2 or not voting or getattr(voting[0], "_held", None) is not None:
+        return
+    first = voting[0]
+    _, counts = first.spans(C)
+    for i, n in enumerate(counts):
+        engine = first.engines[i]
+        if n and engine is not None:
+            trim_row(voting, i, int(n) + first.reply_due(i, engine.seen), engine.seen)
+
+
+def trim_row(caches: list, i: int, incoming: int, seen: int) -> bool:
+    """Row ``i``'s vote, ``incoming`` tokens to be pinned next; returns whether pins changed."""
+    keep = max(0, room(caches[0].config) - incoming)
+    pins = caches[0].pins_of(i)
+    if len(pins) <= keep:  # an upper bound on the held pinned tokens: nothing to read
+        return False
+    views = [held_row(c, i) for c in caches]
+    held = np.unique(np.concatenate([p.ravel() for p, _ in views]))
+    pinned = pins.host(held)
+    if (pinned & (held >= caches[0].config.n_sink)).sum() <= keep:
+        return False
+    total, cells = np.zeros(held.size), np.zeros(held.size)
+    for positions, keys in views:
+        idx = np.searchsorted(held, positions)
+        np.add.at(total, idx, keydiff(keys))
+        np.add.at(cells, idx, 1)
+    sink = held < caches[0].config.n_sink  # protected anyway: pinned, never counted
+    stay = choose(pinned & ~sink, total / np.maximum(cells, 1), keep) | (pinned & sink)
+    starts, ends = runs(held, stay)
+    ahead = pins.ends > seen  # pinned ahead of the tokens seen: kept as they are
+    starts = np.concatenate([starts, np.maximum(pins.starts[ahead], seen)])
+    ends = np.concatenate([ends, pins.ends[ahead]])
+    freed = held[pinned & ~stay]
+    for cache, (positions, _) in zip(caches, views, strict=True):
+        row_pins, engine = cache.pins_of(i), cache.engines[i]
+        row_pins.starts, row_pins.ends, row_pins._device = starts.copy(), ends.copy(), None
+        if engine.unpinned is not None:  # recency's mirror: the freed positions, if every
+            every = all(np.isin(freed, r).all() for r in positions)  # head holds them
+            engine.unpinned = Unpinned(sorted(set(engine.unpinned.positions)
+                                              | set(freed.tolist()))) if every else None
+    return True
+
+
+def keydiff(keys: np.ndarray) -> np.ndarray:
+    """(R, n) KeyDiff scores of (R, n, D) keys: 1 - cos(unit key, mean unit key of its row)."""
+    unit = keys / np.maximum(np.linalg.norm(keys, axis=-1, keepdims=True), 1e-6)
+    mean = unit.mean(axis=1, keepdims=True)
+    mean /= np.maximum(np.linalg.norm(mean, axis=-1, keepdims=True), 1e-6)
+    return 1.0 - (unit * mean).sum(-1)
+
+
+def choose(pinned: np.ndarray, score: np.ndarray, keep: int, max_runs: int = MAX_RUNS):
+    """Which of the held tokens (in position order) stay pinned: the ``keep`` best-scored
+    pinned ones and the newest pinned one, in at most ``max_runs`` runs of consecutive held
+    tokens (fewer kept where gaps of pinned tokens must be filled to join runs)."""
+    idx = np.flatnonzero(pinned)
+    if idx.size == 0:
+        return np.zeros(pinned.size, np.bool_)
+    k = keep
+    while True:
+        stay = np.zeros(pinned.size, np.bool_)
+        best = idx[np.argsort(-score[idx], kind="stable")[: max(k, 0)]]
+        stay[best] = True
+        stay[idx[-1]] = True
+        stay = join(stay, pinned, max_runs)
+        if stay.sum() <= max(keep, 1) or k <= 0:
+            return stay
+        k -= int(stay.sum()) - keep
+
+
+def join(stay: np.ndarray, pinned: np.ndarray, max_runs: int) -> np.ndarray:
+    """``stay`` in at most ``max_runs`` runs: the shortest gaps made only of pinned tokens are
+    filled first; past those, the runs holding the fewest tokens go."""
+    stay = stay.copy()
+    while True:
+        edges = np.flatnonzero(np.diff(np.r_[0, stay.astype(np.int8), 0]))
+        begin, end = edges[::2], edges[1::2]  # runs [begin, end)
+        if begin.size <= max_runs:
+            return stay
+        gaps = [(e, b) for e, b in zip(end[:-1], begin[1:], strict=True) if pinned[e:b].all()]
+        if gaps:
+            e, b = min(gaps, key=lambda g: g[1] - g[0])
+            stay[e:b] = True
+        else:
+            shortest = int(np.argmin(end - begin))
+            stay[begin[shortest] : end[shortest]] = False
+
+
+def runs(held: np.ndarray, stay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[start, end) position ranges of the runs of ``stay`` among the held positions: a run
+    spans the positions between its held tokens too (none of them held: never seen again)."""
+    edges = np.flatnonzero(np.diff(np.r_[0, stay.astype(np.int8), 0]))
+    begin, end = edges[::2], edges[1::2]
+    return held[begin].astype(np.int64), held[end - 1].astype(np.int64) + 1
+
+
+def held_row(cache, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row ``i``'s stored positions (R, n) and float keys (R, n, D): a single cache, a batch on
+    the MLX engine (``DeviceBatchCache``) or a row-wise batch (``BatchMorphKVCache``)."""
+    if hasattr(cache, "caches"):
+        return held_row(cache.caches[i], 0)
+    n = cache.engines[i].slots
+    arrays = getattr(cache, "_arrays", None)
+    if arrays is None:  # one engine, every row of the cache
+        positions, keys = cache.engines[i].stored_positions, cache.keys
+    else:
+        H = cache._H
+        positions = arrays["positions"][i * H : (i + 1) * H, :n]
+        keys = quant.apply(lambda x: x[i : i + 1], cache.keys)
+    floats = storage.floats(storage.fetch(keys, n), cache.config)
+    return (np.array(positions).astype(np.int64),
+            np.array(floats.astype(mx.float32)).reshape(-1, n, floats.shape[-1]))

@@ -1,0 +1,123 @@
+"""``pin_rank="vote"``: one ranking of the pinned tokens over every layer and KV head.
+
+Real mlx_lm ``generate_step`` (mlx_lm.chat's loop: one prompt cache, each turn feeds its new
+tokens) and ``BatchGenerator`` (the server's loop) on tiny random-weight llama models whose
+pinned turns overflow the budget: with the vote every layer and head keeps the same pinned
+positions (each head's own KeyDiff does not), within ``vote.room`` and ``MAX_RUNS`` ranges;
+the kept tokens are the top of the averaged KeyDiff score recounted here in NumPy; batch rows
+equal single runs; ``unpatch_model`` gives the model its class back.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import BatchGenerator, generate_step
+
+from morphkv import KVCacheConfig, patch_model, unpatch_model
+from morphkv.core import vote
+from morphkv.eval.models import tiny_llama
+from tests.test_batch import assert_same_cache, prompts_of
+
+STEP = 64  # one prefill chunk a turn: the vote runs before it
+TURNS = [6, 11, 4, 13, 9, 12, 7]
+
+
+def model_for(rank="vote", **extra):
+    config = KVCacheConfig(method="streaming_llm", morphkv_budget=24, morphkv_n_sink=2,
+                           morphkv_window=4, pin="prompt", pin_rank=rank, pin_replies=6,
+                           scoring="attention", **extra)
+    return patch_model(tiny_llama(2, head_dim=64), config)
+
+
+def chat(model, turns, caches=None, replies=5):
+    caches = model.make_cache() if caches is None else caches
+    for turn in turns:
+        list(generate_step(mx.array(turn), model, prompt_cache=caches, max_tokens=replies,
+                           prefill_step_size=STEP))
+    return caches
+
+
+def pinned_held(caches) -> list:
+    """Per layer and KV head: the held positions that are pinned."""
+    return [sorted(set(h.tolist()) & set(c.pins.positions().tolist()))
+            for c in caches for kept in c.kept_positions for h in kept]
+
+
+def test_choose_keeps_the_best_scored_and_the_newest_in_few_runs():
+    pinned = np.array([1, 1, 1, 0, 1, 1, 1, 1, 0, 1], bool)
+    score = np.array([9, 1, 8, 0, 2, 7, 3, 6, 0, 0], float)
+    stay = vote.choose(pinned, score, keep=4)
+    assert stay.tolist() == [1, 0, 1, 0, 0, 1, 0, 0, 0, 1]  # 9, 8, 7 and the newest
+    joined = vote.choose(pinned, score, keep=4, max_runs=2)  # a gap of pinned tokens fills
+    assert joined.sum() <= 4 and len(vote.runs(np.arange(10), joined)[0]) <= 2
+    assert joined[-1] and not joined[pinned == 0].any()  # never pins an unpinned token
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_the_vote_keeps_one_pinned_set_in_every_layer_and_head(bits):
+    extra = {} if bits is None else dict(kv_bits=bits, kv_group_size=32)
+    turns = prompts_of(TURNS, seed=3)
+    by_head = pinned_held(chat(model_for("keydiff", **extra), turns))
+    assert any(h != by_head[0] for h in by_head)  # each head its own: they differ here
+    caches = chat(model_for(**extra), turns)
+    held = pinned_held(caches)
+    assert all(h == held[0] for h in held)  # one ranking: the same in every layer and head
+    room = vote.room(caches[0].config)
+    assert len([p for p in held[0] if p >= 2]) <= room + TURNS[-1] + 2
+    assert len(caches[0].pins.starts) <= vote.MAX_RUNS + 2
+
+
+def test_the_kept_pinned_tokens_are_the_top_of_the_averaged_keydiff():
+    model, turns = model_for(), prompts_of(TURNS, seed=3)
+    caches = chat(model, turns[:-1])
+    last = turns[-1]
+    seen, c = caches[0].offset, caches[0]
+    keep = vote.room(c.config) - len(last) - c.reply_due(0, seen)
+    views = [vote.held_row(x, 0) for x in caches]
+    held = np.unique(np.concatenate([p.ravel() for p, _ in views]))
+    score = {int(p): [] for p in held}
+    for positions, keys in views:  # the NumPy recount: 1 - cos(unit key, mean unit key)
+        for row_p, row_k in zip(positions, keys, strict=True):
+            unit = row_k / np.linalg.norm(row_k, axis=-1, keepdims=True)
+            mean = unit.mean(0) / np.linalg.norm(unit.mean(0))
+            for p, u in zip(row_p, unit, strict=True):
+                score[int(p)].append(1 - float(u @ mean))
+    pinned = [int(p) for p in held if p >= 2 and p in set(c.pins.positions().tolist())]
+    assert len(pinned) > keep  # the vote must drop some
+    best = sorted(pinned, key=lambda p: -np.mean(score[p]))[:keep] + [max(pinned)]
+    chat(model, [last], caches, replies=1)
+    after = set(caches[0].pins.positions().tolist())
+    assert set(best) <= after  # fragmented into more runs than allowed it could keep fewer
+    assert not (set(pinned) - set(best)) & after
+
+
+def test_batch_rows_equal_single_runs_and_unpatch_restores_the_class():
+    model = model_for()
+    first, second = prompts_of([30, 41], seed=5), prompts_of([9, 14], seed=6)
+    gen = BatchGenerator(model, max_tokens=6, prefill_step_size=STEP)
+    uids = gen.insert(first, max_tokens=[6, 6])
+    caches = dict(finished(gen, len(first)))
+    gen = BatchGenerator(model, max_tokens=6, prefill_step_size=STEP)
+    again = gen.insert(second, max_tokens=[6, 6], caches=[caches[u] for u in uids])
+    done = dict(finished(gen, len(second)))
+    for uid, a, b in zip(again, first, second, strict=True):
+        reference = chat(model, [a, b], replies=6)
+        assert [c.pins.ranges() for c in done[uid]] == [c.pins.ranges() for c in reference]
+        assert_same_cache(done[uid], reference)
+    cls = type(model)
+    assert unpatch_model(model) is model and type(model) is not cls
+    assert type(model).__name__ == "Model" and not hasattr(type(model), "morphkv_watched")
+
+
+def finished(gen, n):
+    out = {}
+    for _ in range(400):
+        for r in gen.next_generated():
+            if r.finish_reason is not None:
+                out[r.uid] = r.prompt_cache
+        if len(out) == n:
+            break
+    gen.close()
+    return out.items()
