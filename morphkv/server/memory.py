@@ -95,6 +95,8 @@ def engine_and_pins(config) -> str:
     pins = ("pinned: every prompt's tokens (system prompt and user turns as they arrive, with "
             "their template tokens; generated tokens are not)" if config.pin == "prompt"
             else "pinned: nothing (--pin prompt pins every prompt's tokens)")
+    if config.pin == "prompt" and config.pin_rank == "vote":
+        pins += "; past the budget one ranking over all layers says which stay pinned"
     return f"{engine}; {pins}"
 
 
