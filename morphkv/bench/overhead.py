@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Overhead(Evaluation):
     """Contexts x arms, the arms interleaved ``--repeats`` times at each context."""
 
-    name, key, pngs, stem_of = NAME, "contexts", ("",), "overhead{_quick}"
+    name, key, stem_of = NAME, "contexts", "overhead{_quick}"
 
     def arms(self) -> list:
         a = self.args
@@ -132,7 +132,7 @@ class Overhead(Evaluation):
         by_context = {r["context"]: r["median"] for r in records}
         return by_context, context_table(by_context)
 
-    def plot(self, result: dict, suffix: str, path) -> None:
+    def plot(self, result: dict, path) -> None:
         median = result["contexts"][0]["median"]
         fig, axes = plots.panels(2, 5, 4)
         for ax, key in zip(axes[0], ("prefill_s", "decode_ms"), strict=True):

@@ -82,7 +82,7 @@ def user_pins(tokenizer, name: str):
 class Bytes(Evaluation):
     """Texts x token counts x arms: KL to the unquantized full cache, bytes held."""
 
-    name, key, command, pngs = NAME, "rows", "morphkv eval fidelity --mode bytes", ("",)
+    name, key, command = NAME, "rows", "morphkv eval fidelity --mode bytes"
     stem_of = "bytes_{split}"
 
     def arms(self) -> list:
@@ -115,7 +115,7 @@ class Bytes(Evaluation):
         summary = summarize(rows, self.args.reference)
         return summary, table(summary, list(dict.fromkeys(r["text"] for r in rows)))
 
-    def plot(self, result: dict, suffix: str, path) -> None:
+    def plot(self, result: dict, path) -> None:
         plot(result["summary"], path)
 
 

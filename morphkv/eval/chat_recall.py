@@ -48,7 +48,7 @@ DEFAULT_ARMS = ("kvcache,nofact,recommended:memory=f16,h2o,streaming_llm,"
 class Chats(Evaluation):
     """Chats of ``chat_items``, three questions each, every arm prefilled once per chat."""
 
-    name, key, command, pngs = NAME, "chats", "morphkv eval recall", ("",)
+    name, key, command = NAME, "chats", "morphkv eval recall"
     stem_of = "{name}_{split}_{budget}"
 
     def arms(self) -> list:
@@ -97,7 +97,7 @@ class Chats(Evaluation):
         summary = summarize(records, [c.label for c in arms])
         return summary, table(summary)
 
-    def plot(self, result: dict, suffix: str, path) -> None:
+    def plot(self, result: dict, path) -> None:
         plot(result["summary"], path)
 
 

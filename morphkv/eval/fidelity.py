@@ -132,7 +132,7 @@ def _plan(token_texts, arms, budgets, n_sink, include_full, sized):
 class Fidelity(Evaluation):
     """Texts x arms x budgets, teacher-forced against the full cache (see the module doc)."""
 
-    name, key, command, pngs = NAME, "rows", "morphkv eval fidelity", ("",)
+    name, key, command = NAME, "rows", "morphkv eval fidelity"
 
     def arms(self) -> list:
         a = self.args
@@ -187,7 +187,7 @@ class Fidelity(Evaluation):
         result = {"settings": self.info["settings"], "rows": rows}
         return {m: summary(result, m)[1] for m in METRICS}, "\n".join(tables(result))
 
-    def plot(self, result: dict, suffix: str, path) -> None:
+    def plot(self, result: dict, path) -> None:
         plots.by_budget(result, summary, path)
 
 

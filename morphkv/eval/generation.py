@@ -75,7 +75,7 @@ def generate(model, tokenizer, prompt: list[int], caches, max_tokens: int) -> di
 class Generation(Evaluation):
     """Prompts x arms x budgets: each arm writes its own answer to each prompt."""
 
-    name, key, pngs = NAME, "rows", ("",)
+    name, key = NAME, "rows"
 
     def arms(self) -> list:
         a = self.args
@@ -125,7 +125,7 @@ class Generation(Evaluation):
             "looping); distinct-n: unique n-grams / all n-grams; KV kept: bytes of kept K+V\n"
             + markdown_table(headers, body))
 
-    def plot(self, result: dict, suffix: str, path) -> None:
+    def plot(self, result: dict, path) -> None:
         plots.bars(summary(result), ["10-gram rep.", "distinct-2"], path)
 
 

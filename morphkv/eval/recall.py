@@ -47,7 +47,7 @@ def is_full(cell) -> bool:
 class LongChats(Chats):
     """Long chats with one early fact (``recall_items``: canned or natural), per budget."""
 
-    name, key, command, pngs = NAME, "items", "morphkv eval recall --data longchat", ("",)
+    name, key, command = NAME, "items", "morphkv eval recall --data longchat"
     stem_of = "{name}"
 
     def arms(self) -> list:
