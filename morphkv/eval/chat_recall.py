@@ -101,41 +101,40 @@ class Chats(Evaluation):
         plot(result["summary"], path)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add_flags(parser, standard(NAME, "model", "first", "seed", "n_sink", "chunk", "out", "stem",
-                               "quiet"))
-    add("--split", choices=("tune", "test"), default="test")
-    add("--arms", default=DEFAULT_ARMS,
-        help="comma-separated arm specs (morphkv.eval.arms; memory=f16: the bytes of a float16 "
-        f"cache of --budget tokens) and 'nofact' (default {DEFAULT_ARMS})")
-    add("--budget", type=int, default=128, help="token count of the arms (default 128)")
-    add("--chats", type=int, default=14, help="chats, three questions each (default 14)")
-    add("--min-distance", type=float, default=3.0,
-        help="statements at least this many budgets back (default 3)")
-    add("--max-tokens", type=int, default=6, help="answer tokens (default 6)")
-    live = parser.add_argument_group("live conversations (morphkv.eval.live)")
-    live.add_argument("--live", choices=("serve", "mlx_lm"), default=None,
-                      help="run the chats live through morphkv serve + the openai client, or "
-                      "mlx_lm's chat loop after patch_model, replies generated")
-    live.add_argument("--live-arms", default=f"full=--method full;memory=--kv-memory {LIVE_MEM}",
-                      help="';'-separated name=cache flags (a name ending ':nofact': the chats "
-                      "without their facts; flags 'mlx_lm': mlx_lm's own cache with --live "
-                      "mlx_lm)")
-    live.add_argument("--turns", type=int, default=11, help="user turns before the questions, "
-                      "facts in the first three (default 11)")
-    live.add_argument("--reply-tokens", type=int, default=48, help="tokens per live reply")
-    live.add_argument("--answer-tokens", type=int, default=12, help="tokens per answer")
-    live.add_argument("--verbose", action="store_true", help="show the server's log")
+def add_arguments(parser: argparse.ArgumentParser, live: bool = True) -> None:
+    """The options; ``live``: and those of ``--live`` (``--data chats`` only)."""
+    add_flags(parser, [
+        *standard(NAME, "model", "first", "seed", "n_sink", "chunk", "out", "stem", "quiet"),
+        ("--split", "test", "the chats' split", ("tune", "test")),
+        ("--arms", DEFAULT_ARMS, "comma-separated arm specs (morphkv.eval.arms; memory=f16: the "
+         "bytes of a float16 cache of --budget tokens) and 'nofact'"),
+        ("--budget", 128, "token count of the arms"),
+        ("--chats", 14, "chats, three questions each"),
+        ("--min-distance", 3.0, "statements at least this many budgets back"),
+        ("--max-tokens", 6, "answer tokens"),
+    ])
+    if not live:
+        return
+    add_flags(parser.add_argument_group("live conversations (morphkv.eval.live)"), [
+        ("--live", None, "run the chats live through morphkv serve + the openai client, or "
+         "mlx_lm's chat loop after patch_model, replies generated", ("serve", "mlx_lm")),
+        ("--live-arms", f"full=--method full;memory=--kv-memory {LIVE_MEM}", "';'-separated "
+         "name=cache flags (a name ending ':nofact': the chats without their facts; flags "
+         "'mlx_lm': mlx_lm's own cache with --live mlx_lm)"),
+        ("--turns", 11, "user turns before the questions, facts in the first three"),
+        ("--reply-tokens", 48, "tokens per live reply"),
+        ("--answer-tokens", 12, "tokens per answer"),
+        ("--verbose", False, "show the server's log"),
+    ])
 
 
-def run(args: argparse.Namespace, evaluation=Chats) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.live:
         from .live import run_live
 
         run_live(args)
-        return 0
-    run_evaluation(evaluation(args))
+    else:
+        run_evaluation(Chats(args))
     return 0
 
 
@@ -153,15 +152,8 @@ class Said(Chats):
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        add_arguments(parser)
+        add_arguments(parser, live=False)  # prefilled chats only
         parser.set_defaults(split="tune", chats=8, max_tokens=10,
                             arms=f"{FULL},nofact,recommended:memory=f16+pin")
-        parser.add_argument("--asks", default=None, help="the split of data/said.json the "
-                            "invention asks come from (default: --split's)")
-
-    @staticmethod
-    def run(args: argparse.Namespace) -> int:
-        if args.live:
-            raise SystemExit("morphkv: error: --data said runs prefilled chats; --live is for "
-                             "--data chats")
-        return run(args, Said)
+        add_flags(parser, [("--asks", None, "the split of data/said.json the invention asks "
+                            "come from (default: --split's)")])
