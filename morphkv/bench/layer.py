@@ -116,10 +116,6 @@ def timed(cache, k, v, q=None, read: bool = False) -> tuple[float, float]:
     return time.perf_counter() - start - walk, time.process_time() - cpu - walk_cpu
 
 
-def _cut(x, i: int, j: int):
-    return x[:, :, i:j]
-
-
 def per_block(times: list[float], block: int) -> list[float]:
     """Mean per token of each run of ``block`` consecutive steps (one eviction each)."""
     return [sum(times[i : i + block]) / block for i in range(0, len(times) - block + 1, block)]
@@ -129,38 +125,38 @@ def measure(spec: str, args, k, v, q) -> dict:
     """Decode and chunk times of one arm, each interleaved with a RotatingKVCache's."""
     cache, real = make_cache(spec, args.budget, args.window)
     caches = {"arm": cache, "rotating": make_cache("rotating", args.budget, args.window)[0]}
-    qs = q if real else None
     block = getattr(getattr(cache, "config", None), "block", 1)
+
+    def cut(i: int, j: int) -> list:  # keys, values and (real queries only) queries
+        return [k[:, :, i:j], v[:, :, i:j], q[:, :, i:j] if real else None]
+
     warm = args.budget + 16
     for c in caches.values():
-        timed(c, _cut(k, 0, warm), _cut(v, 0, warm), None if qs is None else _cut(qs, 0, warm))
+        timed(c, *cut(0, warm))
     first = warm + (-(warm - args.budget) % block)  # the first token after an eviction
-    times = {(name, w): [] for name in caches for w in (0, 1)}
+    times = {name: [] for name in caches}  # (wall, CPU) seconds per step
     for t in range(warm, first + args.repeats * block):
-        token = [None if x is None else _cut(x, t, t + 1) for x in (k, v, qs)]
+        token = cut(t, t + 1)
         mx.eval([x for x in token if x is not None])
         for name, c in caches.items():
             seconds = timed(c, *token)
-            for w in (0, 1):
-                if t >= first:
-                    times[name, w].append(seconds[w])
-    decode = {key: statistics.median(per_block(ts, block)) for key, ts in times.items()}
-    n, chunk = args.chunk, {(name, w): [] for name in caches for w in (0, 1)}
+            times[name] += [seconds] if t >= first else []
+    chunk = {name: [] for name in caches}
     for _ in range(args.chunk_repeats):
         for name in caches:
             c = make_cache(spec if name == "arm" else "rotating", args.budget, args.window)[0]
-            seconds = timed(c, _cut(k, 0, n), _cut(v, 0, n), _cut(qs, 0, n) if real else None, True)
-            for w in (0, 1):
-                chunk[name, w].append(seconds[w])
-    chunk = {key: statistics.median(ts) for key, ts in chunk.items()}
+            chunk[name].append(timed(c, *cut(0, args.chunk), True))
     row = {"arm": spec, "engine": engine_of(cache), "queries": "real" if real else "proxy",
-           "block": block, "chunk_tokens": n}
+           "block": block, "chunk_tokens": args.chunk}
     for w, tag in ((0, ""), (1, "cpu_")):
-        row.update({f"decode_{tag}us": decode["arm", w] * 1e6,
-                    f"rotating_{tag}us": decode["rotating", w] * 1e6,
-                    f"decode_{tag}ratio": decode["arm", w] / decode["rotating", w],
-                    f"chunk_{tag}ms": chunk["arm", w] * 1e3,
-                    f"rotating_chunk_{tag}ms": chunk["rotating", w] * 1e3})
+        decode = {n: statistics.median(per_block([x[w] for x in ts], block))
+                  for n, ts in times.items()}
+        chunks = {n: statistics.median(x[w] for x in ts) for n, ts in chunk.items()}
+        row.update({f"decode_{tag}us": decode["arm"] * 1e6,
+                    f"rotating_{tag}us": decode["rotating"] * 1e6,
+                    f"decode_{tag}ratio": decode["arm"] / decode["rotating"],
+                    f"chunk_{tag}ms": chunks["arm"] * 1e3,
+                    f"rotating_chunk_{tag}ms": chunks["rotating"] * 1e3})
     return row
 
 

@@ -1,27 +1,17 @@
 """``morphkv eval recall``: does a bounded cache remember what was said in a chat?
 
-Chats (``chat_items``): model-written assistant turns, three facts said in passing, one of them
-updated later, each asked in a new turn at the end with a question worded unlike its statement,
-the statements 3-6 token budgets back. Every arm prefills each chat ONCE (exact chunks through
-the attention hook); each question is then asked from a copy of that cache (``copy.deepcopy``),
-answered greedily in a few tokens and judged strictly (``chat_items.judge``: the current value,
-and no other value of its kind). ``nofact`` is the full cache on the same chat with every fact
-clause removed: how often the model guesses. Retention: the fraction of the value's own tokens
-still stored when the question arrives (per layer, mean over KV heads). Every figure comes with
-its item count and Wilson 95% interval; partial results are saved after every chat.
-
-An arm ``spec+pin`` pins the chat's user turns (``spec+pinN``: and the assistant's replies of at
-most N tokens) (``morphkv.pin``: evicted last, the assistant's
-turns first). An arm ``spec@N`` runs at N tokens (``memory=f16``: the float16 bytes of N
-tokens) instead of ``--budget``, on the same chats: the chats are cut by ``--min-distance``
-budgets of ``--budget``, so one run measures several sizes on the same items (statement
-distance / size differs: each question's distance is in the JSON).
+Chats of ``chat_items`` (three facts said in passing, one updated, asked at the end). Every arm
+reads each chat as ``asking`` does (one prefill, each question from a copy, retention of the
+value's tokens); the answers are judged strictly (``chat_items.judge``). ``nofact`` is the full
+cache on the chat without its fact clauses: how often the model guesses. Every figure comes
+with its item count and Wilson 95% interval; partial results are saved after every chat.
+``spec+pin[N]`` and ``spec@N`` are ``arms.cells``' (an arm at N tokens runs on the same chats,
+cut by ``--min-distance`` budgets of ``--budget``: each question's distance is in the JSON).
 
 ``--data said`` (``Said``): the chats of ``chat_items.build_said_chat`` (two names the model
-invented, three facts the user said, one updated), run the same way (``+pin``: the user turns
-pinned, as the memory preset's ``pin="prompt"`` does when the chat is fed turn by turn); the
-table splits the items by who said them: of the full cache's items, the share each arm
-answers, with a 95% bootstrap interval over chats (a chat's questions are not independent).
+invented, three facts the user said), run the same way; the table splits the items by who said
+them: of the full cache's items, the share each arm answers, with a 95% bootstrap interval over
+chats (a chat's questions are not independent).
 """
 
 from __future__ import annotations

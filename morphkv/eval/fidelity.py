@@ -136,7 +136,11 @@ class Fidelity(Evaluation):
 
     def arms(self) -> list:
         a = self.args
-        apply_presets(a)
+        if a.quick:  # a tiny smoke run
+            a.budgets, a.arms = [32], ["streaming_llm", "h2o", "morphkv:mean:8"]
+            a.prose_tokens = a.conversation_tokens = 96
+            a.continuation_tokens = 40
+            a.texts = [t for t in a.texts if t != "continuation"] or ["prose"]
         a.arms = list(dict.fromkeys([*a.arms, *grid_arms(a.grid_base, a.grid)]))
         self.reference = arms_of([a.equal_bytes])[0] if a.equal_bytes else None
         self.found = arms_of(a.arms)
@@ -146,12 +150,19 @@ class Fidelity(Evaluation):
         """The texts; with ``--equal-bytes`` each arm's budgets are measured first."""
         a = self.args
         mx.random.seed(0)
-        texts = texts_of(a, model, tok)
-        sized = {} if self.reference is None else equal_byte_budgets(
+        if a.split != "none":
+            texts = split_texts(tok, model, a.split, a.prose_tokens, a.continuation_tokens,
+                                a.conversation_tokens)
+            texts = {k: v[:96] for k, v in list(texts.items())[:2]} if a.quick else texts
+        else:
+            texts = build_texts(tok, a.texts, model, prose_tokens=a.prose_tokens,
+                                prose_docs=a.prose_docs, conversations=a.conversations,
+                                conversation_max=a.conversation_tokens,
+                                continuation_tokens=a.continuation_tokens)
+        self.sized = {} if self.reference is None else equal_byte_budgets(
             model, self.found, self.reference, a.budgets, a.n_sink)
         self.plan, skipped = _plan(texts, self.found, a.budgets, a.n_sink, not a.no_full_arm,
-                                   sized)
-        self.sized = sized
+                                   self.sized)
         for note in skipped:
             print("note:", note, file=sys.stderr)
         self.info.update(skipped=skipped, settings={
@@ -245,26 +256,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "hook)"),
         ("--no-full-arm", False, "skip the full-cache check arm"),
     ])
-
-
-def apply_presets(args: argparse.Namespace) -> None:
-    if args.quick:
-        args.budgets = [32]
-        args.arms = ["streaming_llm", "h2o", "morphkv:mean:8"]
-        args.prose_tokens, args.conversation_tokens = 96, 96
-        args.continuation_tokens = 40
-        args.texts = [t for t in args.texts if t != "continuation"] or ["prose"]
-
-
-def texts_of(args: argparse.Namespace, model, tokenizer) -> dict[str, list[int]]:
-    if args.split != "none":
-        texts = split_texts(tokenizer, model, args.split, args.prose_tokens,
-                            args.continuation_tokens, args.conversation_tokens)
-        return {k: v[:96] for k, v in list(texts.items())[:2]} if args.quick else texts
-    return build_texts(tokenizer, args.texts, model, prose_tokens=args.prose_tokens,
-                       prose_docs=args.prose_docs, conversations=args.conversations,
-                       conversation_max=args.conversation_tokens,
-                       continuation_tokens=args.continuation_tokens)
 
 
 def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
