@@ -1,20 +1,15 @@
 """One layer's cache update alone, side by side with mlx_lm's RotatingKVCache of the same size.
 
-One layer, B=1, 4 KV heads, head_dim 64, float16 (``--dtype``), 4 sinks, ``--budget`` tokens.
-Arms are specs as in the other modes (``tuned``, ``tuned:block=1``, ``paper``); ``seed`` is
-the bare ``KVCacheConfig(method="morphkv", morphkv_budget=..., morphkv_window=...)`` used
-alone (keys as proxy queries, block 1: the seed's API). Rules that read attention get real
-queries (``--groups`` query heads per KV head) and
-every cache of that arm, the reference included, is timed with the layer's attention as the
-hooked model runs it (``attention_step``); keys-as-proxy arms time the update alone. Per arm:
-``decode_us``, one single-token update once full (the mean over each eviction block, the
-median over blocks), interleaved token by token with a RotatingKVCache (``decode_ratio``);
-``chunk_ms``, one ``--chunk``-token update into an empty cache (median of
-``--chunk-repeats``, interleaved with the RotatingKVCache's); each also in CPU time
-(``_cpu_``). Every update is timed until the cache holds its result (the output and every
-array it keeps evaluated).
-``--velox`` adds veloxquant-mlx's MorphKV cache (``veloxquant_mlx.cache.morphkv_cache``, when
-importable) on the same stream as an arm ``velox``, timed like ``seed``.
+One layer (B=1, 4 KV heads, head_dim 64, ``--dtype``, 4 sinks, ``--budget`` tokens). Arms are
+specs as in the other modes; ``seed`` is the bare ``KVCacheConfig(method="morphkv", ...)`` used
+alone (keys as proxy queries, block 1: the seed's API); ``--velox`` adds veloxquant-mlx's
+MorphKV cache (when importable) as an arm ``velox``, timed like ``seed``. Rules that read
+attention get real queries (``--groups`` per KV head) and every cache of that arm, the
+reference too, is timed with the layer's attention (``attention_step``). Per arm:
+``decode_us``, one single-token update once full (mean over each eviction block, median over
+blocks), interleaved token by token with a RotatingKVCache (``decode_ratio``); ``chunk_ms``,
+one ``--chunk``-token update into an empty cache (median of ``--chunk-repeats``, interleaved);
+each also in CPU time (``_cpu_``). An update is timed until the cache holds its result.
 """
 
 from __future__ import annotations
