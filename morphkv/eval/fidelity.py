@@ -1,17 +1,13 @@
 """Teacher-forced fidelity of each eviction rule against the full cache.
 
 Every text is fed through every arm and budget (``forced.evaluate``: exact chunks through the
-attention hook). Per arm and budget, over the positions whose
-context exceeds the budget: mean KL(full || method) per token (nats), top-1 agreement,
-perplexity ratio exp(mean NLL_method - mean NLL_full); the measured KV bytes (stored, kept K+V,
-everything held); peak MLX memory and decode tokens/s. ``--equal-bytes ARM`` gives every arm,
-at each budget, the budget at which it holds as many bytes as ARM does there (measured, never
-from a formula: ``measure_bytes`` feeds the caches a short random stream past the budget and
-counts all they hold, selection state included). A ``full`` arm (MorphKVCache, method full, fed
-like the others) checks the pipeline itself. Choosing settings: ``--split tune`` feeds the
-texts for choosing, ``--split heldout`` the disjoint texts for reporting
-(``texts.split_texts``); ``--grid`` adds every combination of ``key=v1/v2`` options over
-``--grid-base``. The shared runner (``runner.run``) does the rest: one text an item.
+attention hook). Per arm and budget, over the positions whose context exceeds the budget: mean
+KL(full || method) per token (nats), top-1 agreement, perplexity ratio; the KV bytes kept and
+held; peak MLX memory and decode tokens/s. ``--equal-bytes ARM`` gives every arm, at each
+budget, the budget at which it holds as many bytes as ARM (measured: ``measure_bytes`` counts
+all the caches hold, selection state included). A ``full`` arm checks the pipeline itself.
+``--split tune`` / ``heldout``: the disjoint texts for choosing / reporting settings
+(``texts.split_texts``); ``--grid`` adds every combination of ``key=v1/v2`` over ``--grid-base``.
 """
 
 from __future__ import annotations

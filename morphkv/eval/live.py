@@ -1,21 +1,16 @@
 """Live conversations: the chat runs through the entry point a user runs, replies generated.
 
-``morphkv eval recall --live serve`` starts ``morphkv serve`` with each arm's cache flags
-and talks to it with the official ``openai`` client as chat apps do (the whole history resent
-every turn, replies streamed); ``--live mlx_lm`` is mlx_lm's own chat loop after
-``patch_model`` (one prompt cache, each turn templates only its new message, as
-``mlx_lm.chat`` does), with no morphkv call but ``patch_model``. An arm is a name and the cache
-flags ``morphkv serve`` takes (``"memory=--kv-memory 1572864"``; ``mlx_lm`` for mlx_lm's own
-cache with ``--live mlx_lm``, never patched).
+``--live serve`` starts ``morphkv serve`` with each arm's cache flags and talks to it with the
+official ``openai`` client as chat apps do (the whole history resent every turn, streamed);
+``--live mlx_lm`` is mlx_lm's own chat loop after ``patch_model`` (one prompt cache, each turn
+templates only its new message). An arm is a name and ``morphkv serve``'s cache flags
+(``"memory=--kv-memory 1572864"``; ``mlx_lm``: mlx_lm's own cache, never patched).
 
-Each chat (``chat_items``, held-out split by default): the user turns of the chat (three facts
-said in passing in turns 1-3, one updated in turn 3), ``--turns`` turns in all, each answered
-live in up to ``--reply-tokens`` greedy tokens; then each fact's question is asked from the
-conversation so far (the server: a request with the history, its prompt cache hands a copy
-back; mlx_lm: a deep copy of the prompt cache) and judged strictly (``chat_items.judge``).
-``nofact`` arms run the same chats with every fact clause removed (what guessing scores).
-Per turn: time to the first token and, for the server, its resident memory. Intervals are a
-bootstrap over chats (the questions of one chat are not independent).
+Each chat (``chat_items``): ``--turns`` user turns (facts in turns 1-3), each answered live in up
+to ``--reply-tokens`` greedy tokens; then each fact's question from the conversation so far (a
+request with the history, or a copy of the prompt cache), judged strictly. ``:nofact`` arms run
+the chats without their fact clauses. Per turn: time to the first token and the server's
+resident memory. Intervals: a bootstrap over chats.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """``morphkv eval recall --data longchat``: recall of a fact stated early in a long chat, per arm
 and budget.
 
-Items (``morphkv.eval.recall_items``) are chats whose first turn states a fact, followed by
-distractor turns and the question. Every arm (an arm spec of ``morphkv.eval.arms``: any
-``KVCacheConfig`` field, presets, mlx_lm's caches) prefills the prompt through fresh caches
-(exact chunks: ``KVCacheBuilder.for_model`` attaches the attention hook) and reports its
-*retention*: per layer, the fraction of the fact's value tokens still stored when the question
-is read (mean over KV heads). The model then answers greedily for a few tokens, the answer
-counts when the fact's words appear in it, and recall is counted over the items the full cache
-answers correctly (the other arms run only on those), with a 95% Wilson interval. Total bytes
-(``cache.nbytes``: storage + selection state, summed over layers) stand next to every figure.
-The records, summary, table and plot are those of ``--data chats`` (``chat_report``), one
-question per item; an arm at budget B is labelled ``spec@B``.
+Items (``recall_items``): a fact in the first turn, distractor turns, the question. Every arm
+reads the prompt as ``asking`` does (a prefill, the retention of the fact's value tokens), then
+answers greedily in a few tokens; an answer counts when the fact's words appear in it. Recall
+is counted over the items the full cache answers (the other arms run only on those), with a
+95% Wilson interval and the bytes held. Records, summary, table and plot are those of ``--data
+chats`` (``chat_report``), one question per item; an arm at budget B is labelled ``spec@B``.
 """
 
 from __future__ import annotations
