@@ -57,20 +57,15 @@ def user_messages(tokenizer, n: int, tokens: int) -> list[str]:
     return [f"Summarize: {tokenizer.decode(d).strip()}" for d in docs]
 
 
-def _no_end_of_turn(eos_ids):
-    import mlx.core as mx
-
-    def mask(tokens, logits):
-        logits[..., list(eos_ids)] = -mx.inf
-        return logits
-
-    return mask
-
-
 def _one_turn(conv, message, args) -> float:
+    """Seconds of one turn: ``--reply-tokens`` greedy tokens, the end of turn masked."""
+    import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    mask = _no_end_of_turn(conv.tokenizer.eos_token_ids)
+    def mask(tokens, logits):
+        logits[..., list(conv.tokenizer.eos_token_ids)] = -mx.inf
+        return logits
+
     start = time.perf_counter()
     for _ in conv.turn(message, max_tokens=args.reply_tokens, sampler=make_sampler(0.0),
                        logits_processors=[mask]):

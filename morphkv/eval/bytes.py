@@ -44,9 +44,9 @@ def kl_of(model, arm, tokens: list[int], ref, budget: int, first: int, pins=None
     caches = arm.caches(model, budget, 4)
     if pins is not None:
         pin(caches, pins)
-    kl, _, total = position_kl(model, caches, tokens, ref, first, first, CHUNK)
+    n, total = position_kl(model, caches, tokens, ref, first, first, CHUNK)
     budgets = [c.config.budget for c in caches if hasattr(c, "config")]
-    return {"kl": total / max(kl.size, 1), "positions": int(kl.size),
+    return {"kl": total / max(n, 1), "positions": n,
             "nbytes": int(sum(held_bytes(c) for c in caches)),
             "tokens": max(budgets) if budgets else budget}
 
