@@ -1,13 +1,12 @@
 """A long scripted chat: cache bytes, MLX peak memory and time per turn, morphkv vs mlx_lm.
 
-The same ``--turns`` user messages (slices of ``--user-tokens`` tokens of Python-docs prose, so
-every turn has the same length) go through ``morphkv chat``'s own ``Conversation`` twice: once
-with a morphkv cache set (``--preset``, ``--budget``) and once with mlx_lm's default cache
-(``make_prompt_cache``: one growing ``KVCache`` per layer). Each reply is ``--reply-tokens``
-greedy tokens (the end-of-turn token is masked so every turn costs the same). Per turn: new
-tokens prefilled, cache bytes (``nbytes``), MLX peak memory (reset before the turn), prefill,
-decode and wall time, load average. At the end, the morphkv session is saved and loaded (timed)
-and the resumed session's next reply is compared with the uninterrupted one.
+The same ``--turns`` user messages (``--user-tokens`` tokens of Python-docs prose each) go
+through ``morphkv chat``'s own ``Conversation`` twice: with a morphkv cache (``--preset``,
+``--budget``) and with mlx_lm's default cache (a growing ``KVCache`` per layer). Each reply is
+``--reply-tokens`` greedy tokens (end of turn masked: every turn costs the same). Per turn: new
+tokens, cache bytes (``nbytes``), MLX peak memory, prefill, decode and wall time, load average.
+At the end the morphkv session is saved and loaded (timed) and the resumed session's next reply
+compared with the uninterrupted one.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The client side of ``morphkv bench serve --scenario load``: what one simulated user does, with
-the official
-``openai`` client (good requests) and raw HTTP (malformed ones), each request recorded.
-
-A record is a dict: kind, start/end (perf_counter), ok, status, tokens, prompt_tokens, ttft_s.
+the official ``openai`` client (good requests) and raw HTTP (malformed ones), each request
+recorded as a dict: kind, start/end (perf_counter), ok, status, tokens, prompt_tokens, ttft_s.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Teacher-forced feeding: one text through the caches of a config, per-position metrics
 summed against the full cache.
 
-The full-cache next-token distributions are computed once (mlx_lm's ``KVCache``, chunked
-prefill). Every config then decodes the same tokens, one config at a time, in the attention
-hook's exact chunks (every query of a chunk reads exactly what token-by-token decoding would
-read). The first ``budget`` tokens cause no eviction, so they are prefilled in one chunk.
+The full-cache distributions are computed once (mlx_lm's ``KVCache``, chunked prefill); every
+config then feeds the same tokens in the attention hook's exact chunks (each query reads what
+token-by-token decoding reads), the first ``budget`` tokens (no eviction yet) in one chunk.
 Metrics (``metrics.token_stats``) cover the positions whose read set lacks an evicted token.
 """
 

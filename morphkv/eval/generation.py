@@ -1,11 +1,9 @@
 """Free generation of long answers under each cache: degeneration, speed and memory.
 
-Greedy decoding (``make_sampler(0.0)``) of a fixed prompt set (``GENERATION_PROMPTS``) through
-``mlx_lm.stream_generate`` with each arm's caches (arm ``full``: mlx_lm's own ``KVCache``). Per
-arm, budget and prompt: the 10-gram repetition rate (fraction of the answer's 10-grams already
-seen earlier in it; the paper's degeneration measure, lower is better), distinct-1/-2 (unique
-n-grams over all n-grams), tokens generated (stops at EOS), decode tokens/s, peak MLX memory,
-KV bytes.
+Greedy decoding of a fixed prompt set (``GENERATION_PROMPTS``) through
+``mlx_lm.stream_generate`` with each arm's caches (``full``: mlx_lm's ``KVCache``). Per arm,
+budget and prompt: the 10-gram repetition rate (the paper's degeneration measure, lower is
+better), distinct-1/-2, tokens generated (to EOS), decode tokens/s, peak MLX memory, KV bytes.
 """
 
 from __future__ import annotations
