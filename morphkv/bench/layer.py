@@ -44,13 +44,6 @@ def stream(n: int, dtype, groups: int, seed: int = 0):
     return k, v, q
 
 
-def velox_cache(budget: int, window: int, n_sink: int = 4):
-    from veloxquant_mlx.cache.morphkv_cache import MorphKVKVCache
-
-    return MorphKVKVCache(SimpleNamespace(morphkv_budget=budget, morphkv_n_sink=n_sink,
-                                          morphkv_window=window))
-
-
 def make_cache(spec: str, budget: int, window: int, n_sink: int = 4):
     """(cache, real queries?) for ``rotating``, ``velox``, ``seed[:options]`` or an arm spec."""
     from mlx_lm.models.cache import RotatingKVCache
@@ -60,7 +53,10 @@ def make_cache(spec: str, budget: int, window: int, n_sink: int = 4):
     if spec == "rotating":
         return RotatingKVCache(max_size=budget, keep=n_sink), False
     if spec == "velox":
-        return velox_cache(budget, window, n_sink), False
+        from veloxquant_mlx.cache.morphkv_cache import MorphKVKVCache
+
+        return MorphKVKVCache(SimpleNamespace(morphkv_budget=budget, morphkv_n_sink=n_sink,
+                                              morphkv_window=window)), False
     seed = spec.split(":")[0] == "seed"
     if seed:  # the bare config, used alone: keys as proxy queries
         spec = "morphkv" + spec[len("seed"):]
@@ -155,14 +151,6 @@ def measure(spec: str, args, k, v, q) -> dict:
     return row
 
 
-def velox_importable() -> bool:
-    try:
-        import veloxquant_mlx.cache.morphkv_cache  # noqa: F401
-    except Exception:  # noqa: BLE001 (any import failure: the arm is skipped)
-        return False
-    return True
-
-
 def plot(result: dict, path) -> str:
     from ..eval import plots
 
@@ -200,9 +188,11 @@ def execute(args: argparse.Namespace) -> dict:
         args.budget, args.repeats, args.chunk, args.chunk_repeats = 64, 8, 128, 1
     arms = list(args.arms)
     if args.velox:
-        if velox_importable():
+        try:
+            import veloxquant_mlx.cache.morphkv_cache  # noqa: F401
+
             arms.append("velox")
-        else:
+        except Exception:  # noqa: BLE001 (any import failure: the arm is skipped)
             print("veloxquant-mlx is not importable: no 'velox' arm")
     caches = [make_cache(s, args.budget, args.window)[0] for s in arms]  # bad specs fail now
     block = max(getattr(getattr(c, "config", None), "block", 1) for c in caches)

@@ -114,7 +114,7 @@ def read_back(model, text: dict, arms, chunk: int) -> dict:
         if c.pins:
             pin(caches[c.label], range(n0))
     x = mx.array(ids)[None]
-    stats = {label: [] for label in caches}
+    stats = {label: {"kl": [], "agree": [], "written": [], "nll": []} for label in caches}
     cuts = [0, n0, *range(n0 + chunk, len(ids), chunk), len(ids)]
     for s, e in zip(cuts[:-1], cuts[1:], strict=True):
         ref = log_probs(model(x[:, s:e], cache=full)[0])
@@ -122,18 +122,17 @@ def read_back(model, text: dict, arms, chunk: int) -> dict:
         ref, targets = ref[lo : e - s - (e == len(ids))], x[0, s + lo + 1 : e + 1]
         top = ref.argmax(axis=-1)
         for label, c in caches.items():
-            lp = log_probs(model(x[:, s:e], cache=c)[0])
-            lp = lp[lo : lo + ref.shape[0]]
-            kl = (mx.exp(ref) * (ref - lp)).sum(axis=-1)
+            lp = log_probs(model(x[:, s:e], cache=c)[0])[lo : lo + ref.shape[0]]
             arg = lp.argmax(axis=-1)
-            nll = -mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
-            mx.eval(kl, arg, nll)
-            stats[label] += list(zip(kl.tolist(), (arg == top).tolist(),
-                                     (arg == targets).tolist(), nll.tolist(), strict=True))
-    return {label: {"kl": [r[0] for r in rows], "agree": [r[1] for r in rows],
-                    "written": [r[2] for r in rows], "nll": [r[3] for r in rows],
-                    "nbytes": int(sum(c.nbytes for c in caches[label]))}
-            for label, rows in stats.items()}
+            got = {"kl": (mx.exp(ref) * (ref - lp)).sum(axis=-1), "agree": arg == top,
+                   "written": arg == targets,
+                   "nll": -mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]}
+            mx.eval(list(got.values()))
+            for key, value in got.items():
+                stats[label][key] += value.tolist()
+    for label, c in caches.items():
+        stats[label]["nbytes"] = int(sum(layer.nbytes for layer in c))
+    return stats
 
 
 def summarize(texts: list[dict], labels: list[str]) -> dict:
