@@ -141,7 +141,7 @@ def summarize(rows: list[dict], budget: int) -> dict:
         at = {r["turn"]: r for r in rs}
         full = [r for r in rs if r["seen"] > budget + 8] if arm == "morphkv" else rs
         first, last = at[min(at)], at[max(at)]
-        t5, tl = at.get(5, first), last
+        t5 = at.get(5, first)
         early = [r["turn_s"] for r in rs if 3 <= r["turn"] <= 7] or [first["turn_s"]]
         late = [r["turn_s"] for r in rs[-5:]]
         out[arm] = {
@@ -153,8 +153,8 @@ def summarize(rows: list[dict], budget: int) -> dict:
             "peak_growth_after_budget": (max(r["peak_bytes"] for r in full)
                                          / full[0]["peak_bytes"] - 1) if full else None,
             "peak_bytes_first_last": [first["peak_bytes"], last["peak_bytes"]],
-            "turn_s_5": t5["turn_s"], "turn_s_last": tl["turn_s"],
-            "last_over_5": tl["turn_s"] / t5["turn_s"],
+            "turn_s_5": t5["turn_s"], "turn_s_last": last["turn_s"],
+            "last_over_5": last["turn_s"] / t5["turn_s"],
             "late_over_early_median": statistics.median(late) / statistics.median(early),
             "load_avg_range": [min(r["load_avg"] for r in rs), max(r["load_avg"] for r in rs)],
         }
@@ -162,9 +162,8 @@ def summarize(rows: list[dict], budget: int) -> dict:
 
 
 def table(summary: dict) -> str:
-    rows = [[arm, s["last_seen"], s["cache_bytes_first_last"][0] / 2**20,
-             s["cache_bytes_first_last"][1] / 2**20, s["peak_bytes_first_last"][0] / 2**20,
-             s["peak_bytes_first_last"][1] / 2**20,
+    rows = [[arm, s["last_seen"],
+             *(x / 2**20 for x in s["cache_bytes_first_last"] + s["peak_bytes_first_last"]),
              100 * s["peak_growth_after_budget"] if s["peak_growth_after_budget"] is not None
              else float("nan"), s["turn_s_5"], s["turn_s_last"], s["last_over_5"],
              s["late_over_early_median"]] for arm, s in summary.items()]
