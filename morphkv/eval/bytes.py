@@ -187,13 +187,12 @@ def state_of(model, spec: str, tokens: int) -> dict:
 class State(Evaluation):
     """What every byte of a bounded cache holds, per rule.
 
-    Each arm (default: every evicting rule of the registry and the recommended presets, at the
-    same memory size, 8-bit storage where the arm says so) is built for the model, fed 1,024
-    token ids (a fixed ramp: bytes do not depend on the text; longer than the budget, so the
-    selection state is at its largest: rings full, pending queries held), and measured: tokens
-    kept per KV head, bytes per slot of K/V storage and of selection state (positions, running
-    scores, value norms, the window's attention ring, pending queries), and the state's share
-    of all bytes held. Every byte that is state is a token recency holds instead.
+    Each arm (default: every evicting rule and the presets at one memory size, 8-bit storage
+    where the arm says so) is fed a fixed 1,024-token ramp (bytes do not depend on the text;
+    past the budget, the selection state is at its largest) and measured: tokens kept per KV
+    head, bytes per slot of K/V storage and of selection state (positions, running scores,
+    value norms, the window's ring, pending queries), and the state's share of all bytes
+    held: every byte of state is a token recency holds instead.
     """
 
     name, key, command, stem_of = "state", "rows", "morphkv eval fidelity --mode state", \
