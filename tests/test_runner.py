@@ -12,7 +12,7 @@ from morphkv.eval import runner
 
 
 class Count(runner.Evaluation):
-    name, pngs = "count", ("",)
+    name = "count"
 
     def arms(self):
         if self.args.arms == "bad":
@@ -29,7 +29,7 @@ class Count(runner.Evaluation):
         summary = {a: sum(r["arms"][a] for r in records) for a in arms}
         return summary, " ".join(f"{a}={v}" for a, v in summary.items())
 
-    def plot(self, result, suffix, path):
+    def plot(self, result, path):
         path.write_bytes(b"png")
 
 

@@ -1,7 +1,5 @@
-"""Speed and load: the ``morphkv bench`` commands (modes in ``morphkv.cli.commands.MODES``).
-
+"""Speed and load: the ``morphkv bench`` commands (modes in ``morphkv.cli.commands.MODES``):
 ``bench speed --mode`` overhead, kernels, layer; ``bench serve --scenario`` load (+
-``load_clients``, ``load_report``), chat, fair, whose servers and options are ``servers``.
-They use ``morphkv.eval``'s parts (arms, texts, output, plots, process: the streamed chat);
-nothing there imports this.
+``load_clients``, ``load_report``), chat, fair, sharing ``servers``. They use ``morphkv.eval``'s
+parts (arms, texts, output, plots, process); nothing there imports this.
 """

@@ -1,13 +1,12 @@
 """A long scripted chat: cache bytes, MLX peak memory and time per turn, morphkv vs mlx_lm.
 
-The same ``--turns`` user messages (slices of ``--user-tokens`` tokens of Python-docs prose, so
-every turn has the same length) go through ``morphkv chat``'s own ``Conversation`` twice: once
-with a morphkv cache set (``--preset``, ``--budget``) and once with mlx_lm's default cache
-(``make_prompt_cache``: one growing ``KVCache`` per layer). Each reply is ``--reply-tokens``
-greedy tokens (the end-of-turn token is masked so every turn costs the same). Per turn: new
-tokens prefilled, cache bytes (``nbytes``), MLX peak memory (reset before the turn), prefill,
-decode and wall time, load average. At the end, the morphkv session is saved and loaded (timed)
-and the resumed session's next reply is compared with the uninterrupted one.
+The same ``--turns`` user messages (``--user-tokens`` tokens of Python-docs prose each) go
+through ``morphkv chat``'s own ``Conversation`` twice: with a morphkv cache (``--preset``,
+``--budget``) and with mlx_lm's default cache (a growing ``KVCache`` per layer). Each reply is
+``--reply-tokens`` greedy tokens (end of turn masked: every turn costs the same). Per turn: new
+tokens, cache bytes (``nbytes``), MLX peak memory, prefill, decode and wall time, load average.
+At the end the morphkv session is saved and loaded (timed) and the resumed session's next reply
+compared with the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -57,20 +56,15 @@ def user_messages(tokenizer, n: int, tokens: int) -> list[str]:
     return [f"Summarize: {tokenizer.decode(d).strip()}" for d in docs]
 
 
-def _no_end_of_turn(eos_ids):
-    import mlx.core as mx
-
-    def mask(tokens, logits):
-        logits[..., list(eos_ids)] = -mx.inf
-        return logits
-
-    return mask
-
-
 def _one_turn(conv, message, args) -> float:
+    """Seconds of one turn: ``--reply-tokens`` greedy tokens, the end of turn masked."""
+    import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    mask = _no_end_of_turn(conv.tokenizer.eos_token_ids)
+    def mask(tokens, logits):
+        logits[..., list(conv.tokenizer.eos_token_ids)] = -mx.inf
+        return logits
+
     start = time.perf_counter()
     for _ in conv.turn(message, max_tokens=args.reply_tokens, sampler=make_sampler(0.0),
                        logits_processors=[mask]):
@@ -147,7 +141,7 @@ def summarize(rows: list[dict], budget: int) -> dict:
         at = {r["turn"]: r for r in rs}
         full = [r for r in rs if r["seen"] > budget + 8] if arm == "morphkv" else rs
         first, last = at[min(at)], at[max(at)]
-        t5, tl = at.get(5, first), last
+        t5 = at.get(5, first)
         early = [r["turn_s"] for r in rs if 3 <= r["turn"] <= 7] or [first["turn_s"]]
         late = [r["turn_s"] for r in rs[-5:]]
         out[arm] = {
@@ -159,8 +153,8 @@ def summarize(rows: list[dict], budget: int) -> dict:
             "peak_growth_after_budget": (max(r["peak_bytes"] for r in full)
                                          / full[0]["peak_bytes"] - 1) if full else None,
             "peak_bytes_first_last": [first["peak_bytes"], last["peak_bytes"]],
-            "turn_s_5": t5["turn_s"], "turn_s_last": tl["turn_s"],
-            "last_over_5": tl["turn_s"] / t5["turn_s"],
+            "turn_s_5": t5["turn_s"], "turn_s_last": last["turn_s"],
+            "last_over_5": last["turn_s"] / t5["turn_s"],
             "late_over_early_median": statistics.median(late) / statistics.median(early),
             "load_avg_range": [min(r["load_avg"] for r in rs), max(r["load_avg"] for r in rs)],
         }
@@ -168,9 +162,8 @@ def summarize(rows: list[dict], budget: int) -> dict:
 
 
 def table(summary: dict) -> str:
-    rows = [[arm, s["last_seen"], s["cache_bytes_first_last"][0] / 2**20,
-             s["cache_bytes_first_last"][1] / 2**20, s["peak_bytes_first_last"][0] / 2**20,
-             s["peak_bytes_first_last"][1] / 2**20,
+    rows = [[arm, s["last_seen"],
+             *(x / 2**20 for x in s["cache_bytes_first_last"] + s["peak_bytes_first_last"]),
              100 * s["peak_growth_after_budget"] if s["peak_growth_after_budget"] is not None
              else float("nan"), s["turn_s_5"], s["turn_s_last"], s["last_over_5"],
              s["late_over_early_median"]] for arm, s in summary.items()]

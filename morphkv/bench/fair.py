@@ -1,15 +1,14 @@
 """Fairness under mixed lengths: does a long prompt hold short requests hostage?
 
-Each server (morphkv serve, fair batching; mlx_lm's own server, ``mlx_lm.server.run`` with its
-default cache and BatchGenerator; ``--cache-flags "--batching mlx_lm --prefill-step-size
-2048"``: morphkv serve with mlx_lm's scheduler) is started on loopback with the same model and
-flags and sent, with the official ``openai`` client, streamed: a short chat alone, the long
-prompt alone, the long prompt with 4 short chats at the same moment ("together"), and the long
-prompt followed by 4 short chats ``--after-s`` seconds later ("after"). Every request's prompt
-starts with its own number, so no prompt cache can reuse another's prefill. Recorded per
-request: time to first token and total time. The targets (issue 35): a short chat's TTFT
-together / after <= 2x its TTFT alone + a quarter of the long prompt's time alone; the long
-prompt together <= 1.3x alone. Prints and saves JSON + PNG (default under results/serve_fair/).
+Each server (``servers.Server``: morphkv serve, fair batching; mlx_lm's own server; with
+``--cache-flags "--batching mlx_lm --prefill-step-size 2048"`` morphkv serve with mlx_lm's
+scheduler) is sent, streamed with the ``openai`` client: a short chat alone, the long prompt
+alone, the long prompt with 4 short chats at once ("together"), and the long prompt followed by
+4 short chats ``--after-s`` seconds later ("after"); every prompt starts with its own number (no
+prompt cache reuses another's prefill). Per request: time to first token and total time. The
+targets (issue 35): a short chat's TTFT together / after <= 2x its TTFT alone + a quarter of
+the long prompt's time alone; the long prompt together <= 1.3x alone. JSON + PNG (default
+under results/serve_fair/).
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """MLX kernels per layer per decode step and host synchronizations per step, per cache.
 
-One layer (B=1, 4 KV heads, head_dim 64, float16, real queries: ``--groups`` query heads per KV
-head), filled past its budget; then ``--blocks`` eviction blocks of single-token steps, each
-the layer's update and attention as the hooked model runs them (``attention_step``; the engine
-computes both from one softmax). Each step's MLX graph (the attention output plus the storage
-the cache keeps) is exported with ``mx.export_to_dot`` before it is evaluated and its nodes
-counted: ``kernels`` are the primitives that run code on the device, ``views`` the ones that
-only re-describe memory (slices, reshapes, broadcasts, transposes). Host synchronizations are
-the reads of MLX arrays on the host inside a step (``SyncCounter``: ``item``, ``tolist``, NumPy
-conversions, ``mx.eval`` ...), counted as they happen. Averages are over whole eviction blocks.
-``--rows 4``: the same for a batch of 4 rows built as the server builds one (single caches at
-different eviction phases, merged: ``merge``).
-RotatingKVCache (update + mlx_lm's attention) is the reference.
+One layer (``bench.layer``'s stream, real queries), filled past its budget, then ``--blocks``
+eviction blocks of single-token steps, each the update and attention as the hooked model runs
+them (``attention_step``). Each step's MLX graph (the output plus the storage the cache keeps)
+is exported with ``mx.export_to_dot`` before it is evaluated: ``kernels`` are the primitives
+that run code on the device, ``views`` those that only re-describe memory (slices, reshapes,
+...). Host syncs are the reads of MLX arrays on the host inside a step (``SyncCounter``),
+counted as they happen; averages over whole eviction blocks. ``--rows 4``: a batch of 4 rows
+merged as the server merges them (single caches at different eviction phases). RotatingKVCache
+(update + mlx_lm's attention) is the reference.
 """
 
 from __future__ import annotations
@@ -87,16 +84,11 @@ class SyncCounter:
             setattr(owner, name, fn)
 
 
-def _batch(spec: str, budget: int, rows: int, warm: int, k, v, q):
-    """``rows`` caches fed ``warm``, ``warm + 3``, ... tokens (rows at different eviction
-    phases), merged as mlx_lm's BatchGenerator merges a server's requests (``merge``)."""
-    caches = []
-    for i in range(rows):
-        cache = make_cache(spec, budget, 8)[0]
-        n = warm + 3 * i
-        mx.eval(attention_step(cache, q[:, :, :n], k[:, :, :n], v[:, :, :n], D**-0.5))
-        caches.append(cache)
-    return type(caches[0]).merge(caches)
+def fed(spec: str, budget: int, n: int, k, v, q):
+    """A cache of ``spec`` fed the first ``n`` tokens (update and attention)."""
+    cache = make_cache(spec, budget, 8)[0]
+    mx.eval(attention_step(cache, q[:, :, :n], k[:, :, :n], v[:, :, :n], D**-0.5))
+    return cache
 
 
 def count(spec: str, budget: int, groups: int, blocks: int, rows: int = 1) -> dict:
@@ -104,18 +96,15 @@ def count(spec: str, budget: int, groups: int, blocks: int, rows: int = 1) -> di
     model runs them: ``attention_step``), averaged over ``blocks`` eviction blocks; with
     ``rows`` > 1, of a batch of that many rows merged from single caches (as the server's
     batches are) at different eviction phases."""
-    cache = make_cache(spec, budget, 8)[0]
-    block = getattr(getattr(cache, "config", None), "block", 1)
+    block = getattr(getattr(make_cache(spec, budget, 8)[0], "config", None), "block", 1)
     steps = blocks * block
-    n = budget + 32 + steps + block + 3 * rows
-    k, v, q = stream(n, mx.float16, groups)
+    k, v, q = stream(budget + 32 + steps + block + 3 * rows, mx.float16, groups)
     warm = budget + 8
     warm += -(warm - budget) % block  # start right after an eviction
+    caches = [fed(spec, budget, warm + 3 * i, k, v, q) for i in range(rows)]  # phases differ
+    cache = caches[0] if rows == 1 else type(caches[0]).merge(caches)  # as BatchGenerator does
     if rows > 1:
-        cache = _batch(spec, budget, rows, warm, k, v, q)
         k, v, q = (mx.concatenate([x] * rows) for x in (k, v, q))
-    else:
-        mx.eval(attention_step(cache, q[:, :, :warm], k[:, :, :warm], v[:, :, :warm], D**-0.5))
     if hasattr(cache, "prepare_attention"):
         cache.size()
     mx.eval(storage_of(cache))

@@ -1,20 +1,15 @@
 """One layer's cache update alone, side by side with mlx_lm's RotatingKVCache of the same size.
 
-One layer, B=1, 4 KV heads, head_dim 64, float16 (``--dtype``), 4 sinks, ``--budget`` tokens.
-Arms are specs as in the other modes (``tuned``, ``tuned:block=1``, ``paper``); ``seed`` is
-the bare ``KVCacheConfig(method="morphkv", morphkv_budget=..., morphkv_window=...)`` used
-alone (keys as proxy queries, block 1: the seed's API). Rules that read attention get real
-queries (``--groups`` query heads per KV head) and
-every cache of that arm, the reference included, is timed with the layer's attention as the
-hooked model runs it (``attention_step``); keys-as-proxy arms time the update alone. Per arm:
-``decode_us``, one single-token update once full (the mean over each eviction block, the
-median over blocks), interleaved token by token with a RotatingKVCache (``decode_ratio``);
-``chunk_ms``, one ``--chunk``-token update into an empty cache (median of
-``--chunk-repeats``, interleaved with the RotatingKVCache's); each also in CPU time
-(``_cpu_``). Every update is timed until the cache holds its result (the output and every
-array it keeps evaluated).
-``--velox`` adds veloxquant-mlx's MorphKV cache (``veloxquant_mlx.cache.morphkv_cache``, when
-importable) on the same stream as an arm ``velox``, timed like ``seed``.
+One layer (B=1, 4 KV heads, head_dim 64, ``--dtype``, 4 sinks, ``--budget`` tokens). Arms are
+specs as in the other modes; ``seed`` is the bare ``KVCacheConfig(method="morphkv", ...)`` used
+alone (keys as proxy queries, block 1: the seed's API); ``--velox`` adds veloxquant-mlx's
+MorphKV cache (when importable) as an arm ``velox``, timed like ``seed``. Rules that read
+attention get real queries (``--groups`` per KV head) and every cache of that arm, the
+reference too, is timed with the layer's attention (``attention_step``). Per arm:
+``decode_us``, one single-token update once full (mean over each eviction block, median over
+blocks), interleaved token by token with a RotatingKVCache (``decode_ratio``); ``chunk_ms``,
+one ``--chunk``-token update into an empty cache (median of ``--chunk-repeats``, interleaved);
+each also in CPU time (``_cpu_``). An update is timed until the cache holds its result.
 """
 
 from __future__ import annotations
@@ -49,13 +44,6 @@ def stream(n: int, dtype, groups: int, seed: int = 0):
     return k, v, q
 
 
-def velox_cache(budget: int, window: int, n_sink: int = 4):
-    from veloxquant_mlx.cache.morphkv_cache import MorphKVKVCache
-
-    return MorphKVKVCache(SimpleNamespace(morphkv_budget=budget, morphkv_n_sink=n_sink,
-                                          morphkv_window=window))
-
-
 def make_cache(spec: str, budget: int, window: int, n_sink: int = 4):
     """(cache, real queries?) for ``rotating``, ``velox``, ``seed[:options]`` or an arm spec."""
     from mlx_lm.models.cache import RotatingKVCache
@@ -65,7 +53,10 @@ def make_cache(spec: str, budget: int, window: int, n_sink: int = 4):
     if spec == "rotating":
         return RotatingKVCache(max_size=budget, keep=n_sink), False
     if spec == "velox":
-        return velox_cache(budget, window, n_sink), False
+        from veloxquant_mlx.cache.morphkv_cache import MorphKVKVCache
+
+        return MorphKVKVCache(SimpleNamespace(morphkv_budget=budget, morphkv_n_sink=n_sink,
+                                              morphkv_window=window)), False
     seed = spec.split(":")[0] == "seed"
     if seed:  # the bare config, used alone: keys as proxy queries
         spec = "morphkv" + spec[len("seed"):]
@@ -116,10 +107,6 @@ def timed(cache, k, v, q=None, read: bool = False) -> tuple[float, float]:
     return time.perf_counter() - start - walk, time.process_time() - cpu - walk_cpu
 
 
-def _cut(x, i: int, j: int):
-    return x[:, :, i:j]
-
-
 def per_block(times: list[float], block: int) -> list[float]:
     """Mean per token of each run of ``block`` consecutive steps (one eviction each)."""
     return [sum(times[i : i + block]) / block for i in range(0, len(times) - block + 1, block)]
@@ -129,47 +116,39 @@ def measure(spec: str, args, k, v, q) -> dict:
     """Decode and chunk times of one arm, each interleaved with a RotatingKVCache's."""
     cache, real = make_cache(spec, args.budget, args.window)
     caches = {"arm": cache, "rotating": make_cache("rotating", args.budget, args.window)[0]}
-    qs = q if real else None
     block = getattr(getattr(cache, "config", None), "block", 1)
+
+    def cut(i: int, j: int) -> list:  # keys, values and (real queries only) queries
+        return [k[:, :, i:j], v[:, :, i:j], q[:, :, i:j] if real else None]
+
     warm = args.budget + 16
     for c in caches.values():
-        timed(c, _cut(k, 0, warm), _cut(v, 0, warm), None if qs is None else _cut(qs, 0, warm))
+        timed(c, *cut(0, warm))
     first = warm + (-(warm - args.budget) % block)  # the first token after an eviction
-    times = {(name, w): [] for name in caches for w in (0, 1)}
+    times = {name: [] for name in caches}  # (wall, CPU) seconds per step
     for t in range(warm, first + args.repeats * block):
-        token = [None if x is None else _cut(x, t, t + 1) for x in (k, v, qs)]
+        token = cut(t, t + 1)
         mx.eval([x for x in token if x is not None])
         for name, c in caches.items():
             seconds = timed(c, *token)
-            for w in (0, 1):
-                if t >= first:
-                    times[name, w].append(seconds[w])
-    decode = {key: statistics.median(per_block(ts, block)) for key, ts in times.items()}
-    n, chunk = args.chunk, {(name, w): [] for name in caches for w in (0, 1)}
+            times[name] += [seconds] if t >= first else []
+    chunk = {name: [] for name in caches}
     for _ in range(args.chunk_repeats):
         for name in caches:
             c = make_cache(spec if name == "arm" else "rotating", args.budget, args.window)[0]
-            seconds = timed(c, _cut(k, 0, n), _cut(v, 0, n), _cut(qs, 0, n) if real else None, True)
-            for w in (0, 1):
-                chunk[name, w].append(seconds[w])
-    chunk = {key: statistics.median(ts) for key, ts in chunk.items()}
+            chunk[name].append(timed(c, *cut(0, args.chunk), True))
     row = {"arm": spec, "engine": engine_of(cache), "queries": "real" if real else "proxy",
-           "block": block, "chunk_tokens": n}
+           "block": block, "chunk_tokens": args.chunk}
     for w, tag in ((0, ""), (1, "cpu_")):
-        row.update({f"decode_{tag}us": decode["arm", w] * 1e6,
-                    f"rotating_{tag}us": decode["rotating", w] * 1e6,
-                    f"decode_{tag}ratio": decode["arm", w] / decode["rotating", w],
-                    f"chunk_{tag}ms": chunk["arm", w] * 1e3,
-                    f"rotating_chunk_{tag}ms": chunk["rotating", w] * 1e3})
+        decode = {n: statistics.median(per_block([x[w] for x in ts], block))
+                  for n, ts in times.items()}
+        chunks = {n: statistics.median(x[w] for x in ts) for n, ts in chunk.items()}
+        row.update({f"decode_{tag}us": decode["arm"] * 1e6,
+                    f"rotating_{tag}us": decode["rotating"] * 1e6,
+                    f"decode_{tag}ratio": decode["arm"] / decode["rotating"],
+                    f"chunk_{tag}ms": chunks["arm"] * 1e3,
+                    f"rotating_chunk_{tag}ms": chunks["rotating"] * 1e3})
     return row
-
-
-def velox_importable() -> bool:
-    try:
-        import veloxquant_mlx.cache.morphkv_cache  # noqa: F401
-    except Exception:  # noqa: BLE001 (any import failure: the arm is skipped)
-        return False
-    return True
 
 
 def plot(result: dict, path) -> str:
@@ -209,9 +188,11 @@ def execute(args: argparse.Namespace) -> dict:
         args.budget, args.repeats, args.chunk, args.chunk_repeats = 64, 8, 128, 1
     arms = list(args.arms)
     if args.velox:
-        if velox_importable():
+        try:
+            import veloxquant_mlx.cache.morphkv_cache  # noqa: F401
+
             arms.append("velox")
-        else:
+        except Exception:  # noqa: BLE001 (any import failure: the arm is skipped)
             print("veloxquant-mlx is not importable: no 'velox' arm")
     caches = [make_cache(s, args.budget, args.window)[0] for s in arms]  # bad specs fail now
     block = max(getattr(getattr(c, "config", None), "block", 1) for c in caches)

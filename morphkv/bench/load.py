@@ -1,20 +1,16 @@
 """Load and fault benchmark of morphkv serve against mlx_lm's own server with its default
 cache: throughput, p50/p95 latency, memory, errors, with the official openai client.
 
-Both servers load the same model on loopback, one after the other, with the same flags: morphkv
-serve (morphkv caches, the request guards), and mlx_lm's server as it is (``mlx_lm.server.run``,
-its own handler, mlx_lm's default KVCache; only the model loader is morphkv's, to read the
-GGUF file). The load, the same for both: (1) warm-up (the most clients, long prompts, so
-the peak is reached), then short chats from 8 clients (the
-throughput comparison); (2) N = 4, 8, 16 concurrent clients, each a bounded script mixing plain
-and streamed chats, text completions, a conversation that grows far past the budget, prompts of
-10x the budget, streams dropped after the first chunk and malformed requests; (3) the
-mixed-length level (``drive_mixed``: --mixed requests with 2k and 8k prompts at the most
-clients); (4) 8 long conversations (throughput once past 4x the budget); (5) every malformed
-request once, then a health check. Memory (RSS, MLX active and peak) is sampled in the server
-process every 0.25 s; morphkv's prompt-cache bytes from ``GET /morphkv/stats``. Every loop is
-bounded in count and time; servers are stopped by process id. JSON + PNG under --out (default
-results/serve_load).
+Both servers (``servers.Server``) load the same model, one after the other, with the same
+flags. The load, the same for both: (1) warm-up (the most clients, long prompts: the peak is
+reached), then short chats from 8 clients (the throughput comparison); (2) N = 4, 8, 16
+clients, each a bounded script (``load_clients.User``: chats, streams, completions, a
+conversation far past the budget, prompts of 10x the budget, dropped streams, malformed
+requests); (3) the mixed-length level (``drive_mixed``: --mixed requests with 2k and 8k
+prompts); (4) 8 long conversations (throughput past 4x the budget); (5) every malformed request
+once, then a health check. Memory is sampled in the server every 0.25 s, morphkv's prompt-cache
+bytes from ``GET /morphkv/stats``. Every loop is bounded in count and time. JSON + PNG under
+--out (default results/serve_load).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The client side of ``morphkv bench serve --scenario load``: what one simulated user does, with
-the official
-``openai`` client (good requests) and raw HTTP (malformed ones), each request recorded.
-
-A record is a dict: kind, start/end (perf_counter), ok, status, tokens, prompt_tokens, ttft_s.
+the official ``openai`` client (good requests) and raw HTTP (malformed ones), each request
+recorded as a dict: kind, start/end (perf_counter), ok, status, tokens, prompt_tokens, ttft_s.
 """
 
 from __future__ import annotations
@@ -69,11 +67,6 @@ def _record(kind: str, t0: float, **kw) -> dict:
             "tokens": 0, "prompt_tokens": 0, "ttft_s": None, **kw}
 
 
-def _failed(kind: str, t0: float, e: Exception) -> dict:
-    status = getattr(e, "status_code", None)
-    return _record(kind, t0, ok=False, status=status, error=f"{type(e).__name__}: {e}"[:300])
-
-
 def raw_post(url: str, body: bytes, headers: dict | None, timeout: float) -> tuple[int | None, str]:
     """(status or None, text): None when the server answered nothing (reset, hang, close)."""
     host, port = url.removeprefix("http://").split(":")
@@ -133,7 +126,8 @@ class User:
         except Exception as e:  # recorded
             if kind == "turn":
                 self.messages.pop()
-            return _failed(kind, t0, e)
+            return _record(kind, t0, ok=False, status=getattr(e, "status_code", None),
+                           error=f"{type(e).__name__}: {e}"[:300])
 
     def _chat(self, n: int) -> dict:
         return self.ask("chat", QUESTIONS[(self.i + n) % len(QUESTIONS)])

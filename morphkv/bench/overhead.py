@@ -1,18 +1,13 @@
 """What the cache costs inside a real model: prefill and decode time per arm.
 
-Arms are interleaved and repeated so machine noise hits all of them alike; by default mlx_lm's
-``KVCache`` (grows without bound) and ``RotatingKVCache(budget, keep=4)``, MorphKV with the
-model's real queries and with keys as proxy queries (both exact chunks through the attention
-hook). Prefill: a prompt of Python-docs prose of each of ``--contexts`` tokens (default 2048)
-in chunks of ``--prefill-step`` (mlx_lm's default 2048); decode: ``--decode`` greedy tokens
-after it, per-token median. ``--contexts 1024,4096,8192`` repeats the measurement at each
-prompt length (an item of the shared runner) and prints one table with the ratios the speed
-targets name (prefill and decode vs ``rotating``, decode vs ``kvcache``).
-Beside wall time each figure has its CPU time (``process_time``: all threads of this
-process), which other processes' load changes far less on a shared machine. Memory at each
-context: MLX peak memory over the arm's run and the bytes its caches hold at the end
-(``nbytes``): with ``--contexts 2000,8000,20000`` the speed and memory at length of the
-removed ``--mode length``.
+Arms are interleaved and repeated so machine noise hits all of them alike (default: mlx_lm's
+``KVCache`` and ``RotatingKVCache(budget, keep=4)``, MorphKV with real queries and with keys as
+proxy queries). Prefill: a prompt of Python-docs prose of each of ``--contexts`` tokens in
+chunks of ``--prefill-step``; decode: ``--decode`` greedy tokens after it, per-token median.
+One table with the ratios the speed targets name (prefill and decode vs ``rotating``, decode vs
+``kvcache``), each figure also in CPU time (``process_time``: far less moved by other
+processes' load); memory per context: MLX peak and the bytes the caches hold at the end
+(``--contexts 2000,8000,20000``: the removed ``--mode length``).
 """
 
 from __future__ import annotations
@@ -97,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Overhead(Evaluation):
     """Contexts x arms, the arms interleaved ``--repeats`` times at each context."""
 
-    name, key, pngs, stem_of = NAME, "contexts", ("",), "overhead{_quick}"
+    name, key, stem_of = NAME, "contexts", "overhead{_quick}"
 
     def arms(self) -> list:
         a = self.args
@@ -132,7 +127,7 @@ class Overhead(Evaluation):
         by_context = {r["context"]: r["median"] for r in records}
         return by_context, context_table(by_context)
 
-    def plot(self, result: dict, suffix: str, path) -> None:
+    def plot(self, result: dict, path) -> None:
         median = result["contexts"][0]["median"]
         fig, axes = plots.panels(2, 5, 4)
         for ax, key in zip(axes[0], ("prefill_s", "decode_ms"), strict=True):

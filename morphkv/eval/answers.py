@@ -1,20 +1,14 @@
 """``morphkv eval recall --data answers``: does a bounded cache keep what the model itself wrote?
 
-Long single answers (``data/answer_prompts.json``: one instruction asking for a long Python
-module, code that defines names and uses them again far later). The model writes each answer
-once with the full cache (greedy, repetition penalty 1.1; saved as ``answers_texts_*.json`` in
-the output folder and reused). Every arm then reads prompt + answer back as generation feeds
-it: the prompt as one prefill (``+pin``: pinned, as ``pin="prompt"`` pins a prefill), the
-answer after it in exact chunks (through the attention hook a chunk keeps what one token at a
-time keeps), all arms in lockstep with the full cache, one chunk at a time.
-
-Measured where the answer re-uses a rare token it wrote far back (a **re-mention**): the
-written token is identifier-like (3+ letters or digits, not a Python keyword or builtin), it
-occurred at most ``RARE`` times before, first more than two arm sizes back, and not in the last
-half size. There: top-1 agreement with the full cache, the written token's NLL; over every
-answer token: KL to the full cache. Intervals are a 95% bootstrap over texts. An arm
-``spec@N`` runs at N tokens (``memory=f16``: the float16 bytes of N tokens) and its
-re-mentions are those of N.
+Long single answers (``data/answer_prompts.json``: long Python modules that define names and
+use them far later), written once by the full cache (greedy, repetition penalty 1.1; kept as
+``answers_texts_*.json`` in the output folder). Every arm reads prompt + answer back as
+generation feeds it (the prompt one prefill, pinned for ``+pin``; the answer in exact chunks),
+in lockstep with the full cache. Measured where the answer re-uses a rare token it wrote far
+back (a **re-mention**: identifier-like, 3+ letters or digits, no keyword or builtin, at most
+``RARE`` times before, first more than two arm sizes back, not in the last half size): top-1
+agreement with the full cache and the written token's NLL; over every answer token, KL to the
+full cache. Intervals: 95% bootstrap over texts. ``spec@N`` runs at N tokens.
 """
 
 from __future__ import annotations
@@ -120,7 +114,7 @@ def read_back(model, text: dict, arms, chunk: int) -> dict:
         if c.pins:
             pin(caches[c.label], range(n0))
     x = mx.array(ids)[None]
-    stats = {label: [] for label in caches}
+    stats = {label: {"kl": [], "agree": [], "written": [], "nll": []} for label in caches}
     cuts = [0, n0, *range(n0 + chunk, len(ids), chunk), len(ids)]
     for s, e in zip(cuts[:-1], cuts[1:], strict=True):
         ref = log_probs(model(x[:, s:e], cache=full)[0])
@@ -128,18 +122,17 @@ def read_back(model, text: dict, arms, chunk: int) -> dict:
         ref, targets = ref[lo : e - s - (e == len(ids))], x[0, s + lo + 1 : e + 1]
         top = ref.argmax(axis=-1)
         for label, c in caches.items():
-            lp = log_probs(model(x[:, s:e], cache=c)[0])
-            lp = lp[lo : lo + ref.shape[0]]
-            kl = (mx.exp(ref) * (ref - lp)).sum(axis=-1)
+            lp = log_probs(model(x[:, s:e], cache=c)[0])[lo : lo + ref.shape[0]]
             arg = lp.argmax(axis=-1)
-            nll = -mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
-            mx.eval(kl, arg, nll)
-            stats[label] += list(zip(kl.tolist(), (arg == top).tolist(),
-                                     (arg == targets).tolist(), nll.tolist(), strict=True))
-    return {label: {"kl": [r[0] for r in rows], "agree": [r[1] for r in rows],
-                    "written": [r[2] for r in rows], "nll": [r[3] for r in rows],
-                    "nbytes": int(sum(c.nbytes for c in caches[label]))}
-            for label, rows in stats.items()}
+            got = {"kl": (mx.exp(ref) * (ref - lp)).sum(axis=-1), "agree": arg == top,
+                   "written": arg == targets,
+                   "nll": -mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]}
+            mx.eval(list(got.values()))
+            for key, value in got.items():
+                stats[label][key] += value.tolist()
+    for label, c in caches.items():
+        stats[label]["nbytes"] = int(sum(layer.nbytes for layer in c))
+    return stats
 
 
 def summarize(texts: list[dict], labels: list[str]) -> dict:
@@ -180,15 +173,16 @@ def table(summary: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add_flags(parser, standard("answers", "model", "chunk", "out", "stem"))
-    add("--split", choices=("tune", "test"), default="tune")
-    add("--arms", default="kvcache@128,recommended:memory=f16+pin@128",
-        help="comma-separated arm specs, each spec[+pin][@tokens] (morphkv.eval.arms)")
-    add("--texts", type=int, default=6, help="answers (prompts of the split) to use")
-    add("--length", type=int, default=1024, help="tokens the full cache writes per answer")
-    add("--free", type=int, default=0, help="also let every arm write this many tokens itself "
-        "and measure their 10-gram repetition (default 0: not run)")
+    add_flags(parser, [
+        *standard("answers", "model", "chunk", "out", "stem"),
+        ("--split", "tune", "the prompts' split", ("tune", "test")),
+        ("--arms", "kvcache@128,recommended:memory=f16+pin@128", "comma-separated arm specs, "
+         "each spec[+pin][@tokens] (morphkv.eval.arms)"),
+        ("--texts", 6, "answers (prompts of the split) to use"),
+        ("--length", 1024, "tokens the full cache writes per answer"),
+        ("--free", 0, "also let every arm write this many tokens itself and measure their "
+         "10-gram repetition (0: not run)"),
+    ])
 
 
 class Answers(Evaluation):
@@ -197,10 +191,7 @@ class Answers(Evaluation):
     name, key, command, stem_of = "answers", "texts", "morphkv eval recall", "answers_{split}"
 
     def arms(self) -> list:
-        try:
-            return cells(self.args.arms, 128)
-        except ValueError as e:
-            raise ValueError(f"--arms: {e}") from None
+        return cells(self.args.arms, 128)
 
     def items(self, model, tok):
         a = self.args

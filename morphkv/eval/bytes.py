@@ -1,23 +1,18 @@
 """``morphkv eval fidelity --mode bytes``: fidelity at equal bytes: KL to the unquantized full
 cache.
 
-Every arm is an arm spec (``morphkv.eval.arms``: any ``KVCacheConfig`` field passes through,
-``morphkv_block`` included); ``memory=f16`` gives an arm the bytes of a float16 cache of the
-command's token count on the model (``--tokens 64,128,256``), resolved by
-``KVCacheBuilder.for_model`` into storage bits (the spec's ``bits``) and the most tokens per KV
-head that fit; an arm without ``memory`` holds ``--tokens`` tokens. Each text is fed teacher-
-forced in chunks of 256 (exact: the attention hook) and KL(full || arm) is averaged over the
-SAME positions for every arm: from the first position a cache of ``--tokens`` tokens lacks a
-token, to the end. The reference is mlx_lm's unquantized ``KVCache``, so quantization error
-counts. An arm ``spec+pin`` pins the user turns of the conversation texts (``morphkv.pin``,
-as ``morphkv chat`` does; the other texts have no turns). Texts: ``--split tune`` or
-``heldout`` (``texts.split_texts``: disjoint). Reported per
-arm: bytes held (``cache.nbytes`` summed over layers: storage + selection state), tokens per KV
-head, KL per text, mean and worst ratio to ``--reference`` (default ``streaming_llm`` at
-``--tokens`` in the model's dtype: what mlx_lm's ``RotatingKVCache(tokens, keep=4)`` keeps when
-decoding token by token; mlx_lm's own class is not used as the reference because its queries of
-a multi-token chunk do not see the kept sinks, which would flatter every other arm).
-``--mode state``: ``State``.
+Arms are ``morphkv.eval.arms`` specs: ``memory=f16`` gives an arm the bytes of a float16 cache
+of ``--tokens`` tokens on the model (storage bits and tokens resolved by
+``KVCacheBuilder.for_model``), an arm without ``memory`` holds ``--tokens`` tokens, ``spec+pin``
+pins the conversations' user turns (``morphkv.pin``). Each text (``--split``:
+``texts.split_texts``) is fed teacher-forced in exact chunks of 256 and KL(full || arm) is
+averaged over the SAME positions for every arm: from the first one a cache of ``--tokens``
+tokens lacks a token. The reference is mlx_lm's unquantized ``KVCache``, so quantization error
+counts. Per arm: bytes held (``nbytes``: storage + selection state), tokens per KV head, KL per
+text, mean and worst ratio to ``--reference`` (default ``streaming_llm`` at ``--tokens`` in the
+model's dtype: what ``RotatingKVCache(tokens, keep=4)`` keeps decoding token by token; mlx_lm's
+class is not the reference: a multi-token chunk's queries do not see its kept sinks, which
+would flatter every other arm). ``--mode state``: ``State``.
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ from ..mlxlm.turns import user_positions
 from . import plots
 from .arms import Arm, cells
 from .asking import prefill
-from .flags import add_flags, csv_ints, standard
+from .flags import add_flags, standard
 from .forced import position_kl, reference_logprobs
 from .metrics import held_bytes
 from .output import markdown_table
@@ -49,9 +44,9 @@ def kl_of(model, arm, tokens: list[int], ref, budget: int, first: int, pins=None
     caches = arm.caches(model, budget, 4)
     if pins is not None:
         pin(caches, pins)
-    kl, _, total = position_kl(model, caches, tokens, ref, first, first, CHUNK)
+    n, total = position_kl(model, caches, tokens, ref, first, first, CHUNK)
     budgets = [c.config.budget for c in caches if hasattr(c, "config")]
-    return {"kl": total / max(kl.size, 1), "positions": int(kl.size),
+    return {"kl": total / max(n, 1), "positions": n,
             "nbytes": int(sum(held_bytes(c) for c in caches)),
             "tokens": max(budgets) if budgets else budget}
 
@@ -60,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--arms", DEFAULT_ARMS, "comma-separated arm specs (memory=f16: the bytes of a "
          "float16 cache of --tokens tokens)"),
-        ("--tokens", "128", "comma-separated token counts (the f16 reference sizes)"),
+        ("--tokens", [128], "comma-separated token counts (the f16 reference sizes)"),
         ("--split", "heldout", "texts: tune or heldout"),
         ("--reference", "streaming_llm", "the arm KL ratios are taken to"),
         ("--prose-tokens", 1024, "tokens of the prose text"),
@@ -72,17 +67,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def user_pins(tokenizer, name: str):
-    """The user turns of text ``name`` when it is a conversation (``conversation<i>``), else
-    None: a text without turns has nothing to pin."""
-    if not name.startswith("conversation"):
-        return None
-    return user_positions(tokenizer, CONVERSATIONS[int(name.removeprefix("conversation"))])
+    """The user turns of a conversation text (``conversation<i>``), else None (no turns)."""
+    if name.startswith("conversation"):
+        return user_positions(tokenizer, CONVERSATIONS[int(name.removeprefix("conversation"))])
 
 
 class Bytes(Evaluation):
     """Texts x token counts x arms: KL to the unquantized full cache, bytes held."""
 
-    name, key, command, pngs = NAME, "rows", "morphkv eval fidelity --mode bytes", ("",)
+    name, key, command = NAME, "rows", "morphkv eval fidelity --mode bytes"
     stem_of = "bytes_{split}"
 
     def arms(self) -> list:
@@ -101,7 +94,7 @@ class Bytes(Evaluation):
     def measure(self, model, tok, item, arms, bar) -> list:
         name, tokens, pins = item
         ref, rows = reference_logprobs(model, tokens), []
-        for budget in csv_ints(str(self.args.tokens)):
+        for budget in self.args.tokens:
             for c in arms:
                 row = {"text": name, "arm": c.label, "f16_tokens": budget,
                        **kl_of(model, c.arm, tokens, ref, budget, budget + 1,
@@ -115,7 +108,7 @@ class Bytes(Evaluation):
         summary = summarize(rows, self.args.reference)
         return summary, table(summary, list(dict.fromkeys(r["text"] for r in rows)))
 
-    def plot(self, result: dict, suffix: str, path) -> None:
+    def plot(self, result: dict, path) -> None:
         plot(result["summary"], path)
 
 
@@ -194,13 +187,12 @@ def state_of(model, spec: str, tokens: int) -> dict:
 class State(Evaluation):
     """What every byte of a bounded cache holds, per rule.
 
-    Each arm (default: every evicting rule of the registry and the recommended presets, at the
-    same memory size, 8-bit storage where the arm says so) is built for the model, fed 1,024
-    token ids (a fixed ramp: bytes do not depend on the text; longer than the budget, so the
-    selection state is at its largest: rings full, pending queries held), and measured: tokens
-    kept per KV head, bytes per slot of K/V storage and of selection state (positions, running
-    scores, value norms, the window's attention ring, pending queries), and the state's share
-    of all bytes held. Every byte that is state is a token recency holds instead.
+    Each arm (default: every evicting rule and the presets at one memory size, 8-bit storage
+    where the arm says so) is fed a fixed 1,024-token ramp (bytes do not depend on the text;
+    past the budget, the selection state is at its largest) and measured: tokens kept per KV
+    head, bytes per slot of K/V storage and of selection state (positions, running scores,
+    value norms, the window's ring, pending queries), and the state's share of all bytes
+    held: every byte of state is a token recency holds instead.
     """
 
     name, key, command, stem_of = "state", "rows", "morphkv eval fidelity --mode state", \
@@ -229,8 +221,8 @@ class State(Evaluation):
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        add = parser.add_argument
-        add("--model", default=None, help="model (default: the embedded SmolLM2)")
-        add("--memory", type=int, default=1572864, help="bytes per sequence (default 1.5 MiB)")
-        add("--arms", default=None, help="comma-separated arm specs ({m} stands for --memory)")
-        add("--out", default=None, help="output folder (default results/state)")
+        add_flags(parser, [
+            *standard("state", "model", "out"),
+            ("--memory", 1572864, "bytes per sequence"),
+            ("--arms", None, "comma-separated arm specs ({m} stands for --memory)"),
+        ])

@@ -1,11 +1,8 @@
 """Write the assistant turns of the conversation-memory chats: each user question of a split
-(``data/chat_questions.json``) answered once by a model with the full cache, greedily, the
-answer cut at its last full sentence; saved as data (``data/chat_answers_<split>.json``) with
-the command that produced it, the model and the settings. A second run of the same command
-keeps the answers already written and adds the questions that have none (the list grew, or a
-run was stopped): greedy answers do not depend on when they were written. The chats of
-``chat_recall`` are assembled from these turns, so every assistant turn a model reads is text a
-model wrote.
+(``data/chat_questions.json``) answered once by a model with the full cache, greedily, cut at
+its last full sentence, saved with the command, model and settings as
+``data/chat_answers_<split>.json`` (``chat_items`` builds the chats from them). A second run
+keeps the answers written and adds the missing ones (greedy answers do not depend on when).
 
     python -m morphkv.eval.chat_answers --model qwen2.5-0.5b --split test
     python -m morphkv.eval.chat_answers --split tune          # the embedded SmolLM2

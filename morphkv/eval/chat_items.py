@@ -1,23 +1,16 @@
 """Conversation-memory chats: model-written turns, several facts, one updated, asked later.
 
-A chat is assembled from data files, nothing else: the user's questions and the answers a model
-wrote to them with the full cache (``data/chat_answers_<split>.json``, written by
-``chat_answers``), and facts (``data/chat_facts.json``). Three facts of three kinds are said in
-passing, each as a clause before a real question (turn 1: fact A; turn 2: fact B; turn 3: A is
-updated and fact C is said); then more question/answer turns follow until the latest statement
-lies at least ``min_distance`` tokens before the end (3x the token budget by default), and one
-question per fact is asked in a new user turn (for A the current value). The no-fact version is
-the same chat with every fact clause removed: what the model says then is a guess.
+A chat is assembled from data files only: the user's questions with the answers a model wrote
+to them with the full cache (``data/chat_answers_<split>.json``, by ``chat_answers``) and facts
+(``data/chat_facts.json``). Three facts of three kinds are said in passing, each a clause
+before a real question (turn 1: A; turn 2: B; turn 3: A updated, and C); more turns follow
+until the latest statement lies ``min_distance`` tokens before the end, then one question per
+fact (for A the current value). The no-fact version drops every fact clause: its answers are
+guesses. Tune and test share no question, answer, template, wording or value.
 
-Tune and test share nothing: other questions, other answers (other generators), other fact
-templates and question wordings, value pools that do not overlap.
-
-``build_said_chat`` (``--data said``): the same chat with two more exchanges woven in after
-turns 1 and 2: the user asks the model to invent something (``data/said.json``: a boat's name,
-a cafe's, ...), and the model's reply, written greedily with the full cache during the run, is
-the value, asked at the end like the user's facts (the judge wants the invented name's words in
-order). Its no-fact chat drops the user's fact clauses and both invention exchanges: what the
-model answers then is a guess. Tune and test share no kind, ask or question wording.
+``build_said_chat`` (``--data said``): two more exchanges after turns 1 and 2, where the user
+asks the model to invent a name (``data/said.json``) and the reply, written greedily by the
+full cache during the run, is the value asked at the end (its no-fact chat drops them too).
 """
 
 from __future__ import annotations

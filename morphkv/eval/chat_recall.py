@@ -1,27 +1,17 @@
 """``morphkv eval recall``: does a bounded cache remember what was said in a chat?
 
-Chats (``chat_items``): model-written assistant turns, three facts said in passing, one of them
-updated later, each asked in a new turn at the end with a question worded unlike its statement,
-the statements 3-6 token budgets back. Every arm prefills each chat ONCE (exact chunks through
-the attention hook); each question is then asked from a copy of that cache (``copy.deepcopy``),
-answered greedily in a few tokens and judged strictly (``chat_items.judge``: the current value,
-and no other value of its kind). ``nofact`` is the full cache on the same chat with every fact
-clause removed: how often the model guesses. Retention: the fraction of the value's own tokens
-still stored when the question arrives (per layer, mean over KV heads). Every figure comes with
-its item count and Wilson 95% interval; partial results are saved after every chat.
-
-An arm ``spec+pin`` pins the chat's user turns (``spec+pinN``: and the assistant's replies of at
-most N tokens) (``morphkv.pin``: evicted last, the assistant's
-turns first). An arm ``spec@N`` runs at N tokens (``memory=f16``: the float16 bytes of N
-tokens) instead of ``--budget``, on the same chats: the chats are cut by ``--min-distance``
-budgets of ``--budget``, so one run measures several sizes on the same items (statement
-distance / size differs: each question's distance is in the JSON).
+Chats of ``chat_items`` (three facts said in passing, one updated, asked at the end). Every arm
+reads each chat as ``asking`` does (one prefill, each question from a copy, retention of the
+value's tokens); the answers are judged strictly (``chat_items.judge``). ``nofact`` is the full
+cache on the chat without its fact clauses: how often the model guesses. Every figure comes
+with its item count and Wilson 95% interval; partial results are saved after every chat.
+``spec+pin[N]`` and ``spec@N`` are ``arms.cells``' (an arm at N tokens runs on the same chats,
+cut by ``--min-distance`` budgets of ``--budget``: each question's distance is in the JSON).
 
 ``--data said`` (``Said``): the chats of ``chat_items.build_said_chat`` (two names the model
-invented, three facts the user said, one updated), run the same way (``+pin``: the user turns
-pinned, as the memory preset's ``pin="prompt"`` does when the chat is fed turn by turn); the
-table splits the items by who said them: of the full cache's items, the share each arm
-answers, with a 95% bootstrap interval over chats (a chat's questions are not independent).
+invented, three facts the user said), run the same way; the table splits the items by who said
+them: of the full cache's items, the share each arm answers, with a 95% bootstrap interval over
+chats (a chat's questions are not independent).
 """
 
 from __future__ import annotations
@@ -48,7 +38,7 @@ DEFAULT_ARMS = ("kvcache,nofact,recommended:memory=f16,h2o,streaming_llm,"
 class Chats(Evaluation):
     """Chats of ``chat_items``, three questions each, every arm prefilled once per chat."""
 
-    name, key, command, pngs = NAME, "chats", "morphkv eval recall", ("",)
+    name, key, command = NAME, "chats", "morphkv eval recall"
     stem_of = "{name}_{split}_{budget}"
 
     def arms(self) -> list:
@@ -97,45 +87,44 @@ class Chats(Evaluation):
         summary = summarize(records, [c.label for c in arms])
         return summary, table(summary)
 
-    def plot(self, result: dict, suffix: str, path) -> None:
+    def plot(self, result: dict, path) -> None:
         plot(result["summary"], path)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add_flags(parser, standard(NAME, "model", "first", "seed", "n_sink", "chunk", "out", "stem",
-                               "quiet"))
-    add("--split", choices=("tune", "test"), default="test")
-    add("--arms", default=DEFAULT_ARMS,
-        help="comma-separated arm specs (morphkv.eval.arms; memory=f16: the bytes of a float16 "
-        f"cache of --budget tokens) and 'nofact' (default {DEFAULT_ARMS})")
-    add("--budget", type=int, default=128, help="token count of the arms (default 128)")
-    add("--chats", type=int, default=14, help="chats, three questions each (default 14)")
-    add("--min-distance", type=float, default=3.0,
-        help="statements at least this many budgets back (default 3)")
-    add("--max-tokens", type=int, default=6, help="answer tokens (default 6)")
-    live = parser.add_argument_group("live conversations (morphkv.eval.live)")
-    live.add_argument("--live", choices=("serve", "mlx_lm"), default=None,
-                      help="run the chats live through morphkv serve + the openai client, or "
-                      "mlx_lm's chat loop after patch_model, replies generated")
-    live.add_argument("--live-arms", default=f"full=--method full;memory=--kv-memory {LIVE_MEM}",
-                      help="';'-separated name=cache flags (a name ending ':nofact': the chats "
-                      "without their facts; flags 'mlx_lm': mlx_lm's own cache with --live "
-                      "mlx_lm)")
-    live.add_argument("--turns", type=int, default=11, help="user turns before the questions, "
-                      "facts in the first three (default 11)")
-    live.add_argument("--reply-tokens", type=int, default=48, help="tokens per live reply")
-    live.add_argument("--answer-tokens", type=int, default=12, help="tokens per answer")
-    live.add_argument("--verbose", action="store_true", help="show the server's log")
+def add_arguments(parser: argparse.ArgumentParser, live: bool = True) -> None:
+    """The options; ``live``: and those of ``--live`` (``--data chats`` only)."""
+    add_flags(parser, [
+        *standard(NAME, "model", "first", "seed", "n_sink", "chunk", "out", "stem", "quiet"),
+        ("--split", "test", "the chats' split", ("tune", "test")),
+        ("--arms", DEFAULT_ARMS, "comma-separated arm specs (morphkv.eval.arms; memory=f16: the "
+         "bytes of a float16 cache of --budget tokens) and 'nofact'"),
+        ("--budget", 128, "token count of the arms"),
+        ("--chats", 14, "chats, three questions each"),
+        ("--min-distance", 3.0, "statements at least this many budgets back"),
+        ("--max-tokens", 6, "answer tokens"),
+    ])
+    if not live:
+        return
+    add_flags(parser.add_argument_group("live conversations (morphkv.eval.live)"), [
+        ("--live", None, "run the chats live through morphkv serve + the openai client, or "
+         "mlx_lm's chat loop after patch_model, replies generated", ("serve", "mlx_lm")),
+        ("--live-arms", f"full=--method full;memory=--kv-memory {LIVE_MEM}", "';'-separated "
+         "name=cache flags (a name ending ':nofact': the chats without their facts; flags "
+         "'mlx_lm': mlx_lm's own cache with --live mlx_lm)"),
+        ("--turns", 11, "user turns before the questions, facts in the first three"),
+        ("--reply-tokens", 48, "tokens per live reply"),
+        ("--answer-tokens", 12, "tokens per answer"),
+        ("--verbose", False, "show the server's log"),
+    ])
 
 
-def run(args: argparse.Namespace, evaluation=Chats) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.live:
         from .live import run_live
 
         run_live(args)
-        return 0
-    run_evaluation(evaluation(args))
+    else:
+        run_evaluation(Chats(args))
     return 0
 
 
@@ -153,15 +142,8 @@ class Said(Chats):
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        add_arguments(parser)
+        add_arguments(parser, live=False)  # prefilled chats only
         parser.set_defaults(split="tune", chats=8, max_tokens=10,
                             arms=f"{FULL},nofact,recommended:memory=f16+pin")
-        parser.add_argument("--asks", default=None, help="the split of data/said.json the "
-                            "invention asks come from (default: --split's)")
-
-    @staticmethod
-    def run(args: argparse.Namespace) -> int:
-        if args.live:
-            raise SystemExit("morphkv: error: --data said runs prefilled chats; --live is for "
-                             "--data chats")
-        return run(args, Said)
+        add_flags(parser, [("--asks", None, "the split of data/said.json the invention asks "
+                            "come from (default: --split's)")])

@@ -95,17 +95,10 @@ def said_report(chats: list[dict], labels: list[str]) -> tuple[dict, str]:
     full = {w: of_full(chats, FULL, w)["n"] for w in who}
     said = summary["_said"] = {label: {**{w: of_full(chats, label, w) for w in who},
                                        "asked": asked, "full_right": full} for label in labels}
-
-    def cell(s: dict) -> str:
-        if not s["n"]:
-            return "-"
-        share, lo, hi = s["interval"]
-        return f"{s['k']}/{s['n']} = {100 * share:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
-
     text = markdown_table(["arm", "MiB held", "model-said: of the full cache's items",
                            "user-said: of the full cache's items"],
-                          [[label, f"{summary[label]['mib']:.2f}", cell(said[label]["model"]),
-                            cell(said[label]["user"])] for label in labels])
+                          [[label, f"{summary[label]['mib']:.2f}", _pct(said[label]["model"]),
+                            _pct(said[label]["user"])] for label in labels])
     full = said.get(FULL, {}).get("full_right", {})
     text += (f"\n{len(chats)} chats; the full cache answered {full.get('model', 0)} of "
              f"{asked['model']} model-said and {full.get('user', 0)} of {asked['user']} "
@@ -121,10 +114,11 @@ def fragment(answer: str, value: str) -> bool:
 
 
 def _pct(s: dict) -> str:
+    """``k/n = share% [low, high]``: a ``_share`` (Wilson) or an ``of_full`` (bootstrap)."""
     if not s["n"]:
         return "-"
-    lo, hi = s["ci95"]
-    return f"{s['k']}/{s['n']} = {100 * s['rate']:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
+    share, lo, hi = s["interval"] if "interval" in s else (s["rate"], *s["ci95"])
+    return f"{s['k']}/{s['n']} = {100 * share:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
 
 
 def table(summary: dict) -> str:
@@ -139,10 +133,9 @@ def table(summary: dict) -> str:
                                                   a[1].get("size", 0))):
         ret = "-" if s["retention"] is None else (f"{100 * s['retention']:.0f}% (worst layer "
                                                   f"{100 * s['worst_layer']:.0f}%)")
-        rows.append([f"`{label}`", s["tokens"] or "all", f"{s['mib']:.2f}", _pct(s["all"]),
-                     _pct(s["of_full"]), _pct(s.get("of_full_kept", _share(0, 0))),
-                     _pct(s.get("of_full_updated", _share(0, 0))), ret,
-                     _pct(s.get("fragment", _share(0, 0)))])
+        rows.append([f"`{label}`", s["tokens"] or "all", f"{s['mib']:.2f}",
+                     *[_pct(s[k]) for k in ("all", "of_full", "of_full_kept", "of_full_updated")],
+                     ret, _pct(s["fragment"])])
     items = summary.get("_items", {})
     note = (f"\n({items.get('chats')} chats, {items.get('questions')} questions; statements "
             f"{items.get('distance_min')}-{items.get('distance_max')} tokens before the end; "

@@ -1,17 +1,13 @@
 """Teacher-forced fidelity of each eviction rule against the full cache.
 
 Every text is fed through every arm and budget (``forced.evaluate``: exact chunks through the
-attention hook). Per arm and budget, over the positions whose
-context exceeds the budget: mean KL(full || method) per token (nats), top-1 agreement,
-perplexity ratio exp(mean NLL_method - mean NLL_full); the measured KV bytes (stored, kept K+V,
-everything held); peak MLX memory and decode tokens/s. ``--equal-bytes ARM`` gives every arm,
-at each budget, the budget at which it holds as many bytes as ARM does there (measured, never
-from a formula: ``measure_bytes`` feeds the caches a short random stream past the budget and
-counts all they hold, selection state included). A ``full`` arm (MorphKVCache, method full, fed
-like the others) checks the pipeline itself. Choosing settings: ``--split tune`` feeds the
-texts for choosing, ``--split heldout`` the disjoint texts for reporting
-(``texts.split_texts``); ``--grid`` adds every combination of ``key=v1/v2`` options over
-``--grid-base``. The shared runner (``runner.run``) does the rest: one text an item.
+attention hook). Per arm and budget, over the positions whose context exceeds the budget: mean
+KL(full || method) per token (nats), top-1 agreement, perplexity ratio; the KV bytes kept and
+held; peak MLX memory and decode tokens/s. ``--equal-bytes ARM`` gives every arm, at each
+budget, the budget at which it holds as many bytes as ARM (measured: ``measure_bytes`` counts
+all the caches hold, selection state included). A ``full`` arm checks the pipeline itself.
+``--split tune`` / ``heldout``: the disjoint texts for choosing / reporting settings
+(``texts.split_texts``); ``--grid`` adds every combination of ``key=v1/v2`` over ``--grid-base``.
 """
 
 from __future__ import annotations
@@ -132,11 +128,15 @@ def _plan(token_texts, arms, budgets, n_sink, include_full, sized):
 class Fidelity(Evaluation):
     """Texts x arms x budgets, teacher-forced against the full cache (see the module doc)."""
 
-    name, key, command, pngs = NAME, "rows", "morphkv eval fidelity", ("",)
+    name, key, command = NAME, "rows", "morphkv eval fidelity"
 
     def arms(self) -> list:
         a = self.args
-        apply_presets(a)
+        if a.quick:  # a tiny smoke run
+            a.budgets, a.arms = [32], ["streaming_llm", "h2o", "morphkv:mean:8"]
+            a.prose_tokens = a.conversation_tokens = 96
+            a.continuation_tokens = 40
+            a.texts = [t for t in a.texts if t != "continuation"] or ["prose"]
         a.arms = list(dict.fromkeys([*a.arms, *grid_arms(a.grid_base, a.grid)]))
         self.reference = arms_of([a.equal_bytes])[0] if a.equal_bytes else None
         self.found = arms_of(a.arms)
@@ -146,12 +146,19 @@ class Fidelity(Evaluation):
         """The texts; with ``--equal-bytes`` each arm's budgets are measured first."""
         a = self.args
         mx.random.seed(0)
-        texts = texts_of(a, model, tok)
-        sized = {} if self.reference is None else equal_byte_budgets(
+        if a.split != "none":
+            texts = split_texts(tok, model, a.split, a.prose_tokens, a.continuation_tokens,
+                                a.conversation_tokens)
+            texts = {k: v[:96] for k, v in list(texts.items())[:2]} if a.quick else texts
+        else:
+            texts = build_texts(tok, a.texts, model, prose_tokens=a.prose_tokens,
+                                prose_docs=a.prose_docs, conversations=a.conversations,
+                                conversation_max=a.conversation_tokens,
+                                continuation_tokens=a.continuation_tokens)
+        self.sized = {} if self.reference is None else equal_byte_budgets(
             model, self.found, self.reference, a.budgets, a.n_sink)
         self.plan, skipped = _plan(texts, self.found, a.budgets, a.n_sink, not a.no_full_arm,
-                                   sized)
-        self.sized = sized
+                                   self.sized)
         for note in skipped:
             print("note:", note, file=sys.stderr)
         self.info.update(skipped=skipped, settings={
@@ -187,7 +194,7 @@ class Fidelity(Evaluation):
         result = {"settings": self.info["settings"], "rows": rows}
         return {m: summary(result, m)[1] for m in METRICS}, "\n".join(tables(result))
 
-    def plot(self, result: dict, suffix: str, path) -> None:
+    def plot(self, result: dict, path) -> None:
         plots.by_budget(result, summary, path)
 
 
@@ -245,26 +252,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "hook)"),
         ("--no-full-arm", False, "skip the full-cache check arm"),
     ])
-
-
-def apply_presets(args: argparse.Namespace) -> None:
-    if args.quick:
-        args.budgets = [32]
-        args.arms = ["streaming_llm", "h2o", "morphkv:mean:8"]
-        args.prose_tokens, args.conversation_tokens = 96, 96
-        args.continuation_tokens = 40
-        args.texts = [t for t in args.texts if t != "continuation"] or ["prose"]
-
-
-def texts_of(args: argparse.Namespace, model, tokenizer) -> dict[str, list[int]]:
-    if args.split != "none":
-        texts = split_texts(tokenizer, model, args.split, args.prose_tokens,
-                            args.continuation_tokens, args.conversation_tokens)
-        return {k: v[:96] for k, v in list(texts.items())[:2]} if args.quick else texts
-    return build_texts(tokenizer, args.texts, model, prose_tokens=args.prose_tokens,
-                       prose_docs=args.prose_docs, conversations=args.conversations,
-                       conversation_max=args.conversation_tokens,
-                       continuation_tokens=args.continuation_tokens)
 
 
 def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:

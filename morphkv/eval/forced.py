@@ -1,10 +1,9 @@
 """Teacher-forced feeding: one text through the caches of a config, per-position metrics
 summed against the full cache.
 
-The full-cache next-token distributions are computed once (mlx_lm's ``KVCache``, chunked
-prefill). Every config then decodes the same tokens, one config at a time, in the attention
-hook's exact chunks (every query of a chunk reads exactly what token-by-token decoding would
-read). The first ``budget`` tokens cause no eviction, so they are prefilled in one chunk.
+The full-cache distributions are computed once (mlx_lm's ``KVCache``, chunked prefill); every
+config then feeds the same tokens in the attention hook's exact chunks (each query reads what
+token-by-token decoding reads), the first ``budget`` tokens (no eviction yet) in one chunk.
 Metrics (``metrics.token_stats``) cover the positions whose read set lacks an evicted token.
 """
 
@@ -73,23 +72,19 @@ def evaluate(model, tokens, ref_lp: mx.array, cfg, chunk: int = 256, bar=None) -
 
 
 def position_kl(model, caches, tokens: list[int], ref: mx.array, first: int, prefill: int,
-                chunk: int = 256) -> tuple[np.ndarray, np.ndarray, float]:
-    """Per position ``first``..end-2 (the last has no target): KL(full || caches) and top-1
-    agreement, teacher-forced: ``prefill`` tokens in one piece, then chunks of ``chunk``; and
-    the KL summed chunk by chunk (as the commands always summed it)."""
+                chunk: int = 256) -> tuple[int, float]:
+    """(positions, KL(full || caches) summed chunk by chunk, as the commands always summed it)
+    over positions ``first``..end-2 (the last has no target), teacher-forced: ``prefill``
+    tokens in one piece, then chunks of ``chunk``."""
     ids = mx.array([int(t) for t in tokens])[None]
-    kl, agree, pos, total = [], [], 0, 0.0
+    pos, n, total = 0, 0, 0.0
     while pos < len(tokens) - 1:
         step = prefill if pos == 0 and prefill > 0 else chunk
         logits = model(ids[:, pos : pos + step], cache=caches)[0].astype(mx.float32)
         lo, hi = max(pos, first), min(pos + step, len(tokens) - 1)
         if hi > lo:
             lp, r = log_probs(logits[lo - pos : hi - pos]), ref[lo:hi]
-            each = mx.exp(r) * (r - lp)
-            kl.append(np.array(each.sum(axis=-1)))
-            agree.append(np.array(lp.argmax(-1) == r.argmax(-1)))
-            total += float(each.sum())
+            total += float((mx.exp(r) * (r - lp)).sum())
+            n += hi - lo
         pos += step
-    if not kl:
-        return np.zeros(0), np.zeros(0), 0.0
-    return np.concatenate(kl), np.concatenate(agree), total
+    return n, total

@@ -1,11 +1,9 @@
 """Free generation of long answers under each cache: degeneration, speed and memory.
 
-Greedy decoding (``make_sampler(0.0)``) of a fixed prompt set (``GENERATION_PROMPTS``) through
-``mlx_lm.stream_generate`` with each arm's caches (arm ``full``: mlx_lm's own ``KVCache``). Per
-arm, budget and prompt: the 10-gram repetition rate (fraction of the answer's 10-grams already
-seen earlier in it; the paper's degeneration measure, lower is better), distinct-1/-2 (unique
-n-grams over all n-grams), tokens generated (stops at EOS), decode tokens/s, peak MLX memory,
-KV bytes.
+Greedy decoding of a fixed prompt set (``GENERATION_PROMPTS``) through
+``mlx_lm.stream_generate`` with each arm's caches (``full``: mlx_lm's ``KVCache``). Per arm,
+budget and prompt: the 10-gram repetition rate (the paper's degeneration measure, lower is
+better), distinct-1/-2, tokens generated (to EOS), decode tokens/s, peak MLX memory, KV bytes.
 """
 
 from __future__ import annotations
@@ -75,7 +73,7 @@ def generate(model, tokenizer, prompt: list[int], caches, max_tokens: int) -> di
 class Generation(Evaluation):
     """Prompts x arms x budgets: each arm writes its own answer to each prompt."""
 
-    name, key, pngs = NAME, "rows", ("",)
+    name, key = NAME, "rows"
 
     def arms(self) -> list:
         a = self.args
@@ -125,7 +123,7 @@ class Generation(Evaluation):
             "looping); distinct-n: unique n-grams / all n-grams; KV kept: bytes of kept K+V\n"
             + markdown_table(headers, body))
 
-    def plot(self, result: dict, suffix: str, path) -> None:
+    def plot(self, result: dict, path) -> None:
         plots.bars(summary(result), ["10-gram rep.", "distinct-2"], path)
 
 

@@ -1,21 +1,16 @@
 """Live conversations: the chat runs through the entry point a user runs, replies generated.
 
-``morphkv eval recall --live serve`` starts ``morphkv serve`` with each arm's cache flags
-and talks to it with the official ``openai`` client as chat apps do (the whole history resent
-every turn, replies streamed); ``--live mlx_lm`` is mlx_lm's own chat loop after
-``patch_model`` (one prompt cache, each turn templates only its new message, as
-``mlx_lm.chat`` does), with no morphkv call but ``patch_model``. An arm is a name and the cache
-flags ``morphkv serve`` takes (``"memory=--kv-memory 1572864"``; ``mlx_lm`` for mlx_lm's own
-cache with ``--live mlx_lm``, never patched).
+``--live serve`` starts ``morphkv serve`` with each arm's cache flags and talks to it with the
+official ``openai`` client as chat apps do (the whole history resent every turn, streamed);
+``--live mlx_lm`` is mlx_lm's own chat loop after ``patch_model`` (one prompt cache, each turn
+templates only its new message). An arm is a name and ``morphkv serve``'s cache flags
+(``"memory=--kv-memory 1572864"``; ``mlx_lm``: mlx_lm's own cache, never patched).
 
-Each chat (``chat_items``, held-out split by default): the user turns of the chat (three facts
-said in passing in turns 1-3, one updated in turn 3), ``--turns`` turns in all, each answered
-live in up to ``--reply-tokens`` greedy tokens; then each fact's question is asked from the
-conversation so far (the server: a request with the history, its prompt cache hands a copy
-back; mlx_lm: a deep copy of the prompt cache) and judged strictly (``chat_items.judge``).
-``nofact`` arms run the same chats with every fact clause removed (what guessing scores).
-Per turn: time to the first token and, for the server, its resident memory. Intervals are a
-bootstrap over chats (the questions of one chat are not independent).
+Each chat (``chat_items``): ``--turns`` user turns (facts in turns 1-3), each answered live in up
+to ``--reply-tokens`` greedy tokens; then each fact's question from the conversation so far (a
+request with the history, or a copy of the prompt cache), judged strictly. ``:nofact`` arms run
+the chats without their fact clauses. Per turn: time to the first token and the server's
+resident memory. Intervals: a bootstrap over chats.
 """
 
 from __future__ import annotations
@@ -69,8 +64,28 @@ def user_turns(chat, turns: int, nofact: bool) -> list[str]:
     return said[:turns]
 
 
-# ---- the plain mlx_lm chat loop ---------------------------------------------------------------
+def talk(chats, args, say, fork, new, rss=None) -> list[dict]:
+    """Every chat: its user turns (``say(state, text, tokens)`` -> (reply, first-token
+    seconds), on ``new()``: a prompt cache or a history), then each question from
+    ``fork(state)``; ``rss()``: the server's memory after each turn."""
+    rows = []
+    for chat, nofact in chats:
+        state, firsts, mem = new(), [], []
+        for text in user_turns(chat, args.turns, nofact):
+            firsts.append(say(state, text, args.reply_tokens)[1])
+            mem += [rss()] if rss else []
+        answers = [say(fork(state), q.text, args.answer_tokens)[0] for q in chat.questions]
+        out = {"chat": chat.index, "answers": answers, "first_token_s": firsts, "rss_mb": mem,
+               "right": [judge(a, q) for a, q in zip(answers, chat.questions, strict=True)],
+               "values": [q.value for q in chat.questions]}
+        if state and hasattr(state[0], "pins"):  # the patched prompt cache's pinned ranges
+            out["pinned"] = state[0].pins.ranges()
+        rows.append(out)
+    return rows
+
+
 def mlx_lm_chat(model, tok, flags: list[str], chats, args) -> list[dict]:
+    """mlx_lm's chat loop: one prompt cache, each turn templates only its new message."""
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
@@ -92,13 +107,7 @@ def mlx_lm_chat(model, tok, flags: list[str], chats, args) -> list[dict]:
             out.append(r.text)
         return "".join(out), first
 
-    rows = []
-    for chat, nofact in chats:
-        cache = make_prompt_cache(model)
-        firsts = [say(cache, t, args.reply_tokens)[1] for t in user_turns(chat, args.turns, nofact)]
-        answers = [say(copy.deepcopy(cache), q.text, args.answer_tokens)[0]
-                   for q in chat.questions]
-        rows.append(row(chat, answers, firsts, [], cache))
+    rows = talk(chats, args, say, copy.deepcopy, lambda: make_prompt_cache(model))
     unpatch_model(model)
     return rows
 
@@ -113,22 +122,6 @@ def cache_config(flags: list[str]):
     return config_from_flags(p.parse_args(flags))
 
 
-def row(chat, answers, firsts, rss, cache=None) -> dict:
-    out = {"chat": chat.index, "answers": answers, "first_token_s": firsts, "rss_mb": rss,
-           "right": [judge(a, q) for a, q in zip(answers, chat.questions, strict=True)],
-           "values": [q.value for q in chat.questions]}
-    if cache is not None and hasattr(cache[0], "pins"):
-        out["pinned"] = cache[0].pins.ranges()
-    return out
-
-
-# ---- morphkv serve with the openai client -----------------------------------------------------
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        line = next((ln for ln in f if ln.startswith("VmRSS:")), "VmRSS: 0 kB")
-    return int(line.split()[1]) / 1024
-
-
 def start_server(model: str | None, flags: list[str], log) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "morphkv", "serve", *(["--model", model] if model else []),
@@ -140,30 +133,26 @@ def start_server(model: str | None, flags: list[str], log) -> tuple[subprocess.P
 
 
 def served_chat(model_name: str | None, flags: list[str], chats, args, log) -> list[dict]:
+    """morphkv serve with the openai client: the whole history resent every turn."""
     import openai
 
     proc, url, _ = start_server(model_name, flags, log)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
 
-        def ask(history, max_tokens):
+        def say(history, text: str, max_tokens: int):
+            history.append({"role": "user", "content": text})
             start = time.perf_counter()
             r = stream_chat(client, history, max_tokens, temperature=0.0)
+            history.append({"role": "assistant", "content": r["text"]})
             return r["text"], r["first"] and r["first"] - start
 
-        rows = []
-        for chat, nofact in chats:
-            history, firsts, rss = [], [], []
-            for text in user_turns(chat, args.turns, nofact):
-                history.append({"role": "user", "content": text})
-                reply, first = ask(history, args.reply_tokens)
-                history.append({"role": "assistant", "content": reply})
-                firsts.append(first)
-                rss.append(_rss_mb(proc.pid))
-            answers = [ask([*history, {"role": "user", "content": q.text}],
-                           args.answer_tokens)[0] for q in chat.questions]
-            rows.append(row(chat, answers, firsts, rss))
-        return rows
+        def rss() -> float:
+            with open(f"/proc/{proc.pid}/status") as f:
+                line = next((ln for ln in f if ln.startswith("VmRSS:")), "VmRSS: 0 kB")
+            return int(line.split()[1]) / 1024
+
+        return talk(chats, args, say, list, list, rss)
     finally:
         stop_process(proc, 30)  # by its process id, also when a request failed
 

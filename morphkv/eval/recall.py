@@ -1,17 +1,12 @@
 """``morphkv eval recall --data longchat``: recall of a fact stated early in a long chat, per arm
 and budget.
 
-Items (``morphkv.eval.recall_items``) are chats whose first turn states a fact, followed by
-distractor turns and the question. Every arm (an arm spec of ``morphkv.eval.arms``: any
-``KVCacheConfig`` field, presets, mlx_lm's caches) prefills the prompt through fresh caches
-(exact chunks: ``KVCacheBuilder.for_model`` attaches the attention hook) and reports its
-*retention*: per layer, the fraction of the fact's value tokens still stored when the question
-is read (mean over KV heads). The model then answers greedily for a few tokens, the answer
-counts when the fact's words appear in it, and recall is counted over the items the full cache
-answers correctly (the other arms run only on those), with a 95% Wilson interval. Total bytes
-(``cache.nbytes``: storage + selection state, summed over layers) stand next to every figure.
-The records, summary, table and plot are those of ``--data chats`` (``chat_report``), one
-question per item; an arm at budget B is labelled ``spec@B``.
+Items (``recall_items``): a fact in the first turn, distractor turns, the question. Every arm
+reads the prompt as ``asking`` does (a prefill, the retention of the fact's value tokens), then
+answers greedily in a few tokens; an answer counts when the fact's words appear in it. Recall
+is counted over the items the full cache answers (the other arms run only on those), with a
+95% Wilson interval and the bytes held. Records, summary, table and plot are those of ``--data
+chats`` (``chat_report``), one question per item; an arm at budget B is labelled ``spec@B``.
 """
 
 from __future__ import annotations
@@ -47,15 +42,26 @@ def is_full(cell) -> bool:
 class LongChats(Chats):
     """Long chats with one early fact (``recall_items``: canned or natural), per budget."""
 
-    name, key, command, pngs = NAME, "items", "morphkv eval recall --data longchat", ("",)
+    name, key, command = NAME, "items", "morphkv eval recall --data longchat"
     stem_of = "{name}"
 
     def arms(self) -> list:
-        """The full cache (at the largest budget) first, then every other arm at each budget."""
-        arms, budgets = _settings(self.args)
-        full = next((a for a in arms if is_full(a)), None) or parse_arms("full")[0]
+        """The full cache (at the largest budget) first, then every other arm at each budget;
+        arms and budgets checked before any work (ValueError names the problem)."""
+        a = self.args
+        if a.quick:
+            a.arms, a.budgets, a.items = "full,streaming_llm,morphkv", [32], min(a.items, 2)
+            a.distance = a.distance or 48
+        if not a.budgets or a.items < 1 or a.first < 0:
+            raise ValueError("need --budgets, --items >= 1 and --first >= 0")
+        arms, budgets = parse_arms(a.arms), a.budgets
+        for c in (c for c in arms if not c.arm.is_baseline):
+            for budget in budgets:
+                c.arm.config(budget, n_sink=a.n_sink)  # ValueError: "arm ... at budget ..."
+        a.distance = a.distance or 3 * max(budgets)
+        full = next((c for c in arms if is_full(c)), None) or parse_arms("full")[0]
         return [Cell(full.label, full.arm, max(budgets))] + [
-            Cell(f"{a.label}@{b}", a.arm, b) for a in arms if not is_full(a) for b in budgets]
+            Cell(f"{c.label}@{b}", c.arm, b) for c in arms if not is_full(c) for b in budgets]
 
     def items(self, model, tok):
         return range(self.args.first, self.args.first + self.args.items)
@@ -99,46 +105,21 @@ def make_item(tok, args, index: int):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--quick", action="store_true", help="smoke run (seconds): 2 short items")
-    add_flags(parser, standard(NAME, "model", "first", "seed", "n_sink", "chunk", "out", "stem",
-                               "quiet", "max_minutes"))
-    add("--arms", default=DEFAULT_ARMS,
-        help="comma-separated arm specs, method[:field=value]... with KVCacheConfig fields "
-        f"(morphkv_ prefix optional) or presets (default {DEFAULT_ARMS})")
-    add("--budgets", default="128", help="comma-separated budgets (default 128)")
-    add("--items", type=int, default=48, help="items to build (default 48)")
-    add("--split", choices=("tune", "test"), default="test")
-    add("--set", choices=("canned", "natural"), default="canned",
-        help="items (recall_items): canned (short fixed replies, one fact) or natural (long "
-        "reference-prose turns, three facts in passing, a reworded question, the asked fact 3-6 "
-        "budgets back) (default canned)")
-    add("--distance", type=int, default=0,
-        help="min tokens after the fact (0: 3 x the largest budget)")
-    add("--max-tokens", type=int, default=8, help="answer tokens generated (default 8)")
-
-
-def _settings(args: argparse.Namespace) -> tuple[list, list[int]]:
-    """Arms and budgets checked before any work; ValueError names the problem."""
-    if args.quick:
-        args.arms, args.budgets, args.items = "full,streaming_llm,morphkv", "32", min(args.items, 2)
-        args.distance = args.distance or 48
-    try:
-        budgets = [int(b) for b in str(args.budgets).strip("[]").split(",") if b.strip()]
-    except ValueError:
-        raise ValueError(f"--budgets: comma-separated integers, not {args.budgets!r}") from None
-    if not budgets or args.items < 1 or args.first < 0:
-        raise ValueError("need --budgets, --items >= 1 and --first >= 0")
-    arms = parse_arms(args.arms)
-    for c in (c for c in arms if not c.arm.is_baseline):
-        for budget in budgets:
-            try:
-                c.arm.config(budget, n_sink=args.n_sink)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"arm {c.label!r} at budget {budget}: {e}") from None
-    args.budgets = budgets
-    args.distance = args.distance or 3 * max(budgets)
-    return arms, budgets
+    add_flags(parser, [
+        ("--quick", False, "smoke run (seconds): 2 short items"),
+        *standard(NAME, "model", "first", "seed", "n_sink", "chunk", "out", "stem", "quiet",
+                  "max_minutes"),
+        ("--arms", DEFAULT_ARMS, "comma-separated arm specs, method[:field=value]... with "
+         "KVCacheConfig fields (morphkv_ prefix optional) or presets"),
+        ("--budgets", [128], "comma-separated budgets"),
+        ("--items", 48, "items to build"),
+        ("--split", "test", "the items' split", ("tune", "test")),
+        ("--set", "canned", "items (recall_items): canned (short fixed replies, one fact) or "
+         "natural (long reference-prose turns, three facts in passing, a reworded question, the "
+         "asked fact 3-6 budgets back)", ("canned", "natural")),
+        ("--distance", 0, "min tokens after the fact (0: 3 x the largest budget)"),
+        ("--max-tokens", 8, "answer tokens generated"),
+    ])
 
 
 EVALUATION = LongChats

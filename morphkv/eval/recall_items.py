@@ -1,21 +1,17 @@
 """Recall items: a fact stated in a chat's first turn, distractor turns, then the question.
 
-Each item is a chat in the model's own template: the user states a fact (a name, a number, a
-place, a password, a job, a pet's name, a colour), the assistant acknowledges it, unrelated
-turns of several kinds follow (advice, science, step lists, short stories, small talk; canned
-replies without names, places or digits, so every arm reads the same chat), then the user asks
-for the fact and the prompt ends in the answer's lead-in ("Your name is"). Items come from word
-lists (``data/recall_facts.json``) and a seed (no download); ``tune`` and ``test`` draw disjoint
-items.
+``build_item`` (``--set canned``): the user states a fact (a name, a number, a place, ...), the
+assistant acknowledges it, unrelated turns follow (advice, science, stories, small talk: canned
+replies without names, places or digits, so every arm reads the same chat), then the question,
+the prompt ending in the answer's lead-in ("Your name is"). Word lists
+(``data/recall_facts.json``) and a seed, no download; ``tune`` and ``test`` are disjoint.
 
-``build_natural_item`` (``--set natural``; ``data/recall_natural.json``): the user mentions two
-facts about themselves in passing, the assistant comments on each; distractor turns follow in
-which the assistant answers with two or three paragraphs of real reference prose (``tune``:
-Python's language reference, ``pydoc_data.topics``; ``test``: the standard library's module and
-class docstrings; prose paragraphs only, none naming a value of the chat's facts); a third fact
-is dropped into the first distractor question ("By the way, ..."). The chat ends with a question
-about one of the three, worded unlike its statement, and a short lead-in ("You grew up in the
-city of"); the fact asked for lies 3-6 token budgets before the end (drawn per item).
+``build_natural_item`` (``--set natural``; ``data/recall_natural.json``): two facts said in
+passing, the assistant commenting on each; in the distractor turns the assistant answers with
+two or three paragraphs of real prose (``tune``: Python's language reference; ``test``: the
+standard library's docstrings; none naming a value of the chat's facts); a third fact comes in
+the first distractor question ("By the way, ..."). The question about one of the three is
+worded unlike its statement, with a short lead-in; the asked fact lies 3-6 budgets back.
 """
 
 from __future__ import annotations
@@ -190,31 +186,18 @@ def pool(split: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
     return out
 
 
-@dataclass(frozen=True)
-class Chat:
-    """The facts of one chat (kind, value, statement) and which one is asked."""
-
-    facts: tuple[tuple[Kind, str, str], ...]
-    asked: int
-
-
-def _facts(rng: random.Random) -> Chat:
-    kinds = rng.sample(KINDS, 3)
-    facts = tuple((k, v := rng.choice(k.values), rng.choice(k.statements).format(v=v))
-                  for k in kinds)
-    return Chat(facts, rng.randrange(3))
-
-
 def build_natural_item(tok, seed: int, split: str, index: int, budget: int,
                        ratios: tuple[float, float] = (3.0, 6.0)) -> Item:
     """Item ``index`` of ``split``: the asked fact lies ``ratio x budget`` tokens before the
     end, ``ratio`` drawn in ``ratios``."""
     rng = random.Random(f"natural:{seed}:{split}:{index}")
-    chat = _facts(rng)
+    facts = [(k, v := rng.choice(k.values), rng.choice(k.statements).format(v=v))
+             for k in rng.sample(KINDS, 3)]  # (kind, value, statement); one of them asked:
+    asked = rng.randrange(3)
     distance = int(rng.uniform(*ratios) * budget)
-    (ka, va, sa), (kb, vb, sb), (kc, vc, sc) = chat.facts
-    kind, value, _ = chat.facts[chat.asked]
-    values = [w.lower() for _, v, _ in chat.facts for w in v.split()]
+    (ka, va, sa), (kb, vb, sb), (kc, vc, sc) = facts
+    kind, value, _ = facts[asked]
+    values = [w.lower() for _, v, _ in facts for w in v.split()]
     docs = list(pool(split))
     rng.shuffle(docs)
     head = [{"role": "user", "content": rng.choice(OPENERS).format(a=sa, b=sb)},
@@ -235,7 +218,7 @@ def build_natural_item(tok, seed: int, split: str, index: int, budget: int,
             reply = kc.ack.format(v=vc) + " " + reply
         turns += [{"role": "user", "content": ask}, {"role": "assistant", "content": reply}]
         topics.append(topic)
-        fact_turns = head if chat.asked < 2 else head + turns[:2]
+        fact_turns = head if asked < 2 else head + turns[:2]
         fact_ids = encode_chat(tok, fact_turns, None)
         ids = encode_chat(tok, head + turns + question, kind.lead_in)
         if len(ids) - len(fact_ids) >= distance:

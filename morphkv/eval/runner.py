@@ -17,7 +17,7 @@ import sys
 import time
 
 from .models import load_model
-from .output import environment, out_dir, write_json
+from .output import environment, finish, out_dir, write_json
 from .plots import require_matplotlib
 from .progress import Progress
 
@@ -26,13 +26,13 @@ class Evaluation:
     """What ``run`` needs of an evaluation (``args``: the command's namespace): ``arms()``
     (checked: ValueError names a bad one), ``items(model, tok)``, ``measure(model, tok, item,
     arms, bar)`` (a record, or a list of rows), ``report(records, arms)`` -> (summary, table)
-    and, per suffix of ``pngs``, ``plot(result, suffix, path)``."""
+    and, to draw ``<stem>.png`` at the end, ``plot(result, path)``."""
 
     name = ""  # results/<name> and the JSON's "benchmark"
     stem_of = "{name}"  # the files' default stem: formatted with the args, name and _quick
     key = "items"  # the JSON's list of records
     command = "morphkv eval"  # names the command in a one-line error
-    pngs: tuple[str, ...] = ()  # the PNGs drawn at the end: <stem><suffix>.png
+    plot = None  # a method plot(result, path): the PNG drawn at the end
 
     def __init__(self, args) -> None:
         self.args, self.info = args, {}  # ``info``: more top-level JSON fields
@@ -54,7 +54,7 @@ def run(ev: Evaluation, model=None, tok=None) -> dict:
         arms = ev.arms()
     except ValueError as e:
         raise SystemExit(f"{ev.command}: error: {e}") from None
-    if ev.pngs:
+    if ev.plot:
         require_matplotlib(args)
     names = str(getattr(args, "model", None) or "").split(",")
     if model is None and len(names) > 1:  # one run per model, each in its own files
@@ -87,10 +87,6 @@ def run(ev: Evaluation, model=None, tok=None) -> dict:
         write_json(folder / f"{stem}.json", result)  # partial results as we go
     result.update(ev.info)
     result["summary"], result["table"] = ev.report(records, arms)
-    print(result["table"])
-    wrote = [write_json(folder / f"{stem}.json", result)]
-    for suffix in ev.pngs if not getattr(args, "no_plot", False) else ():
-        wrote.append(folder / f"{stem}{suffix}.png")
-        ev.plot(result, suffix, wrote[-1])
-    print("wrote " + " and ".join(map(str, wrote)))
+    finish(args, ev.name, result, stem, ev.plot and (lambda path: ev.plot(result, path)),
+           result["table"])
     return result
