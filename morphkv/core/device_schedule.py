@@ -180,10 +180,10 @@ def visible(evicted: np.ndarray, n0: int, k: int, B: int) -> mx.array:
     """(B, H, k, n0 + k) bool: chunk token i sees the virtual rows arrived by i (stored rows,
     and chunk rows j <= i) and not evicted before it (evicted at i or later)."""
     R, N = evicted.shape
-    i = np.arange(k)[:, None]
-    arrived = np.concatenate([np.full(n0, -1), np.arange(k)])[None, :] <= i  # (k, N)
-    seen = arrived[None] & (evicted[:, None, :] >= i[None])
-    return mx.array(seen.reshape(B, R // B, k, N))
+    i = mx.arange(k, dtype=mx.int32)[:, None]
+    at = mx.array(np.concatenate([np.full(n0, -1), np.arange(k)]).astype(np.int32))
+    seen = (at[None, None, :] <= i[None]) & (mx.array(evicted)[:, None, :] >= i[None])
+    return seen.reshape(B, R // B, k, N)  # built on the device: (R, k, N) is large
 
 
 def feed(engine, held, new, queries, sinks, quantized, decide=None):
