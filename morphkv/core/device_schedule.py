@@ -133,6 +133,7 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
     alive[:, : n0 + start] = True
     alive[evicted != NEVER] = False
     slots = n0 + start - int((evicted != NEVER).sum()) // R  # (the evictions before start)
+    has_free = bool((unsunk & unpinned).any())  # False: no unpinned candidate ever
     for i in range(start, k):
         alive[:, n0 + i] = True
         if geometry is not None:
@@ -141,9 +142,12 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
         if slots <= budget or i == k - 1:  # the last token's eviction waits (``due``)
             continue
         cand = alive & unsunk & (pos <= t0 + i - c.recent)
-        free = cand & unpinned
-        n_free = np.minimum(free.sum(axis=1), block)
-        short = (n_free < block).any()
+        if has_free or block > 1:
+            free = cand & unpinned
+            n_free = np.minimum(free.sum(axis=1), block)
+            short = (n_free < block).any()
+        else:  # every candidate is pinned (a pinned prompt): each pick is a pinned one
+            short = True
         if geometry is None and (by_keys or (short and c.pins_by_keys)):
             geometry = _KeyGeometry(keys(), alive)
         kd = None if geometry is None or not (by_keys or short) else geometry.scores()
@@ -154,7 +158,8 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
         elif block == 1:  # rows without an unpinned candidate take their lowest pinned one
             pinned_score = kd if c.pins_by_keys else score
             picks = [np.where(n_free > 0, _lowest(score, free, pos),
-                              _lowest(pinned_score, cand & pinned, pos))]
+                              _lowest(pinned_score, cand & pinned, pos)) if has_free
+                     else _lowest(pinned_score, cand, pos)]
         else:  # a row with too few unpinned candidates takes its lowest pinned ones too
             pinned_score = kd if c.pins_by_keys else score
             per_row = []
