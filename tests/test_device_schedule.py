@@ -94,3 +94,44 @@ def test_rules_that_read_attention_are_not_scheduled(method):
         k = mx.zeros((1, 1, 4, 8))
         attention_step(engine, mx.zeros((1, 1, 4, 8)), k, k, SCALE)
     assert not device_schedule.fits(engine.engine)
+
+
+def test_recency_leading_evictions_at_once_are_the_loop_s(monkeypatch):
+    """``schedule``'s shortcut (recency's oldest free rows taken at once, ``_oldest_first``)
+    decides exactly what the per-token loop alone decides: pins, sinks, blocks, short rows."""
+    from types import SimpleNamespace
+
+    from morphkv.core.pins import Pins
+    from morphkv.core.rules import make_rule
+
+    rng = np.random.default_rng(7)
+    loop_only = lambda c, pos, free, t0, n0, k, evicted: 0  # noqa: E731
+    for _ in range(300):
+        block, n_sink, recent = int(rng.choice([1, 1, 2, 5])), int(rng.integers(0, 5)), int(
+            rng.integers(1, 9))
+        budget = int(rng.integers(n_sink + recent + block, n_sink + recent + block + 25))
+        config = KVCacheConfig(method=str(rng.choice(["streaming_llm", "sliding_window"])),
+                               morphkv_budget=budget, morphkv_n_sink=n_sink, morphkv_window=1,
+                               morphkv_recent=recent, morphkv_block=block, engine="mlx",
+                               scoring="attention", pin_rank=str(rng.choice(["rule", "keydiff"])))
+        R, n0, k = int(rng.integers(1, 4)), int(rng.integers(0, budget + 1)), int(
+            rng.integers(1, 3 * budget))
+        t0 = n0 + int(rng.integers(0, 40))
+        pos0 = np.stack([rng.permutation(rng.choice(t0, n0, replace=False)) if n0 else
+                         np.zeros(0, int) for _ in range(R)]).astype(np.int32).reshape(R, n0)
+        pins = Pins()
+        pins.add(np.nonzero(rng.random(t0 + k) < rng.choice([0.0, 0.1, 0.5, 0.9]))[0])
+        keys = rng.standard_normal((R, n0 + k, 8)).astype(np.float32)
+        got = []
+        for shortcut in (True, False):
+            if not shortcut:
+                monkeypatch.setattr(device_schedule, "_oldest_first", loop_only)
+            engine = SimpleNamespace(config=config, seen=t0, pins=pins, rows=R, due=False,
+                                     rule=make_rule(config))
+            out = device_schedule.schedule(engine, pos0, k, lambda keys=keys: keys)
+            got.append((*out, engine.due))
+        (ev, kept, m, due), (ev2, kept2, m2, due2) = got
+        np.testing.assert_array_equal(ev, ev2)
+        np.testing.assert_array_equal(kept, kept2)
+        assert (m, due) == (m2, due2)
+        monkeypatch.undo()

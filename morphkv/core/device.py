@@ -279,6 +279,8 @@ class DeviceEngine:
         c, n = self.config, self.slots
         victims = self.unpinned_victims()
         if victims is not None:  # known by position: find their slots
+            if len(victims) == 1:  # one position: a scalar compare
+                return mx.argmax(self.stored_positions == victims[0], axis=1, keepdims=True)
             wanted = mx.array(np.array(victims, np.int32))
             return mx.argmax(self.stored_positions[:, :, None] == wanted, axis=1)
         self._keys = keys

@@ -72,6 +72,43 @@ def _pick(score, mask, pos, count: int, out: list) -> np.ndarray:
     return mask
 
 
+def _evictions(n0: int, k: int, block: int, budget: int) -> list[int]:
+    """The chunk tokens after whose arrival an eviction runs (the last token's waits): which
+    tokens go does not change when."""
+    out, slots = [], n0
+    for i in range(k - 1):
+        slots += 1
+        if slots > budget:
+            out.append(i)
+            slots -= block
+    return out
+
+
+def _oldest_first(c, pos, free, t0: int, n0: int, k: int, evicted) -> int:
+    """Recency's leading evictions at once: while every row's ``block`` oldest free (unsunk,
+    unpinned) virtual rows not yet taken are candidates (old enough), the per-token loop takes
+    exactly those, in position order. Marks them in ``evicted`` and returns the chunk token
+    the loop resumes at (``k``: every eviction done)."""
+    at = _evictions(n0, k, c.block, c.budget)
+    if not at:
+        return 0
+    R, block = pos.shape[0], c.block
+    order = np.argsort(np.where(free, pos, LAST), axis=1, kind="stable")
+    count = int(free.sum(axis=1).min()) // block  # evictions every row has free rows for
+    e = min(len(at), count)
+    if e == 0:
+        return at[0]
+    queue = order[:, : e * block].reshape(R, e, block)
+    when = np.asarray(at[:e])
+    old = np.take_along_axis(pos, queue[:, :, -1], axis=1) <= t0 + when - c.recent  # (R, e)
+    ok = old.all(axis=0)
+    e = e if ok.all() else int(np.argmin(ok))
+    if e:
+        np.put_along_axis(evicted, queue[:, :e].reshape(R, -1),
+                          np.repeat(when[:e], block)[None].astype(np.int32), axis=1)
+    return at[e] if e < len(at) else k
+
+
 def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.ndarray, int]:
     """Replay the per-token rule over k new tokens at an engine holding the rows ``pos0``
     (R, n0) (no eviction due). Returns (evicted_at (R, n0 + k): the chunk token after whose
@@ -88,13 +125,16 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
     pinned = pins.host(pos) if pins is not None else np.zeros((R, N), bool)
     alive = np.zeros((R, N), bool)
     unsunk, unpinned = pos >= c.n_sink, ~pinned
-    alive[:, :n0] = True
     evicted = np.full((R, N), NEVER, np.int32)
     by_keys = engine.rule.scheduled == "keydiff"
     geometry = None
     rows = np.arange(R)
-    slots = n0
-    for i in range(k):
+    start = 0 if by_keys else _oldest_first(c, pos, unsunk & unpinned, t0, n0, k, evicted)
+    alive[:, : n0 + start] = True
+    alive[evicted != NEVER] = False
+    slots = n0 + start - int((evicted != NEVER).sum()) // R  # (the evictions before start)
+    has_free = bool((unsunk & unpinned).any())  # False: no unpinned candidate ever
+    for i in range(start, k):
         alive[:, n0 + i] = True
         if geometry is not None:
             geometry.add(rows, n0 + i, 1.0)
@@ -102,9 +142,12 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
         if slots <= budget or i == k - 1:  # the last token's eviction waits (``due``)
             continue
         cand = alive & unsunk & (pos <= t0 + i - c.recent)
-        free = cand & unpinned
-        n_free = np.minimum(free.sum(axis=1), block)
-        short = (n_free < block).any()
+        if has_free or block > 1:
+            free = cand & unpinned
+            n_free = np.minimum(free.sum(axis=1), block)
+            short = (n_free < block).any()
+        else:  # every candidate is pinned (a pinned prompt): each pick is a pinned one
+            short = True
         if geometry is None and (by_keys or (short and c.pins_by_keys)):
             geometry = _KeyGeometry(keys(), alive)
         kd = None if geometry is None or not (by_keys or short) else geometry.scores()
@@ -115,7 +158,8 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
         elif block == 1:  # rows without an unpinned candidate take their lowest pinned one
             pinned_score = kd if c.pins_by_keys else score
             picks = [np.where(n_free > 0, _lowest(score, free, pos),
-                              _lowest(pinned_score, cand & pinned, pos))]
+                              _lowest(pinned_score, cand & pinned, pos)) if has_free
+                     else _lowest(pinned_score, cand, pos)]
         else:  # a row with too few unpinned candidates takes its lowest pinned ones too
             pinned_score = kd if c.pins_by_keys else score
             per_row = []
@@ -141,10 +185,10 @@ def visible(evicted: np.ndarray, n0: int, k: int, B: int) -> mx.array:
     """(B, H, k, n0 + k) bool: chunk token i sees the virtual rows arrived by i (stored rows,
     and chunk rows j <= i) and not evicted before it (evicted at i or later)."""
     R, N = evicted.shape
-    i = np.arange(k)[:, None]
-    arrived = np.concatenate([np.full(n0, -1), np.arange(k)])[None, :] <= i  # (k, N)
-    seen = arrived[None] & (evicted[:, None, :] >= i[None])
-    return mx.array(seen.reshape(B, R // B, k, N))
+    i = mx.arange(k, dtype=mx.int32)[:, None]
+    at = mx.array(np.concatenate([np.full(n0, -1), np.arange(k)]).astype(np.int32))
+    seen = (at[None, None, :] <= i[None]) & (mx.array(evicted)[:, None, :] >= i[None])
+    return seen.reshape(B, R // B, k, N)  # built on the device: (R, k, N) is large
 
 
 def feed(engine, held, new, queries, sinks, quantized, decide=None):

@@ -27,9 +27,14 @@ class Unpinned:
 
     def arrived(self, start: int, k: int, pins) -> Unpinned:
         """After tokens [start, start + k) are stored (``pins``: the row's Pins or None)."""
+        if not pins:  # None, or no ranges (``Pins.__bool__``: no sum per token)
+            return Unpinned(self.positions + tuple(range(start, start + k)))
+        if k == 1:  # a decode token: one range lookup
+            i = int(np.searchsorted(pins.ends, start, side="right"))
+            held = i < len(pins.starts) and pins.starts[i] <= start
+            return self if held else Unpinned(self.positions + (start,))
         new = np.arange(start, start + k)
-        if pins is not None and len(pins):
-            new = new[~pins.host(new)]
+        new = new[~pins.host(new)]
         return Unpinned(self.positions + tuple(int(p) for p in new))
 
     def due(self, n_sink: int, last: int, block: int) -> tuple[tuple, Unpinned]:
