@@ -41,10 +41,13 @@ def room(config) -> int:
 
 
 def trim(caches: list, C: int) -> None:
-    """Before a forward pass of ``C`` columns: the vote in every row that needs one."""
+    """Before a forward pass of ``C`` columns: the vote in every row that needs one (a decode
+    step, C = 1, returns before looking at any cache)."""
+    if C < 2:
+        return
     voting = [c for c in caches if getattr(getattr(c, "config", None), "pin_rank", None)
               == "vote" and hasattr(c, "engines")]
-    if C < 2 or not voting or getattr(voting[0], "_held", None) is not None:
+    if not voting or getattr(voting[0], "_held", None) is not None:
         return
     first = voting[0]
     _, counts = first.spans(C)
