@@ -13,6 +13,7 @@ from morphkv.eval import texts as T
 from morphkv.eval.arms import Arm, grid_arms
 from morphkv.eval.metrics import distinct, repetition_rate
 from morphkv.eval.models import tiny_llama
+from morphkv.eval.runner import run
 
 
 class ByteTokenizer:
@@ -40,7 +41,7 @@ def _args(module, *argv):
 
 def test_fidelity_quick_writes_json_and_png(tiny, tmp_path):
     args = _args(F, "--quick", "--quiet", "--out", str(tmp_path))
-    result = F.execute(args, tiny, ByteTokenizer())
+    result = run(F.Fidelity(args), tiny, ByteTokenizer())
     data = json.loads((tmp_path / "fidelity.json").read_text())
     assert (tmp_path / "fidelity.png").stat().st_size > 0
     assert len(data["rows"]) == len(result["rows"]) > 0
@@ -100,7 +101,7 @@ def test_fidelity_equal_bytes_rows(tiny, tmp_path):
     args = _args(F, "--quiet", "--out", str(tmp_path), "--texts", "prose", "--prose-tokens",
                  "120", "--budgets", "96", "--arms", "streaming_llm,morphkv:attn",
                  "--equal-bytes", "streaming_llm", "--no-full-arm")
-    res = F.execute(args, tiny, ByteTokenizer())
+    res = run(F.Fidelity(args), tiny, ByteTokenizer())
     rows = {r["arm"]: r for r in res["rows"]}
     assert rows["streaming_llm_w8"]["arm_budget"] == 96
     assert rows["morphkv_mean_w8_attn"]["arm_budget"] < 96
@@ -111,7 +112,7 @@ def test_fidelity_equal_bytes_rows(tiny, tmp_path):
 
 def test_generation_quick_writes_json_and_png(tiny, tmp_path):
     args = _args(G, "--quick", "--quiet", "--out", str(tmp_path))
-    result = G.execute(args, tiny, ByteTokenizer())
+    result = run(G.Generation(args), tiny, ByteTokenizer())
     data = json.loads((tmp_path / "generation.json").read_text())
     assert (tmp_path / "generation.png").stat().st_size > 0
     assert {r["arm"] for r in data["rows"]} == {"full", "streaming_llm_w8", "morphkv_mean_w8"}
@@ -142,7 +143,7 @@ def test_fidelity_split_and_grid_choose_among_settings(tiny, tmp_path):
     """--split tune feeds the texts for choosing (not --texts); --grid adds its combinations."""
     args = _args(F, "--quick", "--quiet", "--out", str(tmp_path), "--split", "tune",
                  "--grid", "recent=0.5/0.75", "--no-full-arm")
-    result = F.execute(args, tiny, ByteTokenizer())
+    result = run(F.Fidelity(args), tiny, ByteTokenizer())
     assert set(result["settings"]["texts"]) == {"prose", "conversation0"}
     arms = {r["arm"] for r in result["rows"]}
     assert len(arms) == 5 and {"recent0.5", "recent0.75"} <= {a.split("_")[-1] for a in arms}

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from morphkv.bench import layer
+from morphkv.eval.runner import run
 
 
 def test_layer_times_each_arm_beside_rotating(tmp_path):
@@ -16,7 +17,7 @@ def test_layer_times_each_arm_beside_rotating(tmp_path):
     layer.add_arguments(parser)
     args = parser.parse_args(["--quick", "--no-plot", "--out", str(tmp_path), "--arms",
                               "seed,tova:block=1"])
-    rows = {r["arm"]: r for r in layer.execute(args)["rows"]}
+    rows = {r["arm"]: r for r in run(layer.Layer(args))["rows"]}
     assert rows["seed"]["engine"] == "mlx"
     assert {r["queries"] for r in rows.values()} == {"proxy", "real"}  # tova reads attention
     for row in rows.values():
@@ -32,6 +33,6 @@ def test_a_bad_arm_fails_before_any_timing(tmp_path):
     layer.add_arguments(parser)
     args = parser.parse_args(["--quick", "--no-plot", "--out", str(tmp_path), "--arms",
                               "seed,nosuchrule"])
-    with pytest.raises(ValueError, match="nosuchrule"):
-        layer.execute(args)
+    with pytest.raises(SystemExit, match="nosuchrule"):
+        run(layer.Layer(args))
     assert not (tmp_path / "layer_quick.json").exists()

@@ -55,7 +55,7 @@ def test_kernels_counts_a_block_of_decode_steps(tmp_path):
     kernels.add_arguments(parser)
     args = parser.parse_args(["--quick", "--out", str(tmp_path), "--arms",
                               "rotating,tuned:block=8,tuned:block=1"])
-    rows = {r["cache"]: r for r in kernels.execute(args)["rows"]}
+    rows = {r["cache"]: r for r in run(kernels.Kernels(args))["rows"]}
     assert rows["rotating"]["host_syncs_per_step"] == 0
     assert rows["tuned:block=1"]["host_syncs_per_step"] == 0  # auto: block 1 on MLX too
     assert rows["tuned:block=8"]["host_syncs_per_step"] == 0

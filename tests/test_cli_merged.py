@@ -97,13 +97,14 @@ def test_missing_matplotlib_is_one_line_before_any_work(tmp_path, monkeypatch):
     import argparse
     import sys
 
-    from morphkv.eval import fidelity
+    from morphkv.eval import fidelity, runner
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     parser = argparse.ArgumentParser()
     fidelity.add_arguments(parser)
     with pytest.raises(SystemExit, match=r"pip install -e '\.\[bench\]'"):
-        fidelity.execute(parser.parse_args(["--quick", "--out", str(tmp_path)]), model=object())
+        runner.run(fidelity.Fidelity(parser.parse_args(["--quick", "--out", str(tmp_path)])),
+                   model=object())
     assert not any(tmp_path.iterdir())
 
 

@@ -19,9 +19,7 @@ import time
 from pathlib import Path
 
 from ..eval import plots
-from ..eval.flags import add_flags, standard
-from ..eval.output import environment, finish, markdown_table
-from ..eval.progress import Progress
+from ..eval.runner import Evaluation, add_flags, markdown_table, standard
 
 NAME = "chat"
 TIMING_MESSAGE = ("Summarize: a for statement repeats its body once for each item of a "
@@ -187,55 +185,63 @@ def plot(rows: list[dict], budget: int, path: Path) -> str:
     return plots.save(fig, path)
 
 
-def run(args: argparse.Namespace) -> int:
-    """CLI entry point (``morphkv`` command contract): 0 on success."""
-    from ..eval.plots import require_matplotlib
+class Chat(Evaluation):
+    """Every arm (an item) over the same user messages; the session check after morphkv's."""
 
-    require_matplotlib(args)
-    if args.quick:  # smaller defaults; flags given explicitly still win
-        for name, value in QUICK.items():
-            if getattr(args, name) == DEFAULTS[name]:
-                setattr(args, name, value)
-    unknown = set(args.arms) - {"morphkv", "kvcache"}
-    if unknown or not args.arms:
-        raise SystemExit(f"morphkv: error: --arms: choose from morphkv, kvcache (got "
-                         f"{','.join(sorted(unknown)) or 'none'})")
-    from mlx_lm.models.cache import make_prompt_cache
+    name, key, command, stem_of = NAME, "rows", "morphkv bench serve", "chat{_quick}"
 
-    from ..chat.conversation import Conversation
-    from ..core.presets import PRESETS
-    from ..eval.models import load_model
+    def arms(self) -> list:
+        a = self.args
+        if a.quick:  # smaller defaults; flags given explicitly still win
+            for name, value in QUICK.items():
+                if getattr(a, name) == DEFAULTS[name]:
+                    setattr(a, name, value)
+        unknown = set(a.arms) - {"morphkv", "kvcache"}
+        if unknown or not a.arms:
+            raise ValueError(f"--arms: choose from morphkv, kvcache (got "
+                             f"{','.join(sorted(unknown)) or 'none'})")
+        from ..core.presets import PRESETS
 
-    config = PRESETS[args.preset](args.budget)
-    model, tokenizer = load_model(args.model)
-    messages = user_messages(tokenizer, args.turns, args.user_tokens)
-    rows, resume, timing = [], None, {}
-    bar = Progress(args.turns * len(args.arms), NAME)
-    load_before = os.getloadavg()
-    for arm in args.arms:
+        self.config = PRESETS[a.preset](a.budget)
+        self.info.update(config=self.config.to_json(), timing={}, resume=None)
+        return a.arms
+
+    def items(self, model, tok):
+        self.messages = user_messages(tok, self.args.turns, self.args.user_tokens)
+        return self.args.arms
+
+    def steps(self, arms) -> int:
+        return self.args.turns * len(arms)
+
+    def measure(self, model, tok, arm, arms, bar) -> list:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from ..chat.conversation import Conversation
+
         factory = None if arm == "morphkv" else (lambda: make_prompt_cache(model))
-        conv = Conversation(model, tokenizer, config, make_caches=factory)
-        arm_rows, snapshots = run_arm(conv, messages, args, arm, bar)
-        rows += arm_rows
+        conv = Conversation(model, tok, self.config, make_caches=factory)
+        rows, snapshots = run_arm(conv, self.messages, self.args, arm, bar)
         if snapshots:
-            timing[arm] = timing_trials(snapshots, TIMING_MESSAGE, args)
+            self.info["timing"][arm] = timing_trials(snapshots, TIMING_MESSAGE, self.args)
         if arm == "morphkv":
-            resume = resume_check(conv, model, tokenizer, config, args)
-    summary = summarize(rows, args.budget)
-    result = {"benchmark": NAME, "args": vars(args), "config": config.to_json(), "rows": rows,
-              "summary": summary, "timing": timing, "resume": resume, "environment": environment(),
-              "load_avg_before_after": [load_before, os.getloadavg()]}
-    print(table(summary))
-    for arm, t in timing.items():
-        a, b = t["after_turn"][0], t["after_turn"][-1]
-        print(f"{arm}: the same next turn after {a} / after {b}: median {t['median_s'][a]:.2f} "
-              f"/ {t['median_s'][b]:.2f} s over {args.timing_repeats} interleaved runs: "
-              f"{t['ratio']:.2f}x")
-    if resume:
-        print(f"session at budget {args.budget}: save {resume['save_s']:.3f} s, load "
-              f"{resume['load_s']:.3f} s, {resume['file_bytes'] / 2**20:.2f} MiB; resumed "
-              f"next reply identical: {resume['same_next_reply']}")
-    print(f"load average (1 min) before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}")
-    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}",
-           lambda path: plot(rows, args.budget, path))
-    return 0
+            self.info["resume"] = resume_check(conv, model, tok, self.config, self.args)
+        return rows
+
+    def report(self, rows: list, arms) -> tuple:
+        summary, lines = summarize(rows, self.args.budget), []
+        for arm, t in self.info["timing"].items():
+            a, b = t["after_turn"][0], t["after_turn"][-1]
+            lines.append(f"{arm}: the same next turn after {a} / after {b}: median "
+                         f"{t['median_s'][a]:.2f} / {t['median_s'][b]:.2f} s over "
+                         f"{self.args.timing_repeats} interleaved runs: {t['ratio']:.2f}x")
+        if r := self.info["resume"]:
+            lines.append(f"session at budget {self.args.budget}: save {r['save_s']:.3f} s, load "
+                         f"{r['load_s']:.3f} s, {r['file_bytes'] / 2**20:.2f} MiB; resumed next "
+                         f"reply identical: {r['same_next_reply']}")
+        return summary, "\n".join([table(summary), *lines])
+
+    def plot(self, result: dict, path) -> None:
+        plot(result["rows"], self.args.budget, path)
+
+
+EVALUATION = Chat

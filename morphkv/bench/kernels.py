@@ -20,8 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..eval.flags import add_flags
-from ..eval.output import environment, finish, markdown_table
+from ..eval.runner import Evaluation, add_flags, markdown_table
 from ..mlxlm.hooks import attention_step, queries_by_hand
 from .layer import D, H, make_cache, stream
 
@@ -141,15 +140,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ])
 
 
-def execute(args: argparse.Namespace) -> dict:
-    if args.quick:
-        args.budget, args.blocks = 64, 1
-    with queries_by_hand():
-        rows = [count(spec, args.budget, args.groups, args.blocks, args.rows)
-                for spec in args.arms]
+class Kernels(Evaluation):
+    """Every cache spec (an item): kernels and host syncs per decode step."""
+
+    name, key, command, stem_of = NAME, "rows", "morphkv bench speed", "kernels{_quick}"
     columns = ["cache", "class", "batch", "block", "kernels_per_step", "views_per_step",
                "host_syncs_per_step"]
-    result = {"benchmark": NAME, "args": vars(args), "rows": rows, "environment": environment()}
-    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}",
-           table=markdown_table(columns, [[r[c] for c in columns] for r in rows]))
-    return result
+
+    def load(self):
+        return None, None  # one layer alone: no model
+
+    def arms(self) -> list:
+        if self.args.quick:
+            self.args.budget, self.args.blocks = 64, 1
+        return self.args.arms
+
+    def items(self, model, tok):
+        return self.args.arms
+
+    def measure(self, model, tok, spec, arms, bar) -> dict:
+        a = self.args
+        with queries_by_hand():
+            return count(spec, a.budget, a.groups, a.blocks, a.rows)
+
+    def report(self, rows: list, arms) -> tuple:
+        return None, markdown_table(self.columns, [[r[c] for c in self.columns] for r in rows])
+
+
+EVALUATION = Kernels

@@ -23,10 +23,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 
 from ..eval.arms import Arm
-from ..eval.flags import add_flags, standard
-from ..eval.output import environment, finish, markdown_table
-from ..eval.plots import require_matplotlib
-from ..eval.progress import Progress
+from ..eval.runner import Evaluation, add_flags, markdown_table, standard
 from ..mlxlm.hooks import attention_step, queries_by_hand
 
 NAME = "layer"
@@ -151,20 +148,6 @@ def measure(spec: str, args, k, v, q) -> dict:
     return row
 
 
-def plot(result: dict, path) -> str:
-    from ..eval import plots
-
-    rows = result["rows"]
-    fig, axes = plots.panels(2, 6, 4.5)
-    axes = axes.ravel()
-    labels = [r["arm"] for r in rows]
-    plots.grouped_bars(axes[0], labels, {"decode x rotating": [r["decode_ratio"] for r in rows]},
-                       "decode update x RotatingKVCache")
-    plots.grouped_bars(axes[1], labels, {"chunk ms": [r["chunk_ms"] for r in rows]},
-                       f"one {result['chunk']}-token update, ms")
-    return plots.save(fig, path, 100)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--budget", 512, "tokens kept"),
@@ -182,37 +165,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ])
 
 
-def execute(args: argparse.Namespace) -> dict:
-    require_matplotlib(args)
-    if args.quick:
-        args.budget, args.repeats, args.chunk, args.chunk_repeats = 64, 8, 128, 1
-    arms = list(args.arms)
-    if args.velox:
-        try:
-            import veloxquant_mlx.cache.morphkv_cache  # noqa: F401
+class Layer(Evaluation):
+    """Every arm (an item) timed beside a RotatingKVCache on one stream of keys and values."""
 
-            arms.append("velox")
-        except Exception:  # noqa: BLE001 (any import failure: the arm is skipped)
-            print("veloxquant-mlx is not importable: no 'velox' arm")
-    caches = [make_cache(s, args.budget, args.window)[0] for s in arms]  # bad specs fail now
-    block = max(getattr(getattr(c, "config", None), "block", 1) for c in caches)
-    n = max(args.chunk, args.budget + 16 + (args.repeats + 2) * block)
-    k, v, q = stream(n, DTYPES[args.dtype], args.groups)
-    bar, rows = Progress(len(arms), NAME, args.quiet), []
-    with queries_by_hand():
-        for spec in arms:
-            rows.append(measure(spec, args, k, v, q))
-            bar.update(1, f"{spec}: decode x{rows[-1]['decode_cpu_ratio']:.2f} (CPU), "
-                          f"chunk {rows[-1]['chunk_ms']:.0f} ms")
-    result = {"benchmark": NAME, "budget": args.budget, "window": args.window,
-              "chunk": args.chunk, "groups": args.groups, "dtype": args.dtype,
-              "repeats": args.repeats, "rows": rows, "environment": environment()}
-    print("decode_us: one single-token update once full (mean over each eviction block, "
-          "median over blocks), interleaved with RotatingKVCache's (rotating_us); chunk_ms: "
-          "one chunk into an empty cache, median, beside RotatingKVCache's; _cpu_: the same "
-          "in CPU time; queries: real (timed with the layer's attention, the reference too) "
-          "or proxy (update alone)")
-    table = markdown_table(list(COLUMNS), [[r[c] for c in COLUMNS] for r in rows])
-    finish(args, NAME, result, f"{NAME}{'_quick' if args.quick else ''}",
-           lambda path: plot(result, path), table, png=NAME)
-    return result
+    name, key, command, stem_of = NAME, "rows", "morphkv bench speed", "layer{_quick}"
+
+    def load(self):
+        return None, None  # one layer alone: no model
+
+    def arms(self) -> list:
+        a = self.args
+        if a.quick:
+            a.budget, a.repeats, a.chunk, a.chunk_repeats = 64, 8, 128, 1
+        arms = list(a.arms)
+        if a.velox:
+            try:
+                import veloxquant_mlx.cache.morphkv_cache  # noqa: F401
+
+                arms.append("velox")
+            except Exception:  # noqa: BLE001 (any import failure: the arm is skipped)
+                print("veloxquant-mlx is not importable: no 'velox' arm")
+        caches = [make_cache(s, a.budget, a.window)[0] for s in arms]  # bad specs fail now
+        block = max(getattr(getattr(c, "config", None), "block", 1) for c in caches)
+        n = max(a.chunk, a.budget + 16 + (a.repeats + 2) * block)
+        self.kvq, self.specs = stream(n, DTYPES[a.dtype], a.groups), arms
+        return arms
+
+    def items(self, model, tok):
+        return self.specs
+
+    def steps(self, arms) -> int:
+        return len(arms)
+
+    def measure(self, model, tok, spec, arms, bar) -> dict:
+        with queries_by_hand():
+            row = measure(spec, self.args, *self.kvq)
+        bar.update(1, f"{spec}: decode x{row['decode_cpu_ratio']:.2f} (CPU), "
+                      f"chunk {row['chunk_ms']:.0f} ms")
+        return row
+
+    def report(self, rows: list, arms) -> tuple:
+        return None, ("decode_us: one single-token update once full (mean over each eviction "
+                      "block, median over blocks), interleaved with RotatingKVCache's "
+                      "(rotating_us); chunk_ms: one chunk into an empty cache, median, beside "
+                      "RotatingKVCache's; _cpu_: the same in CPU time; queries: real (timed "
+                      "with the layer's attention, the reference too) or proxy (update alone)\n"
+                      + markdown_table(list(COLUMNS), [[r[c] for c in COLUMNS] for r in rows]))
+
+    def plot(self, result: dict, path) -> None:
+        from ..eval import plots
+
+        rows = result["rows"]
+        fig, axes = plots.panels(2, 6, 4.5)
+        labels = [r["arm"] for r in rows]
+        plots.grouped_bars(axes[0][0], labels, {"decode x rotating": [r["decode_ratio"]
+                                                                       for r in rows]},
+                           "decode update x RotatingKVCache")
+        plots.grouped_bars(axes[0][1], labels, {"chunk ms": [r["chunk_ms"] for r in rows]},
+                           f"one {self.args.chunk}-token update, ms")
+        plots.save(fig, path, 100)
+
+
+EVALUATION = Layer

@@ -20,10 +20,8 @@ import mlx.core as mx
 
 from ..eval import plots
 from ..eval.arms import parse_arms
-from ..eval.flags import add_flags, standard
 from ..eval.models import RANDOM_TINY
-from ..eval.output import markdown_table
-from ..eval.runner import Evaluation
+from ..eval.runner import Evaluation, add_flags, markdown_table, standard
 from ..eval.texts import PROSE_TOPICS, prose_text
 
 NAME = "overhead"

@@ -22,12 +22,10 @@ import time
 
 from ..core.pins import pin
 from .arms import cells
-from .flags import add_flags, standard
 from .forced import log_probs
 from .metrics import cluster_interval
 from .models import greedy_tokens
-from .output import markdown_table, out_dir, write_json
-from .runner import Evaluation
+from .runner import Evaluation, add_flags, markdown_table, out_dir, standard, write_json
 
 DATA_FILE = "answer_prompts.json"
 RARE = 3  # a re-mention's token occurred at most this many times before

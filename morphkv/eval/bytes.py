@@ -25,11 +25,9 @@ from ..mlxlm.turns import user_positions
 from . import plots
 from .arms import Arm, cells
 from .asking import prefill
-from .flags import add_flags, standard
 from .forced import position_kl, reference_logprobs
 from .metrics import held_bytes
-from .output import markdown_table
-from .runner import Evaluation
+from .runner import Evaluation, add_flags, markdown_table, standard
 from .texts import CONVERSATIONS, split_texts
 
 NAME = "bytes"

@@ -25,8 +25,7 @@ from .arms import Arm, cells
 from .asking import ask, until_end
 from .chat_items import build_chat, build_said_chat, encode, judge, tokenize
 from .chat_report import FULL, plot, said_report, summarize, table
-from .flags import add_flags, standard
-from .runner import Evaluation
+from .runner import Evaluation, add_flags, standard
 from .runner import run as run_evaluation
 
 NAME = "chatrecall"
@@ -118,14 +117,10 @@ def add_arguments(parser: argparse.ArgumentParser, live: bool = True) -> None:
     ])
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.live:
-        from .live import run_live
+def run(args: argparse.Namespace) -> None:
+    from .live import Live  # --live: the chats run live (morphkv.eval.live)
 
-        run_live(args)
-    else:
-        run_evaluation(Chats(args))
-    return 0
+    run_evaluation((Live if args.live else Chats)(args))
 
 
 class Said(Chats):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from .chat_items import said_by
 from .metrics import cluster_interval
-from .output import markdown_table
 from .plots import plt, save
+from .runner import markdown_table
 
 FULL = "kvcache"
 

@@ -20,12 +20,9 @@ import mlx.core as mx
 
 from . import plots
 from .arms import Arm, grid_arms, parse_arms
-from .flags import add_flags, standard
 from .forced import evaluate, reference_logprobs
 from .metrics import held_bytes
-from .output import markdown_table, pivot
-from .runner import Evaluation
-from .runner import run as run_evaluation
+from .runner import Evaluation, add_flags, markdown_table, pivot, standard
 from .texts import build_texts, split_texts
 
 NAME = "fidelity"
@@ -254,6 +251,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ])
 
 
-def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
-    """Run with the command-line settings; ``model``/``tokenizer`` bypass loading (tests)."""
-    return run_evaluation(Fidelity(args), model, tokenizer)
+EVALUATION = Fidelity

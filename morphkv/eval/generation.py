@@ -16,11 +16,8 @@ import mlx.core as mx
 from . import plots
 from .arms import parse_arms
 from .fidelity import ARM_DEFAULTS, N_SINK
-from .flags import add_flags, csv_ints, standard
 from .metrics import distinct, kv_bytes, repetition_rate
-from .output import markdown_table
-from .runner import Evaluation
-from .runner import run as run_evaluation
+from .runner import Evaluation, add_flags, csv_ints, markdown_table, standard
 from .texts import GENERATION_PROMPTS, chat_prompt
 
 NAME = "generation"
@@ -154,6 +151,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ])
 
 
-def execute(args: argparse.Namespace, model=None, tokenizer=None) -> dict:
-    """Run with the command-line settings; ``model``/``tokenizer`` bypass loading (tests)."""
-    return run_evaluation(Generation(args), model, tokenizer)
+EVALUATION = Generation

@@ -28,8 +28,9 @@ import numpy as np
 from .chat_answers import questions
 from .chat_items import build_chat, judge
 from .metrics import cluster_interval
-from .output import environment, out_dir, write_json
+from .models import load_model
 from .process import free_port, stop_process, stream_chat, wait_healthy
+from .runner import Evaluation, markdown_table
 
 NAME = "chatrecall"  # results/chatrecall/, as eval recall's other data sets
 NOFACT = ":nofact"  # an arm name ending so runs the chats without their facts
@@ -162,42 +163,43 @@ def held_out_chats(split: str, first: int, count: int, seed: int) -> list:
     return [build_chat(split, i, seed) for i in range(first, first + count)]
 
 
-def run_live(args) -> dict:
-    """Every arm over the same chats; the JSON written after each arm (a stopped run keeps
-    what it measured)."""
-    arms = parse_arms(args.live_arms)
-    chats_of = held_out_chats(args.split, args.first, args.chats, args.seed)
-    model = tok = None
-    if args.live == MLX_LM:
-        from .models import load_model
+class Live(Evaluation):
+    """Every arm (an item: the JSON is written after each) over the same chats, live."""
 
-        model, tok = load_model(args.model)
-    path = out_dir(args, NAME) / f"{args.stem or f'{NAME}_live_{args.live}_{args.split}'}.json"
-    result = {"benchmark": NAME, "args": vars(args), "environment": environment(),
-              "load_average": {"start": os.getloadavg()}, "live": args.live, "model": args.model,
-              "split": args.split, "turns": args.turns, "arms": {}}
-    log = open(os.devnull, "w") if not args.verbose else None
-    for name, flags in arms:
-        nofact = name.endswith(NOFACT)
-        chats = [(c, nofact) for c in chats_of]
-        start = time.perf_counter()
-        if args.live == MLX_LM:
-            rows = mlx_lm_chat(model, tok, flags, chats, args)
+    name, key, command, stem_of = NAME, "arms", "morphkv eval recall", "{name}_live_{live}_{split}"
+
+    def arms(self) -> list:
+        return parse_arms(self.args.live_arms)
+
+    def load(self):
+        return load_model(self.args.model) if self.args.live == MLX_LM else (None, None)
+
+    def items(self, model, tok):
+        a = self.args
+        self.chats = held_out_chats(a.split, a.first, a.chats, a.seed)
+        self.log = open(os.devnull, "w") if not a.verbose else None
+        return self.arms()
+
+    def measure(self, model, tok, arm, arms, bar) -> dict:
+        (name, flags), start = arm, time.perf_counter()
+        chats = [(c, name.endswith(NOFACT)) for c in self.chats]
+        if self.args.live == MLX_LM:
+            rows = mlx_lm_chat(model, tok, flags, chats, self.args)
         else:
-            rows = served_chat(args.model, flags, chats, args, log)
+            rows = served_chat(self.args.model, flags, chats, self.args, self.log)
         hits = [r["right"] for r in rows]
         firsts = np.array([r["first_token_s"] for r in rows], float)
-        summary = {"flags": flags, "rows": rows, "right": int(sum(map(sum, hits))),
-                   "items": int(sum(map(len, hits))), "interval": cluster_interval(hits),
-                   "first_token_last_over_early": float(np.median(
-                       firsts[:, -1] / np.median(firsts[:, 1:4], axis=1))),
-                   "seconds": time.perf_counter() - start}
-        result["arms"][name] = summary
-        print(f"{name}: {summary['right']}/{summary['items']} facts "
-              f"(interval over {len(rows)} chats: {summary['interval']}), first token last/"
-              f"early turns {summary['first_token_last_over_early']:.2f}x, "
-              f"{summary['seconds']:.0f} s", flush=True)
-        result["load_average"]["end"] = os.getloadavg()
-        write_json(path, result)
-    print(f"wrote {path}")
-    return result
+        out = {"arm": name, "flags": flags, "rows": rows, "right": int(sum(map(sum, hits))),
+               "items": int(sum(map(len, hits))), "interval": cluster_interval(hits),
+               "first_token_last_over_early": float(np.median(
+                   firsts[:, -1] / np.median(firsts[:, 1:4], axis=1))),
+               "seconds": time.perf_counter() - start}
+        print(f"{name}: {out['right']}/{out['items']} facts (interval over {len(rows)} chats: "
+              f"{out['interval']}), first token last/early turns "
+              f"{out['first_token_last_over_early']:.2f}x, {out['seconds']:.0f} s", flush=True)
+        return out
+
+    def report(self, records: list, arms) -> tuple:
+        keys = ("right", "items", "interval", "first_token_last_over_early", "seconds")
+        return {r["arm"]: {k: r[k] for k in keys} for r in records}, markdown_table(
+            ["arm", *keys], [[r["arm"], *(r[k] for k in keys)] for r in records])

@@ -17,8 +17,8 @@ from .arms import Cell, cells
 from .asking import ask
 from .chat_recall import Chats
 from .chat_report import summarize, table
-from .flags import add_flags, standard
 from .recall_items import build_item, build_natural_item, is_correct
+from .runner import add_flags, standard
 
 NAME = "recall"
 DEFAULT_ARMS = "full,streaming_llm,tuned,h2o,peak:recent=32:value=true"
