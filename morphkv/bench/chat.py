@@ -208,7 +208,7 @@ class Chat(Evaluation):
 
     def items(self, model, tok):
         self.messages = user_messages(tok, self.args.turns, self.args.user_tokens)
-        return self.args.arms
+        return self.chosen
 
     def steps(self, arms) -> int:
         return self.args.turns * len(arms)

@@ -144,18 +144,13 @@ class Kernels(Evaluation):
     """Every cache spec (an item): kernels and host syncs per decode step."""
 
     name, key, command, stem_of = NAME, "rows", "morphkv bench speed", "kernels{_quick}"
+    model = False  # one layer alone
     columns = ["cache", "class", "batch", "block", "kernels_per_step", "views_per_step",
                "host_syncs_per_step"]
-
-    def load(self):
-        return None, None  # one layer alone: no model
 
     def arms(self) -> list:
         if self.args.quick:
             self.args.budget, self.args.blocks = 64, 1
-        return self.args.arms
-
-    def items(self, model, tok):
         return self.args.arms
 
     def measure(self, model, tok, spec, arms, bar) -> dict:

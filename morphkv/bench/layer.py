@@ -169,9 +169,7 @@ class Layer(Evaluation):
     """Every arm (an item) timed beside a RotatingKVCache on one stream of keys and values."""
 
     name, key, command, stem_of = NAME, "rows", "morphkv bench speed", "layer{_quick}"
-
-    def load(self):
-        return None, None  # one layer alone: no model
+    model = False  # one layer alone
 
     def arms(self) -> list:
         a = self.args
@@ -188,11 +186,8 @@ class Layer(Evaluation):
         caches = [make_cache(s, a.budget, a.window)[0] for s in arms]  # bad specs fail now
         block = max(getattr(getattr(c, "config", None), "block", 1) for c in caches)
         n = max(a.chunk, a.budget + 16 + (a.repeats + 2) * block)
-        self.kvq, self.specs = stream(n, DTYPES[a.dtype], a.groups), arms
+        self.kvq = stream(n, DTYPES[a.dtype], a.groups)
         return arms
-
-    def items(self, model, tok):
-        return self.specs
 
     def steps(self, arms) -> int:
         return len(arms)

@@ -28,7 +28,6 @@ import numpy as np
 from .chat_answers import questions
 from .chat_items import build_chat, judge
 from .metrics import cluster_interval
-from .models import load_model
 from .process import free_port, stop_process, stream_chat, wait_healthy
 from .runner import Evaluation, markdown_table
 
@@ -172,13 +171,14 @@ class Live(Evaluation):
         return parse_arms(self.args.live_arms)
 
     def load(self):
-        return load_model(self.args.model) if self.args.live == MLX_LM else (None, None)
+        self.model = self.args.live == MLX_LM  # morphkv serve loads its own
+        return super().load()
 
     def items(self, model, tok):
         a = self.args
         self.chats = held_out_chats(a.split, a.first, a.chats, a.seed)
         self.log = open(os.devnull, "w") if not a.verbose else None
-        return self.arms()
+        return self.chosen
 
     def measure(self, model, tok, arm, arms, bar) -> dict:
         (name, flags), start = arm, time.perf_counter()

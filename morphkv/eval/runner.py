@@ -40,6 +40,7 @@ class Evaluation:
     key = "items"  # the JSON's list of records
     command = "morphkv eval"  # names the command in a one-line error
     plot = None  # a method plot(result, path): the PNG drawn at the end
+    model = True  # False: no model is loaded (one layer alone)
 
     def __init__(self, args) -> None:
         self.args, self.info = args, {}  # ``info``: more top-level JSON fields
@@ -53,16 +54,20 @@ class Evaluation:
         """Progress steps in all (0: no progress line)."""
         return 0
 
+    def items(self, model, tok):
+        """The items (default: the arms, each measured in turn)."""
+        return self.chosen
+
     def load(self):
-        """(model, tokenizer): ``--model``'s (a measurement without a model: (None, None))."""
-        return load_model(getattr(self.args, "model", None))
+        """(model, tokenizer): ``--model``'s; ``model = False``: (None, None)."""
+        return load_model(getattr(self.args, "model", None)) if self.model else (None, None)
 
 
 def run(ev: Evaluation, model=None, tok=None) -> dict:
     """Every item under every arm (see the module doc); the result dict of the last model."""
     args = ev.args
     try:
-        arms = ev.arms()
+        arms = ev.chosen = ev.arms()
     except ValueError as e:
         raise SystemExit(f"{ev.command}: error: {e}") from None
     if ev.plot:
