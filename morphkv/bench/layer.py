@@ -64,13 +64,6 @@ def make_cache(spec: str, budget: int, window: int, n_sink: int = 4):
     return KVCacheBuilder.build(config), real
 
 
-def engine_of(cache) -> str:
-    config = getattr(cache, "config", None)
-    if config is None:
-        return type(cache).__name__
-    return config.engine if config.engine != "auto" else config.default_engine
-
-
 def held(cache, depth: int = 3) -> list:
     """Every MLX array the cache holds (its own attributes, its engine's and theirs),
     without building a saved state (``state`` snapshots, which decode never does)."""
@@ -102,50 +95,6 @@ def timed(cache, k, v, q=None, read: bool = False) -> tuple[float, float]:
     walk, walk_cpu = time.perf_counter() - walk, time.process_time() - walk_cpu
     mx.eval(out, arrays)
     return time.perf_counter() - start - walk, time.process_time() - cpu - walk_cpu
-
-
-def per_block(times: list[float], block: int) -> list[float]:
-    """Mean per token of each run of ``block`` consecutive steps (one eviction each)."""
-    return [sum(times[i : i + block]) / block for i in range(0, len(times) - block + 1, block)]
-
-
-def measure(spec: str, args, k, v, q) -> dict:
-    """Decode and chunk times of one arm, each interleaved with a RotatingKVCache's."""
-    cache, real = make_cache(spec, args.budget, args.window)
-    caches = {"arm": cache, "rotating": make_cache("rotating", args.budget, args.window)[0]}
-    block = getattr(getattr(cache, "config", None), "block", 1)
-
-    def cut(i: int, j: int) -> list:  # keys, values and (real queries only) queries
-        return [k[:, :, i:j], v[:, :, i:j], q[:, :, i:j] if real else None]
-
-    warm = args.budget + 16
-    for c in caches.values():
-        timed(c, *cut(0, warm))
-    first = warm + (-(warm - args.budget) % block)  # the first token after an eviction
-    times = {name: [] for name in caches}  # (wall, CPU) seconds per step
-    for t in range(warm, first + args.repeats * block):
-        token = cut(t, t + 1)
-        mx.eval([x for x in token if x is not None])
-        for name, c in caches.items():
-            seconds = timed(c, *token)
-            times[name] += [seconds] if t >= first else []
-    chunk = {name: [] for name in caches}
-    for _ in range(args.chunk_repeats):
-        for name in caches:
-            c = make_cache(spec if name == "arm" else "rotating", args.budget, args.window)[0]
-            chunk[name].append(timed(c, *cut(0, args.chunk), True))
-    row = {"arm": spec, "engine": engine_of(cache), "queries": "real" if real else "proxy",
-           "block": block, "chunk_tokens": args.chunk}
-    for w, tag in ((0, ""), (1, "cpu_")):
-        decode = {n: statistics.median(per_block([x[w] for x in ts], block))
-                  for n, ts in times.items()}
-        chunks = {n: statistics.median(x[w] for x in ts) for n, ts in chunk.items()}
-        row.update({f"decode_{tag}us": decode["arm"] * 1e6,
-                    f"rotating_{tag}us": decode["rotating"] * 1e6,
-                    f"decode_{tag}ratio": decode["arm"] / decode["rotating"],
-                    f"chunk_{tag}ms": chunks["arm"] * 1e3,
-                    f"rotating_chunk_{tag}ms": chunks["rotating"] * 1e3})
-    return row
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -193,8 +142,46 @@ class Layer(Evaluation):
         return len(arms)
 
     def measure(self, model, tok, spec, arms, bar) -> dict:
-        with queries_by_hand():
-            row = measure(spec, self.args, *self.kvq)
+        """Decode and chunk times of one arm, each interleaved with a RotatingKVCache's."""
+        (k, v, q), args = self.kvq, self.args
+        with queries_by_hand():  # the rules that read attention are handed the queries
+            cache, real = make_cache(spec, args.budget, args.window)
+            caches = {"arm": cache, "rotating": make_cache("rotating", args.budget, args.window)[0]}
+            block = getattr(getattr(cache, "config", None), "block", 1)
+
+            def cut(i: int, j: int) -> list:  # keys, values and (real queries only) queries
+                return [k[:, :, i:j], v[:, :, i:j], q[:, :, i:j] if real else None]
+
+            warm = args.budget + 16
+            for c in caches.values():
+                timed(c, *cut(0, warm))
+            first = warm + (-(warm - args.budget) % block)  # the first token after an eviction
+            times = {name: [] for name in caches}  # (wall, CPU) seconds per step
+            for t in range(warm, first + args.repeats * block):
+                token = cut(t, t + 1)
+                mx.eval([x for x in token if x is not None])
+                for name, c in caches.items():
+                    seconds = timed(c, *token)
+                    times[name] += [seconds] if t >= first else []
+            chunk = {name: [] for name in caches}
+            for _ in range(args.chunk_repeats):
+                for name, each in (("arm", spec), ("rotating", "rotating")):
+                    c = make_cache(each, args.budget, args.window)[0]
+                    chunk[name].append(timed(c, *cut(0, args.chunk), True))
+        config = getattr(cache, "config", None)
+        row = {"arm": spec, "queries": "real" if real else "proxy", "block": block,
+               "chunk_tokens": args.chunk, "engine": type(cache).__name__ if config is None else
+               config.engine if config.engine != "auto" else config.default_engine}
+        for w, tag in ((0, ""), (1, "cpu_")):
+            decode = {n: statistics.median(  # the mean per token of each eviction block
+                sum(x[w] for x in ts[i : i + block]) / block
+                for i in range(0, len(ts) - block + 1, block)) for n, ts in times.items()}
+            chunks = {n: statistics.median(x[w] for x in ts) for n, ts in chunk.items()}
+            row.update({f"decode_{tag}us": decode["arm"] * 1e6,
+                        f"rotating_{tag}us": decode["rotating"] * 1e6,
+                        f"decode_{tag}ratio": decode["arm"] / decode["rotating"],
+                        f"chunk_{tag}ms": chunks["arm"] * 1e3,
+                        f"rotating_chunk_{tag}ms": chunks["rotating"] * 1e3})
         bar.update(1, f"{spec}: decode x{row['decode_cpu_ratio']:.2f} (CPU), "
                       f"chunk {row['chunk_ms']:.0f} ms")
         return row

@@ -36,19 +36,6 @@ DEFAULT_ARMS = ("h2o,streaming_llm:memory=f16:bits=8,recommended:memory=f16,"
 CHUNK = 256
 
 
-def kl_of(model, arm, tokens: list[int], ref, budget: int, first: int, pins=None) -> dict:
-    """Mean KL(full || arm) over positions ``first``..end-1; bytes and tokens held.
-    ``pins``: positions pinned in the caches (``morphkv.pin``) before the text is fed."""
-    caches = arm.caches(model, budget, 4)
-    if pins is not None:
-        pin(caches, pins)
-    n, total = position_kl(model, caches, tokens, ref, first, first, CHUNK)
-    budgets = [c.config.budget for c in caches if hasattr(c, "config")]
-    return {"kl": total / max(n, 1), "positions": n,
-            "nbytes": int(sum(held_bytes(c) for c in caches)),
-            "tokens": max(budgets) if budgets else budget}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         ("--arms", DEFAULT_ARMS, "comma-separated arm specs (memory=f16: the bytes of a "
@@ -62,12 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         *standard(NAME, "model", "out"),
         ("--stem", None, "output file stem (default bytes_<split>)"),
     ])
-
-
-def user_pins(tokenizer, name: str):
-    """The user turns of a conversation text (``conversation<i>``), else None (no turns)."""
-    if name.startswith("conversation"):
-        return user_positions(tokenizer, CONVERSATIONS[int(name.removeprefix("conversation"))])
 
 
 class Bytes(Evaluation):
@@ -87,19 +68,25 @@ class Bytes(Evaluation):
         texts = split_texts(tok, model, a.split, a.prose_tokens, a.continuation_tokens,
                             a.conversation_tokens)
         self.info["texts"] = {k: len(v) for k, v in texts.items()}
-        return ((name, tokens, user_pins(tok, name)) for name, tokens in texts.items())
+        return texts.items()
 
     def measure(self, model, tok, item, arms, bar) -> list:
-        name, tokens, pins = item
-        ref, rows = reference_logprobs(model, tokens), []
-        for budget in self.args.tokens:
-            for c in arms:
-                row = {"text": name, "arm": c.label, "f16_tokens": budget,
-                       **kl_of(model, c.arm, tokens, ref, budget, budget + 1,
-                               pins if c.pins else None)}
-                rows.append(row)
-                print(f"{name} {c.label} @{budget}: KL {row['kl']:.4f}, {row['tokens']} tokens, "
-                      f"{row['nbytes'] / 2**20:.2f} MiB", flush=True)
+        """Per token count and arm: mean KL(full || arm) from the first position a cache of
+        that many tokens lacks a token; bytes and tokens held."""
+        (name, tokens), rows = item, []
+        ref = reference_logprobs(model, tokens)
+        for budget, c in ((b, c) for b in self.args.tokens for c in arms):
+            caches = c.arm.caches(model, budget, 4)
+            if c.pins and name.startswith("conversation"):  # the conversation's user turns
+                pin(caches, user_positions(tok, CONVERSATIONS[int(name[12:])]))
+            n, total = position_kl(model, caches, tokens, ref, budget + 1, budget + 1, CHUNK)
+            held = [k.config.budget for k in caches if hasattr(k, "config")]
+            rows.append(row := {"text": name, "arm": c.label, "f16_tokens": budget,
+                                "kl": total / max(n, 1), "positions": n,
+                                "nbytes": int(sum(held_bytes(k) for k in caches)),
+                                "tokens": max(held) if held else budget})
+            print(f"{name} {c.label} @{budget}: KL {row['kl']:.4f}, {row['tokens']} tokens, "
+                  f"{row['nbytes'] / 2**20:.2f} MiB", flush=True)
         return rows
 
     def report(self, rows: list, arms) -> tuple:
@@ -169,19 +156,6 @@ STATE_ARMS = ("streaming_llm:memory={m}:bits=8,h2o:memory={m}:bits=8:block=16,"
               "recommended:memory={m},tuned:memory={m},paper:memory={m}")
 
 
-def state_of(model, spec: str, tokens: int) -> dict:
-    """Tokens per KV head, bytes a slot of K/V storage and of selection state (see ``State``)."""
-    caches = Arm.parse(spec).caches(model, 128)
-    prefill(model, caches, [t % 1000 + 100 for t in range(tokens)], 256)
-    c = [k for k in caches if hasattr(k, "engine_nbytes")]
-    slots = sum((k.config.budget + 1) * dims(k.keys)[1] for k in c)  # per layer x KV head
-    storage = sum(k.storage_nbytes for k in c)
-    state = sum(k.engine_nbytes for k in c)
-    return {"arm": spec, "tokens": c[0].config.budget, "kv_bytes_per_slot": storage / slots,
-            "state_bytes_per_slot": state / slots, "state_share": state / (storage + state),
-            "bytes_held": storage + state}
-
-
 class State(Evaluation):
     """What every byte of a bounded cache holds, per rule.
 
@@ -197,14 +171,18 @@ class State(Evaluation):
         "state_bytes"
 
     def arms(self) -> list:
-        self.specs = (self.args.arms or STATE_ARMS).format(m=self.args.memory).split(",")
-        return [Arm.parse(spec) for spec in self.specs]  # a bad spec: named before any work
-
-    def items(self, model, tok):
-        return self.specs
+        specs = (self.args.arms or STATE_ARMS).format(m=self.args.memory).split(",")
+        return [spec for spec in specs if Arm.parse(spec)]  # a bad spec: named before any work
 
     def measure(self, model, tok, spec, arms, bar) -> dict:
-        r = state_of(model, spec, 1024)
+        caches = Arm.parse(spec).caches(model, 128)
+        prefill(model, caches, [t % 1000 + 100 for t in range(1024)], 256)
+        c = [k for k in caches if hasattr(k, "engine_nbytes")]
+        slots = sum((k.config.budget + 1) * dims(k.keys)[1] for k in c)  # layers x KV heads
+        storage, state = sum(k.storage_nbytes for k in c), sum(k.engine_nbytes for k in c)
+        r = {"arm": spec, "tokens": c[0].config.budget, "kv_bytes_per_slot": storage / slots,
+             "state_bytes_per_slot": state / slots, "state_share": state / (storage + state),
+             "bytes_held": storage + state}
         print(f"{spec}: {r['tokens']} tokens, state {r['state_bytes_per_slot']:.1f} of "
               f"{r['kv_bytes_per_slot'] + r['state_bytes_per_slot']:.1f} bytes a slot "
               f"({100 * r['state_share']:.1f}%)", flush=True)

@@ -44,7 +44,6 @@ class Question:
     wrong: tuple[str, ...]  # other values of the kind (the old one included)
     text: str
     lead: str = ""  # the answer turn's opening words (no value in them)
-    value_ids: tuple[int, ...] = ()  # the value's own tokens as stated
     positions: tuple[int, ...] = ()  # their positions in the prompt
     distance: int = 0  # tokens from the value's statement to the end of the prompt
     updated: bool = False
@@ -96,23 +95,16 @@ def encode(tok, messages: list[dict], question=None) -> list[int]:
                   else [])
 
 
-def value_spans(tok, ids: list[int], value: str, stop: int | None = None) -> list[range]:
+def value_spans(tok, ids: list[int], value: str) -> list[range]:
     """Every occurrence of the value's own token sequence (`` value``, else ``value``) in
-    ``ids[:stop]``: never a token that merely occurs inside the value (" in" for Berlin)."""
-    stop = len(ids) if stop is None else stop
+    ``ids``: never a token that merely occurs inside the value (" in" for Berlin)."""
     for text in (" " + value, value):
         sub = list(tok.encode(text, add_special_tokens=False))
         n = len(sub)
-        spans = [range(s, s + n) for s in range(stop - n + 1) if n and ids[s : s + n] == sub]
+        spans = [range(s, s + n) for s in range(len(ids) - n + 1) if n and ids[s : s + n] == sub]
         if spans:
             return spans
     return []
-
-
-def value_positions(tok, ids: list[int], value: str, stop: int) -> tuple[int, ...]:
-    """Positions of the value's own tokens where it was last stated (before ``stop``)."""
-    spans = value_spans(tok, ids, value, stop)
-    return tuple(spans[-1]) if spans else ()
 
 
 def tokenize(tok, chat: Chat, min_distance: int, max_turns: int = 12) -> list[int]:
@@ -125,8 +117,8 @@ def tokenize(tok, chat: Chat, min_distance: int, max_turns: int = 12) -> list[in
         full = encode(tok, msgs, chat.questions[0])
         ok = True
         for q in chat.questions:
-            pos = value_positions(tok, ids, q.value, len(ids))
-            q.positions, q.value_ids = pos, tuple(ids[p] for p in pos)
+            spans = value_spans(tok, ids, q.value)  # where the value was last stated
+            q.positions = pos = tuple(spans[-1]) if spans else ()
             q.distance = len(full) - pos[0] if pos else 0
             ok &= bool(pos) and q.distance >= min_distance
         if ok or 2 * turns >= len(chat.messages):

@@ -48,7 +48,7 @@ def evaluate(model, tokens, ref_lp: mx.array, cfg, chunk: int = 256, bar=None) -
     first = 0 if cfg.method == "full" else cfg.budget + 1  # the first read set missing a token
     ids = mx.array([int(t) for t in tokens])[None]
     targets = mx.array([int(t) for t in tokens[1:]] + [0])
-    sums = np.zeros(5)  # metrics.TOKEN_STATS
+    sums = np.zeros(5)  # KL, agreement, NLL, full NLL, count
     mx.reset_peak_memory()
     caches = KVCacheBuilder.for_model(model, cfg)  # attaches the hook
     t0, prefill = time.perf_counter(), max(0, min(first - 1, T_len))

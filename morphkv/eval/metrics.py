@@ -10,12 +10,10 @@ import numpy as np
 
 from ..core.quant import dims
 
-TOKEN_STATS = ("kl", "agree", "nll", "nll_full", "n")
-
 
 def token_stats(lp: mx.array, ref: mx.array, targets: mx.array) -> mx.array:
     """Sums over positions of KL(ref || lp), top-1 agreement, NLL of the targets under both,
-    and the count (``TOKEN_STATS``); ``lp``/``ref`` are (n, V) log-probabilities."""
+    and the count; ``lp``/``ref`` are (n, V) log-probabilities."""
     kl = (mx.exp(ref) * (ref - lp)).sum(axis=-1)
     agree = (lp.argmax(axis=-1) == ref.argmax(axis=-1)).astype(mx.float32)
     nll = -mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]

@@ -73,7 +73,8 @@ class LongChats(Chats):
         """The full cache, then (when it answers right) every other arm: a prefill of all but
         the prompt's last token, the retention, then ``--max-tokens`` greedy tokens."""
         a = self.args
-        item = make_item(tok, a, index)
+        item = (build_natural_item(tok, a.seed, a.split, index, max(a.budgets))
+                if a.set == "natural" else build_item(tok, a.seed, a.split, index, a.distance))
         rec = {"index": index, "kind": item.kind, "value": item.value, "tokens": len(item.ids),
                "turns": item.turns, "distractors": list(item.distractors), "arms": {},
                "questions": [{"kind": item.kind, "value": item.value, "updated": False,
@@ -94,14 +95,6 @@ class LongChats(Chats):
     def report(self, records: list, cells) -> tuple:
         summary = summarize(records, [c.label for c in cells], full=cells[0].label)
         return summary, table(summary)
-
-
-def make_item(tok, args, index: int):
-    """Item ``index`` of the chosen set: ``natural`` (the asked fact 3-6 budgets back) or
-    ``canned`` (at least ``--distance`` tokens back)."""
-    if args.set == "natural":
-        return build_natural_item(tok, args.seed, args.split, index, max(args.budgets))
-    return build_item(tok, args.seed, args.split, index, args.distance)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
