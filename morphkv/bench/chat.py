@@ -44,16 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ])
 
 
-def user_messages(tokenizer, n: int, tokens: int) -> list[str]:
-    from ..eval.texts import prose_documents
-
-    docs = prose_documents(tokenizer, tokens, n)
-    if len(docs) < n:
-        raise SystemExit(f"morphkv: error: the prose has fewer tokens than --turns x "
-                         f"--user-tokens = {n * tokens}")
-    return [f"Summarize: {tokenizer.decode(d).strip()}" for d in docs]
-
-
 def _one_turn(conv, message, args) -> float:
     """Seconds of one turn: ``--reply-tokens`` greedy tokens, the end of turn masked."""
     import mlx.core as mx
@@ -207,7 +197,14 @@ class Chat(Evaluation):
         return a.arms
 
     def items(self, model, tok):
-        self.messages = user_messages(tok, self.args.turns, self.args.user_tokens)
+        from ..eval.texts import prose_documents
+
+        n, tokens = self.args.turns, self.args.user_tokens
+        docs = prose_documents(tok, tokens, n)
+        if len(docs) < n:
+            raise SystemExit(f"morphkv: error: the prose has fewer tokens than --turns x "
+                             f"--user-tokens = {n * tokens}")
+        self.messages = [f"Summarize: {tok.decode(d).strip()}" for d in docs]
         return self.chosen
 
     def steps(self, arms) -> int:

@@ -54,22 +54,6 @@ def _at_once(jobs: list[tuple[float, callable]]) -> list[dict]:
     return results
 
 
-def scenarios(client, args, long_prompt: str) -> dict:
-    def short(i=0):
-        return lambda: _streamed(client, QUESTIONS[i % len(QUESTIONS)], args.max_tokens, "short")
-
-    def long():
-        return _streamed(client, long_prompt, args.max_tokens, "long")
-
-    out = {}
-    short()()  # warm-up (first-request costs: tokenizer, kernels)
-    out["short_alone"] = [short(i)() for i in range(3)]
-    out["long_alone"] = [long()]
-    out["together"] = _at_once([(0, long)] + [(0, short(i)) for i in range(args.shorts)])
-    out["after"] = _at_once([(0, long)] + [(args.after_s, short(i)) for i in range(args.shorts)])
-    return out
-
-
 def summarize(runs: dict, args) -> dict:
     def med(rows, key, kind=None):
         vals = [r[key] for r in rows if r["ok"] and r.get(key) is not None
@@ -102,11 +86,24 @@ def summarize(runs: dict, args) -> dict:
 def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
     server = Server(kind, server_flags(kind, args), out)
     client = server.client(1200)
+
+    def short(i=0):
+        return lambda: _streamed(client, QUESTIONS[i % len(QUESTIONS)], args.max_tokens, "short")
+
+    def long():
+        return _streamed(client, long_prompt, args.max_tokens, "long")
+
     try:
-        runs = scenarios(client, args, long_prompt)
+        short()()  # warm-up (first-request costs: tokenizer, kernels)
+        runs = {"short_alone": [short(i)() for i in range(3)], "long_alone": [long()],
+                "together": _at_once([(0, long)] + [(0, short(i)) for i in range(args.shorts)]),
+                "after": _at_once([(0, long)] + [(args.after_s, short(i))
+                                                 for i in range(args.shorts)])}
     finally:
         status = server.stop()
-    return {"runs": runs, "summary": summarize(runs, args), "exit_status": status,
+    summary = summarize(runs, args)
+    print(json.dumps({kind: summary}, indent=1), flush=True)
+    return {"runs": runs, "summary": summary, "exit_status": status,
             "startup": server.startup(),
             "tracebacks_in_log": server.output.read_text().count("Traceback")}
 
@@ -133,12 +130,6 @@ def plot(results: dict, path: Path) -> None:
 def run(args) -> int:
     if args.quick:
         args.long_tokens, args.max_tokens, args.budget = 600, 4, min(args.budget, 32)
-
-    def bench(kind, args, out, long_prompt):
-        result = bench_server(kind, args, out, long_prompt)
-        print(json.dumps({kind: result["summary"]}, indent=1), flush=True)
-        return result
-
-    each_server(args, "serve_fair", bench, "Summarize this text. " + long_text(args.long_tokens),
-                lambda results: {"results": results}, plot)
+    each_server(args, "serve_fair", bench_server, "Summarize this text. "
+                + long_text(args.long_tokens), lambda results: {"results": results}, plot)
     return 0

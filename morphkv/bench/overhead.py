@@ -54,25 +54,6 @@ def run_arm(arm, model, prompt: mx.array, args) -> dict[str, float]:
             "kv_mib": sum(c.nbytes for c in caches) / 2**20}
 
 
-def context_table(by_context: dict) -> str:
-    """One row per (context, arm): wall and CPU figures and the ratios the targets name."""
-    headers = ["context", "cache", "prefill s", "prefill vs rotating", "decode ms/token",
-               "decode vs rotating", "decode vs kvcache", "prefill cpu s", "decode cpu ms",
-               "peak MiB", "KV MiB"]
-    rows = []
-    for context, median in by_context.items():
-        def ratio(m, arm, key, median=median):
-            base = median.get(arm, {}).get(key)
-            return m[key] / base if base else float("nan")
-
-        for name, m in median.items():
-            rows.append([context, name, m["prefill_s"], ratio(m, "rotating", "prefill_s"),
-                         m["decode_ms"], ratio(m, "rotating", "decode_ms"),
-                         ratio(m, "kvcache", "decode_ms"), m["prefill_cpu_s"],
-                         m["decode_cpu_ms"], m["peak_mib"], m["kv_mib"]])
-    return markdown_table(headers, rows)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         *standard(NAME, "model", "out", "no_plot"),
@@ -122,8 +103,22 @@ class Overhead(Evaluation):
                            for name, rs in runs.items()}}
 
     def report(self, records: list, arms) -> tuple:
-        by_context = {r["context"]: r["median"] for r in records}
-        return by_context, context_table(by_context)
+        """One row per (context, arm): wall and CPU figures and the ratios the targets name."""
+        by_context, rows = {r["context"]: r["median"] for r in records}, []
+        for context, median in by_context.items():
+            def ratio(m, arm, key, median=median):
+                base = median.get(arm, {}).get(key)
+                return m[key] / base if base else float("nan")
+
+            for name, m in median.items():
+                rows.append([context, name, m["prefill_s"], ratio(m, "rotating", "prefill_s"),
+                             m["decode_ms"], ratio(m, "rotating", "decode_ms"),
+                             ratio(m, "kvcache", "decode_ms"), m["prefill_cpu_s"],
+                             m["decode_cpu_ms"], m["peak_mib"], m["kv_mib"]])
+        return by_context, markdown_table(
+            ["context", "cache", "prefill s", "prefill vs rotating", "decode ms/token",
+             "decode vs rotating", "decode vs kvcache", "prefill cpu s", "decode cpu ms",
+             "peak MiB", "KV MiB"], rows)
 
     def plot(self, result: dict, path) -> None:
         median = result["contexts"][0]["median"]

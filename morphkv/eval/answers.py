@@ -143,17 +143,14 @@ def summarize(texts: list[dict], labels: list[str]) -> dict:
         wr = [[r["written"][i] for i in r["remention"]] for r in rows]
         nll = [r["nll"][i] for r in rows for i in r["remention"]]
         kl = [k for r in rows for k in r["kl"]]
+        free = [r["free"]["repetition"] for r in rows if "free" in r]
         out[label] = {"remention_agree": cluster_interval(at), "remention_written":
                       cluster_interval(wr), "remention_nll": sum(nll) / len(nll) if nll else None,
                       "rementions": len(nll), "texts": len(rows),
                       "kl": sum(kl) / len(kl) if kl else None,
-                      "repetition": _mean([r["free"]["repetition"] for r in rows if "free" in r]),
+                      "repetition": sum(free) / len(free) if free else None,
                       "mib": max(r["nbytes"] for r in rows) / 2**20}
     return out
-
-
-def _mean(xs: list) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 def table(summary: dict) -> str:

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..core.config import KVCacheConfig
 from ..core.knobs import field_of
+from ..core.memory import parse_size
 from ..core.presets import PRESETS
 from ..core.rules import METHODS
 from ..mlxlm.builder import KVCacheBuilder
@@ -157,8 +158,10 @@ class Arm:
             fields.update(self.defaults)
         fields.update(self.options)
         memory = fields.pop("kv_memory", None)
-        if memory is not None:
-            memory = memory_bytes(memory, budget, model)
+        if memory == F16:  # before a model is known, 1 byte: enough to check the spec
+            memory = 1 if model is None else f16_bytes(model, budget)
+        elif memory is not None:
+            memory = parse_size(memory) if isinstance(memory, str) else int(memory)
         for key, value in list(fields.items()):  # recent=0.5: a fraction of the budget
             if key == "morphkv_recent" and isinstance(value, float) and 0 < value < 1:
                 if memory is not None:
@@ -188,18 +191,6 @@ def f16_bytes(model, tokens: int) -> int:
     from ..mlxlm.memory import layer_shapes
 
     return sum(s.kv_heads * (s.key_dim + s.value_dim) * 2 * tokens for s in layer_shapes(model))
-
-
-def memory_bytes(value, budget: int, model) -> int:
-    """An arm's ``memory=`` option in bytes (``f16``: see ``f16_bytes``; before a model is
-    known a stand-in of 1 byte, enough to check the spec)."""
-    if value == F16:
-        return 1 if model is None else f16_bytes(model, budget)
-    if isinstance(value, str):
-        from ..core.memory import parse_size
-
-        return parse_size(value)
-    return int(value)
 
 
 NOFACT = "nofact"  # a chat arm: the full cache on the chat without its facts (guessing)

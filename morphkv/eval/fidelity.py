@@ -49,16 +49,6 @@ def measure_bytes(model, arm: Arm, budget: int, n_sink: int = 4, extra: int = 16
     return sum(held_bytes(c) for c in caches)
 
 
-def _valid(arm: Arm, budget: int, n_sink: int) -> bool:
-    if arm.is_baseline:
-        return True
-    try:
-        arm.config(budget, n_sink=n_sink)
-    except ValueError:
-        return False
-    return True
-
-
 def budget_for_bytes(model, arm: Arm, target: int, n_sink: int = 4) -> tuple[int, int]:
     """(budget, bytes): the largest budget whose measured bytes do not exceed ``target``."""
     if arm.method == "kvcache":
@@ -69,8 +59,12 @@ def budget_for_bytes(model, arm: Arm, target: int, n_sink: int = 4) -> tuple[int
         return measure_bytes(model, arm, b, n_sink)
 
     lo = n_sink + arm.window + 1
-    while not _valid(arm, lo, n_sink):  # a recency floor (recent > window) needs more
-        lo += 1
+    while not arm.is_baseline:  # a recency floor (recent > window) needs more
+        try:
+            arm.config(lo, n_sink=n_sink)
+            break
+        except ValueError:
+            lo += 1
         if lo > MAX_BUDGET:
             raise ValueError(f"arm {arm.name} has no valid budget up to {MAX_BUDGET}")
     if size(lo) > target:
@@ -87,17 +81,6 @@ def budget_for_bytes(model, arm: Arm, target: int, n_sink: int = 4) -> tuple[int
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if size(mid) <= target else (lo, mid)
     return lo, size(lo)
-
-
-def equal_byte_budgets(model, arms: list[Arm], reference: Arm, budgets, n_sink: int = 4):
-    """{(arm name, budget): (arm budget, bytes, target)}: each arm at the bytes the reference
-    arm holds at each budget."""
-    out = {}
-    for b in budgets:
-        target = measure_bytes(model, reference, b, n_sink)
-        for arm in arms:
-            out[(arm.name, b)] = (*budget_for_bytes(model, arm, target, n_sink), target)
-    return out
 
 
 def arms_of(specs) -> list[Arm]:
@@ -152,8 +135,11 @@ class Fidelity(Evaluation):
                                 prose_docs=a.prose_docs, conversations=a.conversations,
                                 conversation_max=a.conversation_tokens,
                                 continuation_tokens=a.continuation_tokens)
-        self.sized = {} if self.reference is None else equal_byte_budgets(
-            model, self.found, self.reference, a.budgets, a.n_sink)
+        self.sized = {}  # (arm, budget): (its budget, bytes, the bytes the reference holds)
+        for b in a.budgets if self.reference else ():
+            target = measure_bytes(model, self.reference, b, a.n_sink)
+            self.sized.update({(arm.name, b): (*budget_for_bytes(model, arm, target, a.n_sink),
+                                               target) for arm in self.found})
         self.plan, skipped = _plan(texts, self.found, a.budgets, a.n_sink, not a.no_full_arm,
                                    self.sized)
         for note in skipped:

@@ -15,6 +15,7 @@ resident memory. Intervals: a bootstrap over chats.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import random
@@ -34,17 +35,6 @@ from .runner import Evaluation, markdown_table
 NAME = "chatrecall"  # results/chatrecall/, as eval recall's other data sets
 NOFACT = ":nofact"  # an arm name ending so runs the chats without their facts
 MLX_LM = "mlx_lm"  # --live mlx_lm: mlx_lm's own cache (make_prompt_cache of the bare model)
-
-
-def parse_arms(text: str) -> list[tuple[str, list[str]]]:
-    """``name=flags;name=flags`` -> [(name, flag list)]."""
-    arms = []
-    for part in filter(None, (p.strip() for p in text.split(";"))):
-        name, _, flags = part.partition("=")
-        if not name.strip():
-            raise SystemExit(f"morphkv: error: --live-arms: {part!r} has no name (name=flags)")
-        arms.append((name.strip(), shlex.split(flags)))
-    return arms
 
 
 def user_turns(chat, turns: int, nofact: bool) -> list[str]:
@@ -91,10 +81,13 @@ def mlx_lm_chat(model, tok, flags: list[str], chats, args) -> list[dict]:
     from mlx_lm.sample_utils import make_sampler
 
     from ..mlxlm.builder import patch_model, unpatch_model
+    from ..runtime.cache_flags import add_cache_flags, config_from_flags
 
     unpatch_model(model)
-    if flags != [MLX_LM]:
-        patch_model(model, cache_config(flags))
+    if flags != [MLX_LM]:  # morphkv serve's cache flags
+        parser = argparse.ArgumentParser()
+        add_cache_flags(parser, budget=512)
+        patch_model(model, config_from_flags(parser.parse_args(flags)))
     greedy = make_sampler(0.0)
 
     def say(cache, text: str, max_tokens: int):
@@ -110,16 +103,6 @@ def mlx_lm_chat(model, tok, flags: list[str], chats, args) -> list[dict]:
     rows = talk(chats, args, say, copy.deepcopy, lambda: make_prompt_cache(model))
     unpatch_model(model)
     return rows
-
-
-def cache_config(flags: list[str]):
-    import argparse
-
-    from ..runtime.cache_flags import add_cache_flags, config_from_flags
-
-    p = argparse.ArgumentParser()
-    add_cache_flags(p, budget=512)
-    return config_from_flags(p.parse_args(flags))
 
 
 def start_server(model: str | None, flags: list[str], log) -> tuple[subprocess.Popen, str, str]:
@@ -168,7 +151,11 @@ class Live(Evaluation):
     name, key, command, stem_of = NAME, "arms", "morphkv eval recall", "{name}_live_{live}_{split}"
 
     def arms(self) -> list:
-        return parse_arms(self.args.live_arms)
+        """``--live-arms name=flags;name=flags`` -> [(name, flag list)]."""
+        arms = [p.strip().partition("=") for p in self.args.live_arms.split(";") if p.strip()]
+        if bad := [f"{n}={f}" for n, _, f in arms if not n.strip()]:
+            raise ValueError(f"--live-arms: {bad[0]!r} has no name (name=flags)")
+        return [(name.strip(), shlex.split(flags)) for name, _, flags in arms]
 
     def load(self):
         self.model = self.args.live == MLX_LM  # morphkv serve loads its own
