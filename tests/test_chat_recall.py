@@ -135,7 +135,7 @@ def _chat(index, full, arm, distances, size):
 
 
 def test_summary_splits_the_full_caches_items_into_kept_and_updated_facts():
-    from morphkv.eval.chat_report import summarize, table
+    from morphkv.eval.chat_recall import summarize, table
 
     chats = [_chat(0, [True, True, False], [True, False, True], [100, 150, 400], 64),
              _chat(1, [False, True, True], [False, True, False], [130, 200, 450], 64)]
@@ -153,7 +153,7 @@ def test_summary_splits_the_full_caches_items_into_kept_and_updated_facts():
     ("John.", "Anselm", False), ("", "Anselm", False), ("Tor", "To", False),
 ])
 def test_a_fragment_is_the_values_start_without_its_end(answer, value, ok):
-    from morphkv.eval.chat_report import fragment
+    from morphkv.eval.chat_recall import fragment
 
     assert fragment(answer, value) is ok
 

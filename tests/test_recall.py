@@ -12,7 +12,7 @@ from morphkv.cli import main
 from morphkv.eval import asking, runner
 from morphkv.eval import recall as R
 from morphkv.eval import recall_items as I
-from morphkv.eval.chat_report import wilson
+from morphkv.eval.chat_recall import wilson
 
 LONGCHAT = ["eval", "recall", "--data", "longchat"]  # the long-chat fact recall (was eval recall)
 

@@ -17,18 +17,22 @@ chats (a chat's questions are not independent).
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import time
 
 from ..core.pins import pin
 from ..mlxlm.turns import user_positions
 from .arms import Arm, cells
 from .asking import ask, until_end
-from .chat_items import build_chat, build_said_chat, encode, judge, tokenize
-from .chat_report import FULL, plot, said_report, summarize, table
-from .runner import Evaluation, add_flags, standard
+from .chat_items import build_chat, build_said_chat, encode, judge, said_by, tokenize
+from .metrics import cluster_interval
+from .plots import plt, save
+from .runner import Evaluation, add_flags, markdown_table, standard
 from .runner import run as run_evaluation
 
 NAME = "chatrecall"
+FULL = "kvcache"
 LIVE_MEM = 1572864  # the float16 bytes of 128 tokens on Qwen2.5-0.5B (24 layers x 2 KV heads x 64)
 DEFAULT_ARMS = ("kvcache,nofact,recommended:memory=f16,h2o,streaming_llm,"
                 "streaming_llm:memory=f16:bits=8")
@@ -87,7 +91,18 @@ class Chats(Evaluation):
         return summary, table(summary)
 
     def plot(self, result: dict, path) -> None:
-        plot(result["summary"], path)
+        """Recall of the full cache's items per arm, with its 95% interval, against bytes held."""
+        fig, ax = plt().subplots(figsize=(7.5, 4.5))
+        for label, s in result["summary"].items():
+            if not label.startswith("_") and s["of_full"]["n"]:
+                r, (lo, hi) = s["of_full"]["rate"], s["of_full"]["ci95"]
+                err = [[100 * max(0.0, r - lo)], [100 * max(0.0, hi - r)]]  # rounding: never < 0
+                ax.errorbar([s["mib"]], [100 * r], yerr=err, marker="o", capsize=3, label=label)
+        ax.set(xlabel="bytes held over all layers (MiB)", ylim=(-5, 105),
+               ylabel="recall of the full cache's items (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        save(fig, path, 120)
 
 
 def add_arguments(parser: argparse.ArgumentParser, live: bool = True) -> None:
@@ -133,7 +148,25 @@ class Said(Chats):
         return build_said_chat(model, tok, a.split, index, a.seed, asks=getattr(a, "asks", None))
 
     def report(self, records: list, arms) -> tuple:
-        return said_report(records, [c.label for c in arms])
+        """``summarize`` and, as ``_said``, per arm and speaker the share of the full cache's items
+        kept (``of_full``), with the questions asked of each speaker and how many the full cache
+        answered (the same for every arm: the denominators); the table by speaker."""
+        chats, labels = records, [c.label for c in arms]
+        summary, who = summarize(chats, labels), ("model", "user")
+        asked = {w: sum(said_by(q["kind"]) == w for c in chats for q in c["questions"])
+                 for w in who}
+        full = {w: of_full(chats, FULL, w)["n"] for w in who}
+        said = summary["_said"] = {label: {**{w: of_full(chats, label, w) for w in who},
+                                           "asked": asked, "full_right": full} for label in labels}
+        text = markdown_table(["arm", "MiB held", "model-said: of the full cache's items",
+                               "user-said: of the full cache's items"],
+                              [[label, f"{summary[label]['mib']:.2f}", _pct(said[label]["model"]),
+                                _pct(said[label]["user"])] for label in labels])
+        full = said.get(FULL, {}).get("full_right", {})
+        text += (f"\n{len(chats)} chats; the full cache answered {full.get('model', 0)} of "
+                 f"{asked['model']} model-said and {full.get('user', 0)} of {asked['user']} "
+                 "user-said questions; intervals: 95% bootstrap over chats")
+        return summary, text
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,3 +175,111 @@ class Said(Chats):
                             arms=f"{FULL},nofact,recommended:memory=f16+pin")
         add_flags(parser, [("--asks", None, "the split of data/said.json the invention asks "
                             "come from (default: --split's)")])
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
+    """95% Wilson score interval of a binomial proportion k/n (None for n = 0)."""
+    if n == 0:
+        return None
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _share(k: int, n: int) -> dict:
+    ci = wilson(k, n)
+    return {"k": k, "n": n, "rate": k / n if n else None, "ci95": ci}
+
+
+def summarize(chats: list[dict], labels: list[str], full: str = FULL) -> dict:
+    """Per arm: recall over all questions; recall over the questions the full cache (arm
+    ``full``) answers (the share of the full cache's items kept); mean retention of the value's
+    tokens, per layer (mean over questions) and in its worst layer; bytes
+    and tokens held; answers split by updated / never-updated facts; ``fragment``: of the full
+    cache's items, the wrong answers that begin with the value's first 3 letters ("Ansel" for
+    Anselm, "852" for 8521): the start of the value was kept, its end was not."""
+    out = {}
+    full_ok = {(c["index"], i) for c in chats for i, ok in
+               enumerate(c["arms"].get(full, {}).get("correct", [])) if ok}  # fmt: skip
+    updated = {(c["index"], i) for c in chats for i, q in enumerate(c["questions"])
+               if q["updated"]}
+    full_kept = full_ok - updated
+    for label in labels:
+        runs = [(c, c["arms"][label]) for c in chats if label in c["arms"]]
+        asked = {(c["index"], i) for c, r in runs for i in range(len(r["correct"]))}
+        right = {(c["index"], i) for c, r in runs for i, ok in enumerate(r["correct"]) if ok}
+        ret = [sum(x) / len(x) for _, r in runs for x in r["retention"] if x]
+        per = [x for _, r in runs for x in r["retention"] if x]
+        layers = [sum(col) / len(col) for col in zip(*per, strict=True)]
+        out[label] = {
+            "all": _share(len(right), len(asked)),
+            "of_full": _share(len(right & full_ok), len(full_ok)),
+            "of_full_kept": _share(len(right & full_kept), len(full_kept)),
+            "of_full_updated": _share(len(right & full_ok & updated), len(full_ok & updated)),
+            "updated": _share(len(right & updated), len(asked & updated)),
+            "retention": sum(ret) / len(ret) if ret else None,
+            "layers": layers, "worst_layer": min(layers, default=None),
+            "mib": max((r["nbytes"] for _, r in runs), default=0) / 2**20,
+            "tokens": max((r["tokens"] or 0 for _, r in runs), default=0) or None,
+            "size": max((r.get("size", 0) for _, r in runs), default=0),
+            "fragment": _share(sum(fragment(r["answers"][i], c["questions"][i]["value"])
+                                   for c, r in runs for i, ok in enumerate(r["correct"])
+                                   if not ok and (c["index"], i) in full_ok), len(full_ok)),
+        }
+    dist = [q["distance"] for c in chats for q in c["questions"]]
+    out["_items"] = {"chats": len(chats), "questions": len(dist),
+                     "distance_min": min(dist, default=0), "distance_max": max(dist, default=0)}
+    return out
+
+
+def of_full(chats: list[dict], label: str, who: str) -> dict:
+    """Of the full cache's right answers to ``who``'s questions (``said_by``: model, user), how
+    many ``label`` gives, per chat (the bootstrap's clusters); for ``nofact``: its right answers
+    to the same items."""
+    hits = []
+    for c in chats:
+        full, arm = c["arms"].get(FULL), c["arms"].get(label)
+        if full is None or arm is None:
+            continue
+        hits.append([arm["correct"][i] for i, q in enumerate(c["questions"])
+                     if said_by(q["kind"]) == who and full["correct"][i]])
+    k, n = sum(map(sum, hits)), sum(map(len, hits))
+    return {"k": int(k), "n": int(n), "chats": len(hits), "interval": cluster_interval(hits)}
+
+
+def fragment(answer: str, value: str) -> bool:
+    """The answer's first word begins with the value's first 3 letters (the caller passes wrong
+    answers only, so it is not the value itself)."""
+    first = re.findall(r"[a-z0-9]+", answer.lower())[:1]
+    return len(value) >= 3 and bool(first) and first[0].startswith(value.lower()[:3])
+
+
+def _pct(s: dict) -> str:
+    """``k/n = share% [low, high]``: a ``_share`` (Wilson) or an ``of_full`` (bootstrap)."""
+    if not s["n"]:
+        return "-"
+    share, lo, hi = s["interval"] if "interval" in s else (s["rate"], *s["ci95"])
+    return f"{s['k']}/{s['n']} = {100 * share:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
+
+
+def table(summary: dict) -> str:
+    """One row per arm, grouped by size (the full cache and no-fact rows first)."""
+    headers = ["arm", "tokens", "MiB held", "recall (all questions)",
+               "of the full cache's items", "of those: kept facts", "of those: updated facts",
+               "value tokens kept", "a fragment of the value"]
+    rows = []
+    arms = [(label, s) for label, s in summary.items() if not label.startswith("_")]
+    for label, s in sorted(arms, key=lambda a: (a[0].split("@")[0] not in (FULL, "full",
+                                                                            "nofact"),
+                                                  a[1].get("size", 0))):
+        ret = "-" if s["retention"] is None else (f"{100 * s['retention']:.0f}% (worst layer "
+                                                  f"{100 * s['worst_layer']:.0f}%)")
+        rows.append([f"`{label}`", s["tokens"] or "all", f"{s['mib']:.2f}",
+                     *[_pct(s[k]) for k in ("all", "of_full", "of_full_kept", "of_full_updated")],
+                     ret, _pct(s["fragment"])])
+    items = summary.get("_items", {})
+    note = (f"\n({items.get('chats')} chats, {items.get('questions')} questions; statements "
+            f"{items.get('distance_min')}-{items.get('distance_max')} tokens before the end; "
+            "95% Wilson intervals)")
+    return markdown_table(headers, rows) + note

@@ -6,7 +6,7 @@ reads the prompt as ``asking`` does (a prefill, the retention of the fact's valu
 answers greedily in a few tokens; an answer counts when the fact's words appear in it. Recall
 is counted over the items the full cache answers (the other arms run only on those), with a
 95% Wilson interval and the bytes held. Records, summary, table and plot are those of ``--data
-chats`` (``chat_report``), one question per item; an arm at budget B is labelled ``spec@B``.
+chats`` (``chat_recall``), one question per item; an arm at budget B is labelled ``spec@B``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import argparse
 
 from .arms import Cell, cells
 from .asking import ask
-from .chat_recall import Chats
-from .chat_report import summarize, table
+from .chat_recall import Chats, summarize, table
 from .recall_items import build_item, build_natural_item, is_correct
 from .runner import add_flags, standard
 
