@@ -178,7 +178,23 @@ class Fidelity(Evaluation):
         return {m: summary(result, m)[1] for m in METRICS}, "\n".join(tables(result))
 
     def plot(self, result: dict, path) -> None:
-        plots.by_budget(result, summary, path)
+        """Mean KL and top-1 agreement per arm against the budget."""
+        budgets = result["settings"]["budgets"]
+        fig, axes = plots.plt().subplots(1, 2, figsize=(11, 4))
+        for metric, ax, title in (("kl", axes[0], "mean KL(full || method)"),
+                                  ("top1", axes[1], "top-1 agreement")):
+            for line in summary(result, metric)[1]:
+                ax.plot(budgets, line[1:], marker="o", label=line[0])
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.set_xlabel("budget (tokens per KV head)")
+            ax.set_title(title)
+        full = [r for r in result["rows"] if r["arm"] == "full"]
+        if full:
+            axes[0].axhline(sum(r["kl"] for r in full) / len(full), color="k", ls=":",
+                            label="full (ref)")
+        axes[0].legend(fontsize=7)
+        plots.save(fig, path)
 
 
 def summary(result: dict, metric: str = "kl") -> tuple[list[str], list[list]]:

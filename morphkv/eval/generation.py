@@ -121,7 +121,14 @@ class Generation(Evaluation):
             + markdown_table(headers, body))
 
     def plot(self, result: dict, path) -> None:
-        plots.bars(summary(result), ["10-gram rep.", "distinct-2"], path)
+        """One horizontal bar panel per column; one bar per arm and budget."""
+        headers, body = summary(result)
+        fig, axes = plots.panels(2, 5.5, 4)
+        for ax, col in zip(axes[0], ["10-gram rep.", "distinct-2"], strict=True):
+            ax.barh([f"{r[0]} b{r[1]}" for r in body], [r[headers.index(col)] for r in body])
+            ax.set_title(col)
+            ax.tick_params(labelsize=7)
+        plots.save(fig, path)
 
 
 def _label(arm) -> str:

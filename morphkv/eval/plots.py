@@ -39,39 +39,6 @@ def save(fig, path, dpi: int = 80) -> str:
     return str(path)
 
 
-def by_budget(result: dict, summary, path) -> str:
-    """Mean KL and top-1 agreement per arm against the budget (``summary(result, metric)``)."""
-    budgets = result["settings"]["budgets"]
-    fig, axes = plt().subplots(1, 2, figsize=(11, 4))
-    for metric, ax, title in (
-        ("kl", axes[0], "mean KL(full || method)"),
-        ("top1", axes[1], "top-1 agreement"),
-    ):
-        for line in summary(result, metric)[1]:
-            ax.plot(budgets, line[1:], marker="o", label=line[0])
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.set_xlabel("budget (tokens per KV head)")
-        ax.set_title(title)
-    full = [r for r in result["rows"] if r["arm"] == "full"]
-    if full:
-        axes[0].axhline(np.mean([r["kl"] for r in full]), color="k", ls=":", label="full (ref)")
-    axes[0].legend(fontsize=7)
-    return save(fig, path)
-
-
-def bars(table: tuple[list[str], list[list]], columns: list[str], path) -> str:
-    """One horizontal bar panel per named column; one bar per table line ("arm b<budget>")."""
-    headers, body = table
-    labels = [f"{r[0]} b{r[1]}" for r in body]
-    fig, axes = plt().subplots(1, len(columns), figsize=(5.5 * len(columns), 4), squeeze=False)
-    for ax, col in zip(axes[0], columns, strict=True):
-        ax.barh(labels, [r[headers.index(col)] for r in body])
-        ax.set_title(col)
-        ax.tick_params(labelsize=7)
-    return save(fig, path)
-
-
 def grouped_bars(ax, groups: list[str], series: dict[str, list[float]], title: str) -> None:
     """Bars side by side: one group per x label, one bar per series."""
     x = np.arange(len(groups))
