@@ -22,8 +22,7 @@ import time
 
 from ..core.pins import pin
 from .arms import cells
-from .forced import log_probs
-from .metrics import cluster_interval
+from .metrics import cluster_interval, log_probs, repetition_rate
 from .models import greedy_tokens
 from .runner import Evaluation, add_flags, markdown_table, out_dir, standard, write_json
 
@@ -49,8 +48,6 @@ def write(model, tok, ids: list[int], caches, length: int) -> list[int]:
 def free_repetition(model, tok, text: dict, arms, tokens: int) -> dict:
     """Per arm: the 10-gram repetition rate of ``tokens`` it writes itself after the prompt
     (the paper's degeneration measure; prompt pinned for ``+pin`` arms)."""
-    from .metrics import repetition_rate
-
     out = {}
     for c in arms:
         caches = c.arm.caches(model, c.size)

@@ -25,8 +25,7 @@ from ..mlxlm.turns import user_positions
 from . import plots
 from .arms import Arm, cells
 from .asking import prefill
-from .forced import position_kl, reference_logprobs
-from .metrics import held_bytes
+from .metrics import held_bytes, position_kl, reference_logprobs
 from .runner import Evaluation, add_flags, markdown_table, standard
 from .texts import CONVERSATIONS, split_texts
 

@@ -1,6 +1,6 @@
 """Teacher-forced fidelity of each eviction rule against the full cache.
 
-Every text is fed through every arm and budget (``forced.evaluate``: exact chunks through the
+Every text is fed through every arm and budget (``metrics.evaluate``: exact chunks through the
 attention hook). Per arm and budget, over the positions whose context exceeds the budget: mean
 KL(full || method) per token (nats), top-1 agreement, perplexity ratio; the KV bytes kept and
 held; peak MLX memory and decode tokens/s. ``--equal-bytes ARM`` gives every arm, at each
@@ -20,8 +20,7 @@ import mlx.core as mx
 
 from . import plots
 from .arms import Arm, grid_arms, parse_arms
-from .forced import evaluate, reference_logprobs
-from .metrics import held_bytes
+from .metrics import evaluate, held_bytes, reference_logprobs
 from .runner import Evaluation, add_flags, markdown_table, pivot, standard
 from .texts import build_texts, split_texts
 
