@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from morphkv.cli import main
-from morphkv.eval import asking, runner
+from morphkv.eval import models, runner
 from morphkv.eval import recall as R
 from morphkv.eval import recall_items as I
 from morphkv.eval.chat_recall import wilson
@@ -105,16 +105,16 @@ class _Rotating:  # what stored_positions reads of mlx_lm's RotatingKVCache
 
 
 def test_retention_reads_morphkv_and_mlx_lm_caches():
-    assert asking.stored_positions(_Rotating(10, 32, 4)).tolist() == [list(range(10))]
-    kept = asking.stored_positions(_Rotating(100, 32, 4))[0]
+    assert models.stored_positions(_Rotating(10, 32, 4)).tolist() == [list(range(10))]
+    kept = models.stored_positions(_Rotating(100, 32, 4))[0]
     assert kept.tolist() == [0, 1, 2, 3, *range(72, 100)]
-    assert asking.retention([_Rotating(100, 32, 4)], (2, 3, 50, 80)) == [0.75]
-    assert asking.retention([_Rotating(100, 32, 4)], ()) is None
+    assert models.retention([_Rotating(100, 32, 4)], (2, 3, 50, 80)) == [0.75]
+    assert models.retention([_Rotating(100, 32, 4)], ()) is None
 
     class Kept:
         kept_positions = np.array([[[0, 5, 7], [1, 5, 9]]])
 
-    assert asking.retention([Kept()], (5, 7)) == [0.75]
+    assert models.retention([Kept()], (5, 7)) == [0.75]
 
 
 @pytest.mark.slow

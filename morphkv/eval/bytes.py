@@ -24,8 +24,8 @@ from ..core.quant import dims
 from ..mlxlm.turns import user_positions
 from . import plots
 from .arms import Arm, cells
-from .asking import prefill
 from .metrics import held_bytes, position_kl, reference_logprobs
+from .models import prefill
 from .runner import Evaluation, add_flags, markdown_table, standard
 from .texts import CONVERSATIONS, split_texts
 

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from .models import greedy_tokens, load_model, until_end
+
 DATA = Path(__file__).with_name("data")
 
 
@@ -26,16 +28,12 @@ def questions(split: str) -> list[str]:
 def trim(text: str) -> str:
     """The text up to its last sentence end (whole text when it has none)."""
     text = text.strip()
-    ends = [text.rfind(c) for c in ".!?"]
-    end = max(ends)
+    end = max(text.rfind(c) for c in ".!?")
     return text[: end + 1] if end > len(text) // 3 else text
 
 
 def answer(model, tok, question: str, max_tokens: int) -> str:
     from mlx_lm.models.cache import KVCache
-
-    from .asking import until_end
-    from .models import greedy_tokens
 
     prompt = tok.apply_chat_template([{"role": "user", "content": question}],
                                      add_generation_prompt=True)  # fmt: skip
@@ -50,8 +48,6 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--out", default=None, help="default data/chat_answers_<split>.json")
     args = p.parse_args(argv)
-    from .models import load_model
-
     model, tok = load_model(args.model)
     out = Path(args.out or DATA / f"chat_answers_{args.split}.json")
     command = "python -m morphkv.eval.chat_answers " + " ".join(argv or sys.argv[1:])

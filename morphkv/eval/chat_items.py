@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .models import greedy_tokens, until_end
+
 DATA = Path(__file__).with_name("data")
 SUFFIX = " Just the answer, please."
 
@@ -172,9 +174,6 @@ def name_of(reply: str) -> str:
 def invent(model, tok, messages: list[dict]) -> str:
     """The full cache's greedy reply to the chat so far (its last turn is the user's ask)."""
     from mlx_lm.models.cache import make_prompt_cache
-
-    from .asking import until_end
-    from .models import greedy_tokens
 
     ids = list(tok.apply_chat_template(messages, add_generation_prompt=True))
     return until_end(tok, greedy_tokens(model, make_prompt_cache(model), ids, REPLY_TOKENS))

@@ -1,7 +1,7 @@
 """``morphkv eval recall``: does a bounded cache remember what was said in a chat?
 
 Chats of ``chat_items`` (three facts said in passing, one updated, asked at the end). Every arm
-reads each chat as ``asking`` does (one prefill, each question from a copy, retention of the
+reads each chat as ``models.ask`` does (one prefill, each question from a copy, retention of the
 value's tokens); the answers are judged strictly (``chat_items.judge``). ``nofact`` is the full
 cache on the chat without its fact clauses: how often the model guesses. Every figure comes
 with its item count and Wilson 95% interval; partial results are saved after every chat.
@@ -24,9 +24,9 @@ import time
 from ..core.pins import pin
 from ..mlxlm.turns import user_positions
 from .arms import Arm, cells
-from .asking import ask, until_end
 from .chat_items import build_chat, build_said_chat, encode, judge, said_by, tokenize
 from .metrics import cluster_interval
+from .models import ask, until_end
 from .plots import plt, save
 from .runner import Evaluation, add_flags, markdown_table, standard
 from .runner import run as run_evaluation

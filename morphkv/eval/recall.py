@@ -2,7 +2,7 @@
 and budget.
 
 Items (``recall_items``): a fact in the first turn, distractor turns, the question. Every arm
-reads the prompt as ``asking`` does (a prefill, the retention of the fact's value tokens), then
+reads the prompt as ``models.ask`` does (a prefill, the retention of the fact's value tokens), then
 answers greedily in a few tokens; an answer counts when the fact's words appear in it. Recall
 is counted over the items the full cache answers (the other arms run only on those), with a
 95% Wilson interval and the bytes held. Records, summary, table and plot are those of ``--data
@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 
 from .arms import Cell, cells
-from .asking import ask
 from .chat_recall import Chats, summarize, table
+from .models import ask
 from .recall_items import build_item, build_natural_item, is_correct
 from .runner import add_flags, standard
 
