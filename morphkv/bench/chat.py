@@ -73,31 +73,6 @@ def timing_trials(snapshots: dict, message: str, args) -> dict:
             "ratio": median[names[-1]] / median[names[0]], "load_avg": os.getloadavg()[0]}
 
 
-def run_arm(conv, messages, args, label, bar) -> list[dict]:
-    import mlx.core as mx
-
-    rows, snapshots = [], {}
-    for message in messages:
-        mx.reset_peak_memory()
-        wall = _one_turn(conv, message, args)
-        turn, resp = conv.last, conv.last.last
-        rows.append({
-            "arm": label, "turn": turn.number, "new_tokens": len(turn.prompt),
-            "reply_tokens": len(turn.tokens), "seen": conv.seen(),
-            "kept": max(getattr(c, "tokens_kept", getattr(c, "offset", 0)) for c in conv.caches),
-            "cache_bytes": conv.cache_bytes(), "peak_bytes": int(mx.get_peak_memory()),
-            "active_bytes": int(mx.get_active_memory()),
-            "prefill_s": len(turn.prompt) / resp.prompt_tps,
-            "decode_s": len(turn.tokens) / resp.generation_tps, "turn_s": wall,
-            "load_avg": os.getloadavg()[0],
-        })
-        bar.update(1, f"{label} turn {turn.number}: {wall:.1f} s, cache "
-                   f"{rows[-1]['cache_bytes'] / 2**20:.1f} MiB")
-        if turn.number in (min(5, len(messages)), len(messages)) and args.timing_repeats:
-            snapshots[f"turn {turn.number}"] = conv.copy()
-    return rows, snapshots
-
-
 def resume_check(conv, model, tokenizer, config, args) -> dict:
     """Save and load the session (timed), then compare the next greedy reply."""
     from mlx_lm.sample_utils import make_sampler
@@ -161,20 +136,6 @@ def table(summary: dict) -> str:
                           rows)
 
 
-def plot(rows: list[dict], budget: int, path: Path) -> str:
-    fig, axes = plots.panels(3, 5, 4)
-    for ax, key, scale, ylabel in ((axes[0][0], "cache_bytes", 2**20, "cache MiB (nbytes)"),
-                                   (axes[0][1], "peak_bytes", 2**20, "MLX peak MiB per turn"),
-                                   (axes[0][2], "turn_s", 1, "seconds per turn")):
-        series = {}
-        for arm in dict.fromkeys(r["arm"] for r in rows):
-            rs = [r for r in rows if r["arm"] == arm]
-            series[arm if arm == "kvcache" else f"{arm} (budget {budget})"] = (
-                [r["turn"] for r in rs], [r[key] / scale for r in rs])
-        plots.lines(ax, series, "turn", ylabel, ylabel)
-    return plots.save(fig, path)
-
-
 class Chat(Evaluation):
     """Every arm (an item) over the same user messages; the session check after morphkv's."""
 
@@ -211,17 +172,37 @@ class Chat(Evaluation):
         return self.args.turns * len(arms)
 
     def measure(self, model, tok, arm, arms, bar) -> list:
+        import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
         from ..chat.conversation import Conversation
 
         factory = None if arm == "morphkv" else (lambda: make_prompt_cache(model))
         conv = Conversation(model, tok, self.config, make_caches=factory)
-        rows, snapshots = run_arm(conv, self.messages, self.args, arm, bar)
+        rows, snapshots, args = [], {}, self.args
+        for message in self.messages:
+            mx.reset_peak_memory()
+            wall = _one_turn(conv, message, args)
+            turn, resp = conv.last, conv.last.last
+            rows.append({
+                "arm": arm, "turn": turn.number, "new_tokens": len(turn.prompt),
+                "reply_tokens": len(turn.tokens), "seen": conv.seen(),
+                "kept": max(getattr(c, "tokens_kept", getattr(c, "offset", 0))
+                            for c in conv.caches),
+                "cache_bytes": conv.cache_bytes(), "peak_bytes": int(mx.get_peak_memory()),
+                "active_bytes": int(mx.get_active_memory()),
+                "prefill_s": len(turn.prompt) / resp.prompt_tps,
+                "decode_s": len(turn.tokens) / resp.generation_tps, "turn_s": wall,
+                "load_avg": os.getloadavg()[0],
+            })
+            bar.update(1, f"{arm} turn {turn.number}: {wall:.1f} s, cache "
+                       f"{rows[-1]['cache_bytes'] / 2**20:.1f} MiB")
+            if turn.number in (min(5, args.turns), args.turns) and args.timing_repeats:
+                snapshots[f"turn {turn.number}"] = conv.copy()
         if snapshots:
-            self.info["timing"][arm] = timing_trials(snapshots, TIMING_MESSAGE, self.args)
+            self.info["timing"][arm] = timing_trials(snapshots, TIMING_MESSAGE, args)
         if arm == "morphkv":
-            self.info["resume"] = resume_check(conv, model, tok, self.config, self.args)
+            self.info["resume"] = resume_check(conv, model, tok, self.config, args)
         return rows
 
     def report(self, rows: list, arms) -> tuple:
@@ -238,7 +219,18 @@ class Chat(Evaluation):
         return summary, "\n".join([table(summary), *lines])
 
     def plot(self, result: dict, path) -> None:
-        plot(result["rows"], self.args.budget, path)
+        rows, fig, axes = result["rows"], *plots.panels(3, 5, 4)
+        for ax, key, scale, ylabel in ((axes[0][0], "cache_bytes", 2**20, "cache MiB (nbytes)"),
+                                       (axes[0][1], "peak_bytes", 2**20, "MLX peak MiB per turn"),
+                                       (axes[0][2], "turn_s", 1, "seconds per turn")):
+            for arm in dict.fromkeys(r["arm"] for r in rows):
+                rs = [r for r in rows if r["arm"] == arm]
+                ax.plot([r["turn"] for r in rs], [r[key] / scale for r in rs], "-", markersize=3,
+                        label=arm if arm == "kvcache" else f"{arm} (budget {self.args.budget})")
+            ax.set(xlabel="turn", ylabel=ylabel, title=ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        plots.save(fig, path)
 
 
 EVALUATION = Chat

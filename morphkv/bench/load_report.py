@@ -91,9 +91,11 @@ def plot(results: dict, args, path: Path) -> None:
         axes[3].axhline(limit / 2**20, color="red", ls=":", label="--prompt-cache-bytes")
     for ax in axes[:2]:
         ax.set_xticks(range(len(names or [])), names or [], rotation=20)
-    plots.labelled(axes, [("phase", "completion tokens/s"), ("phase", "request latency (s)"),
-                          ("seconds since start", "server memory (MiB)"),
-                          ("seconds", "prompt cache (MiB, sum of nbytes)")], 7)
+    for ax, (x, y) in zip(axes, [("phase", "completion tokens/s"), ("phase", "request latency "
+                                 "(s)"), ("seconds since start", "server memory (MiB)"),
+                                 ("seconds", "prompt cache (MiB, sum of nbytes)")], strict=True):
+        ax.set(xlabel=x, ylabel=y)
+        ax.legend(fontsize=7)
     fig.suptitle(f"morphkv serve (budget {args.budget}) vs mlx_lm server (default cache): "
                  f"load and faults, max_tokens {args.max_tokens}")
     plots.save(fig, path, 110)

@@ -49,22 +49,6 @@ def grouped_bars(ax, groups: list[str], series: dict[str, list[float]], title: s
     ax.set_title(title, fontsize=9)
 
 
-def lines(ax, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, title: str):
-    """One line per series {label: (xs, ys)}."""
-    for label, (xs, ys) in series.items():
-        ax.plot(xs, ys, "-", label=label, markersize=3)
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-
-
 def panels(n: int, width: float = 5.5, height: float = 4.5):
     """(figure, axes: one row of ``n`` panels, indexed ``axes[0][i]``)."""
     return plt().subplots(1, n, figsize=(width * n, height), squeeze=False)
-
-
-def labelled(axes, labels: list[tuple[str, str]], fontsize=None) -> None:
-    """x and y labels, and a legend, on each panel."""
-    for ax, (x, y) in zip(axes, labels, strict=True):
-        ax.set(xlabel=x, ylabel=y)
-        ax.legend(fontsize=fontsize)
