@@ -152,14 +152,11 @@ class Live(Evaluation):
 
     def arms(self) -> list:
         """``--live-arms name=flags;name=flags`` -> [(name, flag list)]."""
+        self.model = self.args.live == MLX_LM  # morphkv serve loads its own
         arms = [p.strip().partition("=") for p in self.args.live_arms.split(";") if p.strip()]
         if bad := [f"{n}={f}" for n, _, f in arms if not n.strip()]:
             raise ValueError(f"--live-arms: {bad[0]!r} has no name (name=flags)")
         return [(name.strip(), shlex.split(flags)) for name, _, flags in arms]
-
-    def load(self):
-        self.model = self.args.live == MLX_LM  # morphkv serve loads its own
-        return super().load()
 
     def items(self, model, tok):
         a = self.args

@@ -58,10 +58,6 @@ class Evaluation:
         """The items (default: the arms, each measured in turn)."""
         return self.chosen
 
-    def load(self):
-        """(model, tokenizer): ``--model``'s; ``model = False``: (None, None)."""
-        return load_model(getattr(self.args, "model", None)) if self.model else (None, None)
-
 
 def run(ev: Evaluation, model=None, tok=None) -> dict:
     """Every item under every arm (see the module doc); the result dict of the last model."""
@@ -81,8 +77,8 @@ def run(ev: Evaluation, model=None, tok=None) -> dict:
             each.args.stem = f"{stem}_{re.sub(r'[^A-Za-z0-9.]+', '-', name)}"
             result = run(each)
         return result
-    if model is None:
-        model, tok = ev.load()
+    if model is None and ev.model:
+        model, tok = load_model(getattr(args, "model", None))
     folder, stem = out_dir(args, ev.name), ev.stem()
     start, load = time.perf_counter(), os.getloadavg()
     result = {"benchmark": ev.name, "args": vars(args), "environment": environment(),
