@@ -166,7 +166,7 @@ class Chat(Evaluation):
             raise SystemExit(f"morphkv: error: the prose has fewer tokens than --turns x "
                              f"--user-tokens = {n * tokens}")
         self.messages = [f"Summarize: {tok.decode(d).strip()}" for d in docs]
-        return self.chosen
+        return self.arm_list
 
     def steps(self, arms) -> int:
         return self.args.turns * len(arms)

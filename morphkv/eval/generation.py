@@ -80,7 +80,7 @@ class Generation(Evaluation):
             a.max_tokens, a.budgets = 40, [24]
             a.arms = ["full", "streaming_llm", "morphkv:mean:8"]
             a.prompts = a.prompts or [0]
-        self.chosen = a.prompts if a.prompts is not None else range(len(GENERATION_PROMPTS))
+        self.picked = a.prompts if a.prompts is not None else range(len(GENERATION_PROMPTS))
         self.found = parse_arms(a.arms, FULL, **ARM_DEFAULTS)
         return [(arm, b) for arm in self.found
                 for b in ([None] if arm.method == "kvcache" else a.budgets)
@@ -92,12 +92,12 @@ class Generation(Evaluation):
         self.info["settings"] = {
             "arms": [_label(arm) for arm in self.found],
             "budgets": list(a.budgets), "max_tokens": a.max_tokens, "n_sink": a.n_sink,
-            "prompts": len(self.chosen), "sampler": "greedy", "quick": bool(a.quick),
-            "prompt_ids": list(self.chosen), "model": a.model or "embedded SmolLM2-135M-Instruct"}
-        return [(p, chat_prompt(tok, GENERATION_PROMPTS[i])) for p, i in enumerate(self.chosen)]
+            "prompts": len(self.picked), "sampler": "greedy", "quick": bool(a.quick),
+            "prompt_ids": list(self.picked), "model": a.model or "embedded SmolLM2-135M-Instruct"}
+        return [(p, chat_prompt(tok, GENERATION_PROMPTS[i])) for p, i in enumerate(self.picked)]
 
     def steps(self, arms) -> int:
-        return len(arms) * len(self.chosen) * self.args.max_tokens
+        return len(arms) * len(self.picked) * self.args.max_tokens
 
     def measure(self, model, tok, item, arms, bar) -> list:
         (p, prompt), a, rows = item, self.args, []

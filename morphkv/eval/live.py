@@ -162,7 +162,7 @@ class Live(Evaluation):
         a = self.args
         self.chats = held_out_chats(a.split, a.first, a.chats, a.seed)
         self.log = open(os.devnull, "w") if not a.verbose else None
-        return self.chosen
+        return self.arm_list
 
     def measure(self, model, tok, arm, arms, bar) -> dict:
         (name, flags), start = arm, time.perf_counter()

@@ -56,14 +56,14 @@ class Evaluation:
 
     def items(self, model, tok):
         """The items (default: the arms, each measured in turn)."""
-        return self.chosen
+        return self.arm_list
 
 
 def run(ev: Evaluation, model=None, tok=None) -> dict:
     """Every item under every arm (see the module doc); the result dict of the last model."""
     args = ev.args
     try:
-        arms = ev.chosen = ev.arms()
+        arms = ev.arm_list = ev.arms()
     except ValueError as e:
         raise SystemExit(f"{ev.command}: error: {e}") from None
     if ev.plot:
