@@ -140,17 +140,6 @@ def figures(records: list[dict], wall: float, budget: int | None = None) -> dict
     return out
 
 
-def probe(server) -> list[dict]:
-    rows = []
-    for name, body, headers in PROBE_BAD:
-        t0 = time.perf_counter()
-        status, text = raw_post(server.url, body, headers, timeout=20)
-        rows.append({"name": name, "status": status, "seconds": time.perf_counter() - t0,
-                     "answer": text[:160]})
-    rows.append({"name": "health afterwards", "status": server.health()})
-    return rows
-
-
 def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
     server = Server(kind, server_flags(kind, args), out)
     client = server.client(180)
@@ -193,8 +182,13 @@ def bench_server(kind: str, args, out: Path, long_prompt: str) -> dict:
                                    "classes": by_class(records)})
         phases["conversations_8"] = figures(
             *rounds(mk(8), args.turns, args.level_seconds, ["turn"]), args.budget)
-        marks["end"] = time.time()
-        phases["probe"] = probe(server)
+        marks["end"], probe = time.time(), phases.setdefault("probe", [])
+        for name, body, headers in PROBE_BAD:  # every malformed request once, then /health
+            t0 = time.perf_counter()
+            status, answer = raw_post(server.url, body, headers, timeout=20)
+            probe.append({"name": name, "status": status, "seconds": time.perf_counter() - t0,
+                          "answer": answer[:160]})
+        probe.append({"name": "health afterwards", "status": server.health()})
     finally:
         done.set()
         status = server.stop()
@@ -210,8 +204,7 @@ def run(args) -> int:
     args.levels = [int(x) for x in str(args.levels).split(",")]
     if args.quick:
         args.levels, args.rounds, args.short, args.turns = [4], 4, 1, 3
-        args.mixed = min(args.mixed, 12)
-        args.budget = min(args.budget, 32)
+        args.mixed, args.budget = min(args.mixed, 12), min(args.budget, 32)
 
     def report(results):
         summary = summarize(results, args)
