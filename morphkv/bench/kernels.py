@@ -83,13 +83,6 @@ class SyncCounter:
             setattr(owner, name, fn)
 
 
-def fed(spec: str, budget: int, n: int, k, v, q):
-    """A cache of ``spec`` fed the first ``n`` tokens (update and attention)."""
-    cache = make_cache(spec, budget, 8)[0]
-    mx.eval(attention_step(cache, q[:, :, :n], k[:, :, :n], v[:, :, :n], D**-0.5))
-    return cache
-
-
 def count(spec: str, budget: int, groups: int, blocks: int, rows: int = 1) -> dict:
     """Kernels and host syncs of one layer's decode steps (update + attention, as the hooked
     model runs them: ``attention_step``), averaged over ``blocks`` eviction blocks; with
@@ -100,7 +93,10 @@ def count(spec: str, budget: int, groups: int, blocks: int, rows: int = 1) -> di
     k, v, q = stream(budget + 32 + steps + block + 3 * rows, mx.float16, groups)
     warm = budget + 8
     warm += -(warm - budget) % block  # start right after an eviction
-    caches = [fed(spec, budget, warm + 3 * i, k, v, q) for i in range(rows)]  # phases differ
+    caches = [make_cache(spec, budget, 8)[0] for _ in range(rows)]
+    for i, c in enumerate(caches):  # fed the first tokens (update and attention): phases differ
+        n = warm + 3 * i
+        mx.eval(attention_step(c, q[:, :, :n], k[:, :, :n], v[:, :, :n], D**-0.5))
     cache = caches[0] if rows == 1 else type(caches[0]).merge(caches)  # as BatchGenerator does
     if rows > 1:
         k, v, q = (mx.concatenate([x] * rows) for x in (k, v, q))
