@@ -33,12 +33,6 @@ COMMON = set(keyword.kwlist) | set(dir(builtins)) | {"self", "cls", "def", "retu
 WORD = re.compile(r"\s?([A-Za-z_][A-Za-z0-9_]{2,}|[0-9]{3,})")
 
 
-def prompts(split: str) -> list[str]:
-    from .chat_items import DATA
-
-    return json.loads((DATA / DATA_FILE).read_text())[split]  # --split: tune or test
-
-
 def write(model, tok, ids: list[int], caches, length: int) -> list[int]:
     """Greedy tokens after ``ids`` (repetition penalty ``PENALTY``), up to an end token."""
     ends = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])
@@ -65,7 +59,9 @@ def write_texts(model, tok, split: str, length: int, path, count: int) -> list[d
 
     done = json.loads(path.read_text())["texts"] if path.exists() else []
     done = [t for t in done if t["length"] == length]
-    for i, text in enumerate(prompts(split)[:count]):
+    from .chat_items import DATA
+
+    for i, text in enumerate(json.loads((DATA / DATA_FILE).read_text())[split][:count]):
         if any(t["index"] == i for t in done):
             continue
         ids = list(tok.apply_chat_template([{"role": "user", "content": text}],

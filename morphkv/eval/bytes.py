@@ -93,7 +93,16 @@ class Bytes(Evaluation):
         return summary, table(summary, list(dict.fromkeys(r["text"] for r in rows)))
 
     def plot(self, result: dict, path) -> None:
-        plot(result["summary"], path)
+        """Mean KL against bytes held, one point per arm and token count."""
+        fig, ax = plots.plt().subplots(figsize=(7.5, 4.5))
+        for arm in dict.fromkeys(s["arm"] for s in result["summary"]):
+            pts = sorted((s["mib"], s["mean_kl"]) for s in result["summary"] if s["arm"] == arm)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arm)
+        ax.set(xlabel="bytes held over all layers (MiB, storage + selection state)",
+               ylabel="mean KL(full || arm), nats/token", yscale="log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        plots.save(fig, path, 120)
 
 
 EVALUATION = Bytes
@@ -131,20 +140,6 @@ def table(summary: list[dict], texts: list[str]) -> str:
              "-" if s["mean_ratio"] is None else f"{s['mean_ratio']:.2f}",
              "-" if s["worst_ratio"] is None else f"{s['worst_ratio']:.2f}"] for s in summary]
     return markdown_table(headers, body)
-
-
-def plot(summary: list[dict], path) -> None:
-    """Mean KL against bytes held, one point per arm and token count."""
-    fig, ax = plots.panels(1, 7.5, 4.5)
-    ax = ax[0, 0]
-    for arm in dict.fromkeys(s["arm"] for s in summary):
-        pts = sorted((s["mib"], s["mean_kl"]) for s in summary if s["arm"] == arm)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arm)
-    ax.set(xlabel="bytes held over all layers (MiB, storage + selection state)",
-           ylabel="mean KL(full || arm), nats/token", yscale="log")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    plots.save(fig, path, 120)
 
 
 STATE_ARMS = ("streaming_llm:memory={m}:bits=8,h2o:memory={m}:bits=8:block=16,"

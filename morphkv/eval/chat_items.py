@@ -60,17 +60,14 @@ class Chat:
     questions: list[Question] = field(default_factory=list)
 
 
-def _pick(rng: random.Random, split: str):
-    return [(k, *rng.sample(k["values"], 2), rng.choice(k["statements"]))
-            for k in rng.sample(list(facts(split)), 3)]
-
-
 def build_chat(split: str, index: int, seed: int = 0) -> Chat:
     """Chat ``index`` of ``split`` (messages only; ``tokenize`` places the facts)."""
     rng = random.Random(f"chat:{split}:{seed}:{index}")
     pool = list(answers(split))
     rng.shuffle(pool)
-    (ka, a_old, a_new, sa), (kb, b, _, sb), (kc, c, _, sc) = _pick(rng, split)
+    (ka, a_old, a_new, sa), (kb, b, _, sb), (kc, c, _, sc) = [
+        (k, *rng.sample(k["values"], 2), rng.choice(k["statements"]))
+        for k in rng.sample(list(facts(split)), 3)]
     clauses = [sa.format(v=a_old), sb.format(v=b),
                ka["update"].format(old=a_old, v=a_new) + " " + sc.format(v=c)]  # fmt: skip
     messages, nofact = [], []
