@@ -97,45 +97,6 @@ def resume_check(conv, model, tokenizer, config, args) -> dict:
             "same_next_reply": replies[0] == replies[1], "reply_tokens": len(replies[0])}
 
 
-def summarize(rows: list[dict], budget: int) -> dict:
-    out = {}
-    for arm in dict.fromkeys(r["arm"] for r in rows):
-        rs = [r for r in rows if r["arm"] == arm]
-        at = {r["turn"]: r for r in rs}
-        full = [r for r in rs if r["seen"] > budget + 8] if arm == "morphkv" else rs
-        first, last = at[min(at)], at[max(at)]
-        t5 = at.get(5, first)
-        early = [r["turn_s"] for r in rs if 3 <= r["turn"] <= 7] or [first["turn_s"]]
-        late = [r["turn_s"] for r in rs[-5:]]
-        out[arm] = {
-            "turns": len(rs), "last_seen": last["seen"],
-            "cache_bytes_first_last": [first["cache_bytes"], last["cache_bytes"]],
-            "budget_reached_turn": full[0]["turn"] if full else None,
-            "cache_bytes_after_budget": [min(r["cache_bytes"] for r in full),
-                                         max(r["cache_bytes"] for r in full)] if full else [],
-            "peak_growth_after_budget": (max(r["peak_bytes"] for r in full)
-                                         / full[0]["peak_bytes"] - 1) if full else None,
-            "peak_bytes_first_last": [first["peak_bytes"], last["peak_bytes"]],
-            "turn_s_5": t5["turn_s"], "turn_s_last": last["turn_s"],
-            "last_over_5": last["turn_s"] / t5["turn_s"],
-            "late_over_early_median": statistics.median(late) / statistics.median(early),
-            "load_avg_range": [min(r["load_avg"] for r in rs), max(r["load_avg"] for r in rs)],
-        }
-    return out
-
-
-def table(summary: dict) -> str:
-    rows = [[arm, s["last_seen"],
-             *(x / 2**20 for x in s["cache_bytes_first_last"] + s["peak_bytes_first_last"]),
-             100 * s["peak_growth_after_budget"] if s["peak_growth_after_budget"] is not None
-             else float("nan"), s["turn_s_5"], s["turn_s_last"], s["last_over_5"],
-             s["late_over_early_median"]] for arm, s in summary.items()]
-    return markdown_table(["arm", "tokens seen", "cache MiB turn 1", "cache MiB last",
-                           "peak MiB turn 1", "peak MiB last", "peak growth after budget %",
-                           "turn 5 s", "last turn s", "last/5", "median last 5 / turns 3-7"],
-                          rows)
-
-
 class Chat(Evaluation):
     """Every arm (an item) over the same user messages; the session check after morphkv's."""
 
@@ -206,7 +167,40 @@ class Chat(Evaluation):
         return rows
 
     def report(self, rows: list, arms) -> tuple:
-        summary, lines = summarize(rows, self.args.budget), []
+        """Per arm: tokens seen, cache and peak bytes, turn times; the table and the timing and
+        session lines."""
+        out = {}
+        for arm in dict.fromkeys(r["arm"] for r in rows):
+            rs = [r for r in rows if r["arm"] == arm]
+            at = {r["turn"]: r for r in rs}
+            full = [r for r in rs if r["seen"] > self.args.budget + 8] if arm == "morphkv" else rs
+            first, last = at[min(at)], at[max(at)]
+            t5 = at.get(5, first)
+            early = [r["turn_s"] for r in rs if 3 <= r["turn"] <= 7] or [first["turn_s"]]
+            late = [r["turn_s"] for r in rs[-5:]]
+            out[arm] = {
+                "turns": len(rs), "last_seen": last["seen"],
+                "cache_bytes_first_last": [first["cache_bytes"], last["cache_bytes"]],
+                "budget_reached_turn": full[0]["turn"] if full else None,
+                "cache_bytes_after_budget": [min(r["cache_bytes"] for r in full),
+                                             max(r["cache_bytes"] for r in full)] if full else [],
+                "peak_growth_after_budget": (max(r["peak_bytes"] for r in full)
+                                             / full[0]["peak_bytes"] - 1) if full else None,
+                "peak_bytes_first_last": [first["peak_bytes"], last["peak_bytes"]],
+                "turn_s_5": t5["turn_s"], "turn_s_last": last["turn_s"],
+                "last_over_5": last["turn_s"] / t5["turn_s"],
+                "late_over_early_median": statistics.median(late) / statistics.median(early),
+                "load_avg_range": [min(r["load_avg"] for r in rs), max(r["load_avg"] for r in rs)],
+            }
+        cells = [[arm, s["last_seen"],
+                  *(x / 2**20 for x in s["cache_bytes_first_last"] + s["peak_bytes_first_last"]),
+                  100 * s["peak_growth_after_budget"] if s["peak_growth_after_budget"] is not None
+                  else float("nan"), s["turn_s_5"], s["turn_s_last"], s["last_over_5"],
+                  s["late_over_early_median"]] for arm, s in out.items()]
+        lines = [markdown_table(["arm", "tokens seen", "cache MiB turn 1", "cache MiB last",
+                                 "peak MiB turn 1", "peak MiB last", "peak growth after budget %",
+                                 "turn 5 s", "last turn s", "last/5",
+                                 "median last 5 / turns 3-7"], cells)]
         for arm, t in self.info["timing"].items():
             a, b = t["after_turn"][0], t["after_turn"][-1]
             lines.append(f"{arm}: the same next turn after {a} / after {b}: median "
@@ -216,7 +210,7 @@ class Chat(Evaluation):
             lines.append(f"session at budget {self.args.budget}: save {r['save_s']:.3f} s, load "
                          f"{r['load_s']:.3f} s, {r['file_bytes'] / 2**20:.2f} MiB; resumed next "
                          f"reply identical: {r['same_next_reply']}")
-        return summary, "\n".join([table(summary), *lines])
+        return out, "\n".join(lines)
 
     def plot(self, result: dict, path) -> None:
         rows, fig, axes = result["rows"], *plots.panels(3, 5, 4)

@@ -126,40 +126,6 @@ def read_back(model, text: dict, arms, chunk: int) -> dict:
     return stats
 
 
-def summarize(texts: list[dict], labels: list[str]) -> dict:
-    """Per arm: re-mention agreement / written-token top-1 (bootstrap over texts), their mean
-    NLL, mean KL over every answer token, positions and texts counted."""
-    out = {}
-    for label in labels:
-        rows = [t["arms"][label] for t in texts]
-        at = [[r["agree"][i] for i in r["remention"]] for r in rows]
-        wr = [[r["written"][i] for i in r["remention"]] for r in rows]
-        nll = [r["nll"][i] for r in rows for i in r["remention"]]
-        kl = [k for r in rows for k in r["kl"]]
-        free = [r["free"]["repetition"] for r in rows if "free" in r]
-        out[label] = {"remention_agree": cluster_interval(at), "remention_written":
-                      cluster_interval(wr), "remention_nll": sum(nll) / len(nll) if nll else None,
-                      "rementions": len(nll), "texts": len(rows),
-                      "kl": sum(kl) / len(kl) if kl else None,
-                      "repetition": sum(free) / len(free) if free else None,
-                      "mib": max(r["nbytes"] for r in rows) / 2**20}
-    return out
-
-
-def table(summary: dict) -> str:
-    def cell(v):
-        return "-" if v is None else f"{100 * v[0]:.0f}% [{100 * v[1]:.0f}, {100 * v[2]:.0f}]"
-
-    return markdown_table(
-        ["arm", "MiB held", "re-mentions", "agree with full (top-1)", "written token top-1",
-         "NLL", "KL, every token", "10-gram repetition, own writing"],
-        [[lbl, f"{s['mib']:.2f}", s["rementions"], cell(s["remention_agree"]),
-          cell(s["remention_written"]), f"{s['remention_nll']:.3f}" if s["remention_nll"]
-          is not None else "-", f"{s['kl']:.4f}",
-          "-" if s.get("repetition") is None else f"{s['repetition']:.3f}"]
-         for lbl, s in summary.items()])
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
         *standard("answers", "model", "chunk", "out", "stem"),
@@ -201,8 +167,34 @@ class Answers(Evaluation):
         return rec
 
     def report(self, records: list, arms) -> tuple:
-        summary = summarize(records, [c.label for c in arms])
-        return summary, table(summary)
+        """Per arm: re-mention agreement / written-token top-1 (bootstrap over texts), their
+        mean NLL, mean KL over every answer token, positions and texts counted; the table."""
+        out = {}
+        for label in [c.label for c in arms]:
+            rows = [t["arms"][label] for t in records]
+            at = [[r["agree"][i] for i in r["remention"]] for r in rows]
+            wr = [[r["written"][i] for i in r["remention"]] for r in rows]
+            nll = [r["nll"][i] for r in rows for i in r["remention"]]
+            kl = [k for r in rows for k in r["kl"]]
+            free = [r["free"]["repetition"] for r in rows if "free" in r]
+            out[label] = {"remention_agree": cluster_interval(at), "remention_written":
+                          cluster_interval(wr), "remention_nll": sum(nll) / len(nll) if nll
+                          else None, "rementions": len(nll), "texts": len(rows),
+                          "kl": sum(kl) / len(kl) if kl else None,
+                          "repetition": sum(free) / len(free) if free else None,
+                          "mib": max(r["nbytes"] for r in rows) / 2**20}
+
+        def cell(v):
+            return "-" if v is None else f"{100 * v[0]:.0f}% [{100 * v[1]:.0f}, {100 * v[2]:.0f}]"
+
+        return out, markdown_table(
+            ["arm", "MiB held", "re-mentions", "agree with full (top-1)", "written token top-1",
+             "NLL", "KL, every token", "10-gram repetition, own writing"],
+            [[lbl, f"{s['mib']:.2f}", s["rementions"], cell(s["remention_agree"]),
+              cell(s["remention_written"]), f"{s['remention_nll']:.3f}" if s["remention_nll"]
+              is not None else "-", f"{s['kl']:.4f}",
+              "-" if s.get("repetition") is None else f"{s['repetition']:.3f}"]
+             for lbl, s in out.items()])
 
 
 EVALUATION = Answers

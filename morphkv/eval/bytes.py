@@ -89,8 +89,33 @@ class Bytes(Evaluation):
         return rows
 
     def report(self, rows: list, arms) -> tuple:
-        summary = summarize(rows, self.args.reference)
-        return summary, table(summary, list(dict.fromkeys(r["text"] for r in rows)))
+        """Per (arm, token count): KL per text, its ratio to the reference arm's, mean and
+        worst; the table."""
+        out, reference = [], self.args.reference
+        for arm, budget in dict.fromkeys((r["arm"], r["f16_tokens"]) for r in rows):
+            mine = {r["text"]: r for r in rows if (r["arm"], r["f16_tokens"]) == (arm, budget)}
+            ref = {r["text"]: r["kl"] for r in rows
+                   if (r["arm"], r["f16_tokens"]) == (reference, budget)}
+            ratios = {t: r["kl"] / ref[t] for t, r in mine.items() if ref.get(t)}
+            out.append({
+                "arm": arm, "f16_tokens": budget,
+                "tokens": max(r["tokens"] for r in mine.values()),
+                "mib": max(r["nbytes"] for r in mine.values()) / 2**20,
+                "kl": {t: r["kl"] for t, r in mine.items()},
+                "mean_kl": sum(r["kl"] for r in mine.values()) / len(mine),
+                "worst_kl": max(r["kl"] for r in mine.values()),
+                "ratio": ratios,
+                "mean_ratio": sum(ratios.values()) / len(ratios) if ratios else None,
+                "worst_ratio": max(ratios.values()) if ratios else None,
+            })
+        texts = list(dict.fromkeys(r["text"] for r in rows))
+        return out, markdown_table(
+            ["arm", "f16 tokens", "tokens", "MiB held", *[f"KL {t}" for t in texts], "mean KL",
+             "worst KL", "mean ratio", "worst ratio"],
+            [[s["arm"], s["f16_tokens"], s["tokens"], f"{s['mib']:.2f}",
+              *[f"{s['kl'].get(t, float('nan')):.4f}" for t in texts], f"{s['mean_kl']:.4f}",
+              f"{s['worst_kl']:.4f}", "-" if s["mean_ratio"] is None else f"{s['mean_ratio']:.2f}",
+              "-" if s["worst_ratio"] is None else f"{s['worst_ratio']:.2f}"] for s in out])
 
     def plot(self, result: dict, path) -> None:
         """Mean KL against bytes held, one point per arm and token count."""
@@ -106,40 +131,6 @@ class Bytes(Evaluation):
 
 
 EVALUATION = Bytes
-
-
-def summarize(rows: list[dict], reference: str) -> list[dict]:
-    """Per (arm, token count): KL per text, its ratio to the reference arm's, mean and worst."""
-    out = []
-    keys = list(dict.fromkeys((r["arm"], r["f16_tokens"]) for r in rows))
-    for arm, budget in keys:
-        mine = {r["text"]: r for r in rows if (r["arm"], r["f16_tokens"]) == (arm, budget)}
-        ref = {r["text"]: r["kl"] for r in rows if (r["arm"], r["f16_tokens"]) == (reference,
-                                                                                   budget)}
-        ratios = {t: r["kl"] / ref[t] for t, r in mine.items() if ref.get(t)}
-        out.append({
-            "arm": arm, "f16_tokens": budget,
-            "tokens": max(r["tokens"] for r in mine.values()),
-            "mib": max(r["nbytes"] for r in mine.values()) / 2**20,
-            "kl": {t: r["kl"] for t, r in mine.items()},
-            "mean_kl": sum(r["kl"] for r in mine.values()) / len(mine),
-            "worst_kl": max(r["kl"] for r in mine.values()),
-            "ratio": ratios,
-            "mean_ratio": sum(ratios.values()) / len(ratios) if ratios else None,
-            "worst_ratio": max(ratios.values()) if ratios else None,
-        })
-    return out
-
-
-def table(summary: list[dict], texts: list[str]) -> str:
-    headers = ["arm", "f16 tokens", "tokens", "MiB held", *[f"KL {t}" for t in texts],
-               "mean KL", "worst KL", "mean ratio", "worst ratio"]
-    body = [[s["arm"], s["f16_tokens"], s["tokens"], f"{s['mib']:.2f}",
-             *[f"{s['kl'].get(t, float('nan')):.4f}" for t in texts], f"{s['mean_kl']:.4f}",
-             f"{s['worst_kl']:.4f}",
-             "-" if s["mean_ratio"] is None else f"{s['mean_ratio']:.2f}",
-             "-" if s["worst_ratio"] is None else f"{s['worst_ratio']:.2f}"] for s in summary]
-    return markdown_table(headers, body)
 
 
 STATE_ARMS = ("streaming_llm:memory={m}:bits=8,h2o:memory={m}:bits=8:block=16,"
