@@ -153,13 +153,12 @@ class User:
         self.turns += 1
         return self.ask("turn", messages=self.messages)
 
-    def _long2k(self, n: int) -> dict:
-        return self.ask("long2k", f"Document {self.i}-{n}. {long_text(2000)}\n\nSummarize "
-                        "this.", stream=True)
+    def _long2k(self, n: int, k: int = 2) -> dict:  # streamed: its time to first token
+        return self.ask(f"long{k}k", f"Document {self.i}-{n}. {long_text(k * 1000)}\n\n"
+                        "Summarize this.", stream=k == 2)
 
     def _long8k(self, n: int) -> dict:
-        return self.ask("long8k", f"Document {self.i}-{n}. {long_text(8000)}\n\nSummarize "
-                        "this.")
+        return self._long2k(n, 8)
 
     def _bad(self, n: int) -> dict:
         name, body, headers = SAFE_BAD[(self.i + n) % len(SAFE_BAD)]

@@ -107,8 +107,7 @@ class Server:
         return [(float(t), int(r), int(a), int(p)) for t, r, a, p in rows if p]
 
     def startup(self) -> list[str]:
-        text = self.output.read_text()
-        return [x for x in text.splitlines() if x.startswith("morphkv serve:")]
+        return [x for x in self.output.read_text().splitlines() if x.startswith("morphkv serve:")]
 
     def stop(self) -> int | None:
         return stop_process(self.proc, 30)

@@ -6,8 +6,6 @@ import argparse
 
 import numpy as np
 
-BENCH_EXTRA = "pip install -e '.[bench]'"
-
 
 def require_matplotlib(args: argparse.Namespace) -> None:
     """Stop before any work, in one line, when the plots cannot be drawn."""
@@ -17,8 +15,8 @@ def require_matplotlib(args: argparse.Namespace) -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise SystemExit(
-            f"morphkv: error: the benchmarks draw PNGs with matplotlib, which is not installed: "
-            f"{BENCH_EXTRA} (or pass --no-plot where offered)"
+            "morphkv: error: the benchmarks draw PNGs with matplotlib, which is not installed: "
+            "pip install -e '.[bench]' (or pass --no-plot where offered)"
         ) from None
 
 
