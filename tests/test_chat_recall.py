@@ -165,7 +165,7 @@ def test_live_serve_runs_chats_through_the_real_server_and_stops_it(tmp_path):
     import os
 
     from morphkv.cli.commands import build_parser
-    from morphkv.eval import live
+    from morphkv.eval import live, runner
     from tests.smollm2_fixture import embedded_gguf_path
 
     pytest.importorskip("openai")
@@ -184,10 +184,11 @@ def test_live_serve_runs_chats_through_the_real_server_and_stops_it(tmp_path):
              "--reply-tokens", "3", "--answer-tokens", "3", "--live-arms",
              "memory=--kv-memory 1M", "--out", str(tmp_path)])
         vars(args).pop("_run")  # as morphkv's main does: the Namespace stays JSON-able
-        result = live.run_live(args)
+        result = runner.run(live.Live(args))
     finally:
         live.start_server = real
-    (row,) = result["arms"]["memory"]["rows"]
+    ((arm, (row,)),) = [(a["arm"], a["rows"]) for a in result["arms"]]
+    assert arm == "memory" and result["summary"]["memory"]["items"] == 3
     assert (tmp_path / "chatrecall_live_serve_test.json").exists()  # written after each arm
     assert row["chat"] == 0
     assert [c.index for c in live.held_out_chats(args.split, 2, 1, args.seed)] == [2]  # --first
