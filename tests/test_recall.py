@@ -42,7 +42,7 @@ def test_arm_specs_map_onto_config_fields():
         "peak", 32, True, 3)
     fused = arms[5].arm.config(128, n_sink=4)
     assert fused.morphkv_peak == 0.25 and fused.recent == 64 and fused.morphkv_value
-    assert R.is_full(arms[0]) and arms[6].arm.is_baseline
+    assert arms[0].arm.method == "full" and arms[6].arm.is_baseline
 
 
 @pytest.mark.parametrize(

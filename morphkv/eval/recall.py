@@ -34,10 +34,6 @@ def parse_arms(text: str) -> list:
     return found
 
 
-def is_full(cell) -> bool:
-    return cell.arm.method in ("full", "kvcache")
-
-
 class LongChats(Chats):
     """Long chats with one early fact (``recall_items``: canned or natural), per budget."""
 
@@ -58,9 +54,10 @@ class LongChats(Chats):
             for budget in budgets:
                 c.arm.config(budget, n_sink=a.n_sink)  # ValueError: "arm ... at budget ..."
         a.distance = a.distance or 3 * max(budgets)
-        full = next((c for c in arms if is_full(c)), None) or parse_arms("full")[0]
+        fulls = [c for c in arms if c.arm.method in ("full", "kvcache")]
+        full = (fulls or parse_arms("full"))[0]
         return [Cell(full.label, full.arm, max(budgets))] + [
-            Cell(f"{c.label}@{b}", c.arm, b) for c in arms if not is_full(c) for b in budgets]
+            Cell(f"{c.label}@{b}", c.arm, b) for c in arms if c not in fulls for b in budgets]
 
     def items(self, model, tok):
         return range(self.args.first, self.args.first + self.args.items)
