@@ -25,7 +25,7 @@ TURNS = [6, 11, 4, 13, 9, 12, 7]
 
 
 def model_for(rank="vote", **extra):
-    config = KVCacheConfig(method="streaming_llm", morphkv_budget=24, morphkv_n_sink=2,
+    config = KVCacheConfig(method="streaming_llm", morphkv_budget=40, morphkv_n_sink=2,
                            morphkv_window=4, pin="prompt", pin_rank=rank, pin_replies=6,
                            scoring="attention", **extra)
     return patch_model(tiny_llama(2, head_dim=64), config)
