@@ -25,7 +25,7 @@ TURNS = [6, 11, 4, 13, 9, 12, 7]
 
 
 def model_for(rank="vote", **extra):
-    config = KVCacheConfig(method="streaming_llm", morphkv_budget=24, morphkv_n_sink=2,
+    config = KVCacheConfig(method="streaming_llm", morphkv_budget=40, morphkv_n_sink=2,
                            morphkv_window=4, pin="prompt", pin_rank=rank, pin_replies=6,
                            scoring="attention", **extra)
     return patch_model(tiny_llama(2, head_dim=64), config)
@@ -121,3 +121,18 @@ def finished(gen, n):
             break
     gen.close()
     return out.items()
+
+
+def test_the_vote_runs_only_where_its_room_holds_twice_the_pinned_reply():
+    """At small budgets (room < 2 x pin_replies) each layer ranks its own pins, and the cache
+    line and the server's start-up line say so; the preset at Qwen's 1.5 MiB (216) votes."""
+    from morphkv import recommended
+    from morphkv.runtime.cache_flags import describe
+    from morphkv.server.memory import engine_and_pins
+
+    small, large = recommended(48), recommended(216)
+    assert (vote.votes(small), vote.votes(large)) == (False, True)
+    assert vote.room(large) >= 2 * large.pin_replies > vote.room(small)
+    assert "keydiff per layer" in describe(small) and "keydiff per layer" not in describe(large)
+    assert "each layer ranks its own" in engine_and_pins(small)
+    assert "one ranking over all layers" in engine_and_pins(large)

@@ -40,13 +40,19 @@ def room(config) -> int:
     return config.budget - config.n_sink - config.recent - config.block - PIN_AFTER
 
 
+def votes(config) -> bool:
+    """Does this setting vote? Only where the room holds twice the longest reply it pins (a due
+    reply and at least as much of the history): at smaller budgets (48 tokens of the embedded
+    model) a vote would cut the earlier turns to a few tokens, so each layer ranks its own."""
+    return config.pin_rank == "vote" and room(config) >= 2 * max(config.pin_replies, 1)
+
+
 def trim(caches: list, C: int) -> None:
     """Before a forward pass of ``C`` columns: the vote in every row that needs one (a decode
     step, C = 1, returns before looking at any cache)."""
     if C < 2:
         return
-    voting = [c for c in caches if getattr(getattr(c, "config", None), "pin_rank", None)
-              == "vote" and hasattr(c, "engines")]
+    voting = [c for c in caches if hasattr(c, "engines") and votes(c.config)]
     if not voting or getattr(voting[0], "_held", None) is not None:
         return
     first = voting[0]
@@ -59,7 +65,9 @@ def trim(caches: list, C: int) -> None:
 
 def trim_row(caches: list, i: int, incoming: int, seen: int) -> bool:
     """Row ``i``'s vote, ``incoming`` tokens to be pinned next; returns whether pins changed."""
-    keep = max(0, room(caches[0].config) - incoming)
+    keep = room(caches[0].config) - incoming
+    if keep <= 0:  # the chunk (with its due reply) alone fills the room: each layer ranks
+        return False
     pins = caches[0].pins_of(i)
     if len(pins) <= keep:  # an upper bound on the held pinned tokens: nothing to read
         return False

@@ -155,6 +155,10 @@ def describe(config: KVCacheConfig) -> str:
         text += f" pin={config.pin}"
         if config.pin_rank != "rule":
             text += f" pin-rank={config.pin_rank}"
+            from ..core.vote import votes
+
+            if config.pin_rank == "vote" and config.budget and not votes(config):
+                text += " (keydiff per layer at this budget)"
         if config.pin_replies:
             text += f" pin-replies={config.pin_replies}" + (" (while they fit)"
                                                              if config.pin_fit else "")

@@ -96,7 +96,11 @@ def engine_and_pins(config) -> str:
             "their template tokens; generated tokens are not)" if config.pin == "prompt"
             else "pinned: nothing (--pin prompt pins every prompt's tokens)")
     if config.pin == "prompt" and config.pin_rank == "vote":
-        pins += "; past the budget one ranking over all layers says which stay pinned"
+        from ..core.vote import votes
+
+        pins += ("; past the budget one ranking over all layers says which stay pinned"
+                 if not config.budget or votes(config) else
+                 "; past the budget each layer ranks its own (too small for one ranking)")
     return f"{engine}; {pins}"
 
 
