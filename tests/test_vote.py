@@ -125,12 +125,12 @@ def finished(gen, n):
 
 def test_the_vote_runs_only_where_its_room_holds_twice_the_pinned_reply():
     """At small budgets (room < 2 x pin_replies) each layer ranks its own pins, and the cache
-    line and the server's start-up line say so; the preset at Qwen's 1.5 MiB (216) votes."""
+    line and the server's start-up line say so; at Qwen's 1.5 MiB (216 tokens) it votes."""
     from morphkv import recommended
     from morphkv.runtime.cache_flags import describe
     from morphkv.server.memory import engine_and_pins
 
-    small, large = recommended(48), recommended(216)
+    small, large = recommended(48, pin_rank="vote"), recommended(216, pin_rank="vote")
     assert (vote.votes(small), vote.votes(large)) == (False, True)
     assert vote.room(large) >= 2 * large.pin_replies > vote.room(small)
     assert "keydiff per layer" in describe(small) and "keydiff per layer" not in describe(large)

@@ -38,7 +38,8 @@ MEMORY_BITS = 8  # storage precision of recommended(memory=...)
 PIN = "prompt"
 # once the pinned prompts alone overflow, the pinned token whose key is most like the mean key
 # goes first (KeyDiff among the pinned): chosen by the fixed rule of docs/recall.md on tune
-# chats through mlx_lm.chat's loop (keydiff 4/9, keydiff-span 2/9, the rule's recency 0/9)
+# chats through mlx_lm.chat's loop (keydiff 4/9, keydiff-span 2/9, the rule's recency 0/9);
+# one vote over all layers ("vote") lost issue 41's round 7 on said chats (1 vs 3 of 5)
 PIN_RANK = "keydiff"
 PIN_REPLIES = 48  # the model's replies of at most 48 tokens are pinned (issue 42, round 2)
 MEMORY_PIN, MEMORY_PIN_RANK = PIN, PIN_RANK
