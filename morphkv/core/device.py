@@ -24,12 +24,12 @@ import mlx.core as mx
 import numpy as np
 
 from . import device_proxy
+from .device_proxy import TOP_BITS  # above every float32's bits (NaN included)
 from .rules import make_rule, pin_scorer
 from .storage import capacity
 from .unpinned import Unpinned, follows
 
 RTOL = 2.0**-9  # two float16 ulps: rows rounded from float32 instead of float64 (+ value norms)
-TOP_BITS = mx.array(0xFFFFFFFF, mx.uint32)  # above every float32's bits (NaN included)
 PIN_BIT = mx.array(0x80000000, mx.uint32)  # a pinned slot: above every score >= 0
 SHIFT = mx.array(32, mx.uint64)
 

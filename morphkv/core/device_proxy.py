@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from .rules import Tova, WindowAttention
 
-TOP_BITS = mx.array(0xFFFFFFFF, mx.uint32)  # as ``core.device``: above every score's bits
+TOP_BITS = mx.array(0xFFFFFFFF, mx.uint32)  # above every score's bits (NaN included)
 SHIFT = mx.array(32, mx.uint64)
 ABS = mx.array(0x7FFFFFFF, mx.uint32)  # a float32's bits but the sign
 INF_BITS = mx.array(0x7F800000, mx.uint32)
