@@ -100,6 +100,11 @@ class Pins:
         runs = [np.arange(a, b) for a, b in zip(self.starts, self.ends, strict=True)]
         return np.concatenate(runs).astype(np.int64) if runs else np.zeros(0, np.int64)
 
+    def holds(self, position: int) -> bool:
+        """Is one position pinned (a range lookup: a decode token)?"""
+        i = int(np.searchsorted(self.ends, position, side="right"))
+        return i < len(self.starts) and self.starts[i] <= position
+
     def host(self, positions: np.ndarray) -> np.ndarray:
         """(rows, slots) bool: which slots hold a pinned position."""
         p = positions[..., None]

@@ -30,9 +30,7 @@ class Unpinned:
         if not pins:  # None, or no ranges (``Pins.__bool__``: no sum per token)
             return Unpinned(self.positions + tuple(range(start, start + k)))
         if k == 1:  # a decode token: one range lookup
-            i = int(np.searchsorted(pins.ends, start, side="right"))
-            held = i < len(pins.starts) and pins.starts[i] <= start
-            return self if held else Unpinned(self.positions + (start,))
+            return self if pins.holds(start) else Unpinned(self.positions + (start,))
         new = np.arange(start, start + k)
         new = new[~pins.host(new)]
         return Unpinned(self.positions + tuple(int(p) for p in new))

@@ -47,6 +47,12 @@ def votes(config) -> bool:
     return config.pin_rank == "vote" and room(config) >= 2 * max(config.pin_replies, 1)
 
 
+def per_layer(config) -> bool:
+    """A vote setting whose (resolved) budget is too small for one ranking: each layer ranks
+    its own pinned tokens, as ``"keydiff"`` (what the cache and start-up lines say)."""
+    return config.pin_rank == "vote" and bool(config.budget) and not votes(config)
+
+
 def trim(caches: list, C: int) -> None:
     """Before a forward pass of ``C`` columns: the vote in every row that needs one (a decode
     step, C = 1, returns before looking at any cache)."""

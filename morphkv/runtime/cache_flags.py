@@ -155,10 +155,9 @@ def describe(config: KVCacheConfig) -> str:
         text += f" pin={config.pin}"
         if config.pin_rank != "rule":
             text += f" pin-rank={config.pin_rank}"
-            from ..core.vote import votes
+            from ..core.vote import per_layer
 
-            if config.pin_rank == "vote" and config.budget and not votes(config):
-                text += " (keydiff per layer at this budget)"
+            text += " (keydiff per layer at this budget)" if per_layer(config) else ""
         if config.pin_replies:
             text += f" pin-replies={config.pin_replies}" + (" (while they fit)"
                                                              if config.pin_fit else "")

@@ -96,11 +96,11 @@ def engine_and_pins(config) -> str:
             "their template tokens; generated tokens are not)" if config.pin == "prompt"
             else "pinned: nothing (--pin prompt pins every prompt's tokens)")
     if config.pin == "prompt" and config.pin_rank == "vote":
-        from ..core.vote import votes
+        from ..core.vote import per_layer
 
-        pins += ("; past the budget one ranking over all layers says which stay pinned"
-                 if not config.budget or votes(config) else
-                 "; past the budget each layer ranks its own (too small for one ranking)")
+        pins += ("; past the budget each layer ranks its own (too small for one ranking)"
+                 if per_layer(config) else
+                 "; past the budget one ranking over all layers says which stay pinned")
     return f"{engine}; {pins}"
 
 
