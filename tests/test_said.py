@@ -107,6 +107,40 @@ def test_answers_smoke_on_the_embedded_model(tmp_path, monkeypatch):
     assert len(texts[0]["answer_ids"]) <= 80
 
 
+def test_a_share_of_each_text_sizes_the_arm_per_text(tmp_path, monkeypatch):
+    """``@/K``: the arm holds 1/K of each text's prompt + answer tokens; ``--first`` skips
+    prompts (the text written is prompt 1's)."""
+    from smollm2_fixture import load_embedded
+
+    from morphkv.cli import main
+
+    pair = load_embedded()
+    monkeypatch.setattr(runner, "load_model", lambda name: pair)
+    rc = main(["eval", "recall", "--data", "answers", "--first", "1", "--texts", "1",
+               "--length", "48", "--chunk", "16", "--arms",
+               "recommended:memory=f16+pin@/4,recommended:memory=f16+pin@/2", "--out",
+               str(tmp_path)])
+    assert rc == 0
+    text = json.loads((tmp_path / "answers_texts_tune_smollm2.json").read_text())["texts"]
+    assert [t["index"] for t in text] == [1]
+    n = len(text[0]["prompt_ids"]) + len(text[0]["answer_ids"])
+    rec = json.loads((tmp_path / "answers_tune.json").read_text())["texts"][0]["arms"]
+    assert rec["recommended:memory=f16+pin@/4"]["size"] == n // 4
+    assert rec["recommended:memory=f16+pin@/2"]["size"] == n // 2
+    assert rec["recommended:memory=f16+pin@/4"]["nbytes"] < rec[
+        "recommended:memory=f16+pin@/2"]["nbytes"]
+
+
+@pytest.mark.parametrize("bad", ["kvcache@/0", "kvcache@/x", "kvcache@0"])
+def test_a_bad_share_is_refused_by_name(bad):
+    from morphkv.eval.arms import cells
+
+    with pytest.raises(ValueError, match="size after '@'"):
+        cells(bad, 128, shares=True)
+    with pytest.raises(ValueError, match="size after '@'"):
+        cells("kvcache@/4", 128)  # only where a command sizes per text
+
+
 def test_said_smoke_on_the_embedded_model(tmp_path, monkeypatch):
     from smollm2_fixture import load_embedded
 

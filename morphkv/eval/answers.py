@@ -8,13 +8,15 @@ in lockstep with the full cache. Measured where the answer re-uses a rare token 
 back (a **re-mention**: identifier-like, 3+ letters or digits, no keyword or builtin, at most
 ``RARE`` times before, first more than two arm sizes back, not in the last half size): top-1
 agreement with the full cache and the written token's NLL; over every answer token, KL to the
-full cache. Intervals: 95% bootstrap over texts. ``spec@N`` runs at N tokens.
+full cache. Intervals: 95% bootstrap over texts. ``spec@N`` runs at N tokens, ``spec@/K`` at
+1/K of each text's tokens (prompt + answer: ``@/4``, a quarter of the full cache's bytes).
 """
 
 from __future__ import annotations
 
 import argparse
 import builtins
+import dataclasses
 import json
 import keyword
 import re
@@ -52,16 +54,20 @@ def free_repetition(model, tok, text: dict, arms, tokens: int) -> dict:
     return out
 
 
-def write_texts(model, tok, split: str, length: int, path, count: int) -> list[dict]:
-    """The first ``count`` prompts' answers by the full cache (kept in ``path``; missing ones
-    are written)."""
+def write_texts(model, tok, split: str, length: int, path, count: int,
+                first: int = 0) -> list[dict]:
+    """Prompts ``first`` .. ``first + count - 1``: their answers by the full cache (kept in
+    ``path``; missing ones are written)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     done = json.loads(path.read_text())["texts"] if path.exists() else []
     done = [t for t in done if t["length"] == length]
     from .chat_items import DATA
 
-    for i, text in enumerate(json.loads((DATA / DATA_FILE).read_text())[split][:count]):
+    prompts = json.loads((DATA / DATA_FILE).read_text())[split]
+    if not 0 <= first < len(prompts):
+        raise ValueError(f"--first {first}: the {split} split has prompts 0-{len(prompts) - 1}")
+    for i, text in enumerate(prompts[first : first + count], start=first):
         if any(t["index"] == i for t in done):
             continue
         ids = list(tok.apply_chat_template([{"role": "user", "content": text}],
@@ -73,7 +79,8 @@ def write_texts(model, tok, split: str, length: int, path, count: int) -> list[d
         write_json(path, {"split": split, "penalty": PENALTY, "texts": done})
         print(f"text {i}: {len(out)} tokens written in {time.perf_counter() - start:.0f} s",
               flush=True)
-    return sorted((t for t in done if t["index"] < count), key=lambda t: t["index"])
+    return sorted((t for t in done if first <= t["index"] < first + count),
+                  key=lambda t: t["index"])
 
 
 def rementions(tok, ids: list[int], start: int, size: int) -> list[int]:
@@ -128,11 +135,11 @@ def read_back(model, text: dict, arms, chunk: int) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, [
-        *standard("answers", "model", "chunk", "out", "stem"),
+        *standard("answers", "model", "first", "chunk", "out", "stem"),
         ("--split", "tune", "the prompts' split", ("tune", "test")),
         ("--arms", "kvcache@128,recommended:memory=f16+pin@128", "comma-separated arm specs, "
          "each spec[+pin][@tokens] (morphkv.eval.arms)"),
-        ("--texts", 6, "answers (prompts of the split) to use"),
+        ("--texts", 6, "answers (prompts of the split, from --first) to use"),
         ("--length", 1024, "tokens the full cache writes per answer"),
         ("--free", 0, "also let every arm write this many tokens itself and measure their "
          "10-gram repetition (0: not run)"),
@@ -145,21 +152,24 @@ class Answers(Evaluation):
     name, key, command, stem_of = "answers", "texts", "morphkv eval recall", "answers_{split}"
 
     def arms(self) -> list:
-        return cells(self.args.arms, 128)
+        return cells(self.args.arms, 128, shares=True)
 
     def items(self, model, tok):
         a = self.args
         name = re.sub(r"[^A-Za-z0-9.]+", "-", a.model or "smollm2")
         path = out_dir(a, "answers") / f"answers_texts_{a.split}_{name}.json"
-        return write_texts(model, tok, a.split, a.length, path, a.texts)
+        return write_texts(model, tok, a.split, a.length, path, a.texts, a.first)
 
     def measure(self, model, tok, t, arms, bar) -> dict:
         rec = {"index": t["index"], "answer_tokens": len(t["answer_ids"]), "arms": {}}
+        n = len(t["prompt_ids"]) + len(t["answer_ids"])
+        arms = [dataclasses.replace(c, size=max(1, n // c.share)) if c.share else c
+                for c in arms]  # @/K: this text's size
         sizes = {c.label: c.size for c in arms}
         for label, stats in read_back(model, t, arms, self.args.chunk).items():
             stats["remention"] = [p - len(t["prompt_ids"]) for p in rementions(
                 tok, t["prompt_ids"] + t["answer_ids"], len(t["prompt_ids"]), sizes[label])]
-            rec["arms"][label] = stats
+            rec["arms"][label] = stats | {"size": sizes[label]}
         if self.args.free:
             for label, r in free_repetition(model, tok, t, arms, self.args.free).items():
                 rec["arms"][label].update(free=r)

@@ -205,11 +205,14 @@ class Cell:
     size: int  # tokens: N of ``@N``, else the command's
     pins: bool = False  # ``+pin``: the chat's user turns (a prompt) pinned (``morphkv.pin``)
     replies: int = 0  # ``+pinN``: and the assistant's replies of at most N tokens
+    share: int = 0  # ``@/K``: 1/K of each item's tokens (``size`` set per item; answers only)
 
 
-def cells(text: str, size: int, nofact: bool = False, **defaults) -> list[Cell]:
+def cells(text: str, size: int, nofact: bool = False, shares: bool = False,
+          **defaults) -> list[Cell]:
     """``--arms``: comma-separated labels; a piece ``field=value`` with no ``:`` continues the
-    previous spec (``morphkv:window=32,fusion=max``). ValueError names a bad one."""
+    previous spec (``morphkv:window=32,fusion=max``). ``shares``: ``@/K`` (1/K of each item's
+    tokens) is accepted. ValueError names a bad one."""
     specs: list[str] = []
     for piece in filter(None, (p.strip() for p in text.split(","))):
         if "=" in piece and ":" not in piece and specs:
@@ -221,13 +224,15 @@ def cells(text: str, size: int, nofact: bool = False, **defaults) -> list[Cell]:
     out = []
     for label in specs:
         spec, at, n = label.rpartition("@") if "@" in label else (label, "", "")
-        if at and (not n.isdigit() or int(n) < 1):
-            raise ValueError(f"arm {label!r}: the size after '@' must be a positive token count")
+        share = int(n[1:]) if shares and n[1:].isdigit() and n.startswith("/") else 0
+        if at and not share and (not n.isdigit() or int(n) < 1):
+            raise ValueError(f"arm {label!r}: the size after '@' must be a positive token count"
+                             + (" or /K, K >= 1 (1/K of each text's tokens)" if shares else ""))
         base, pinned, replies = unpinned(spec)
         if nofact and base == NOFACT and pinned:
             raise ValueError(f"arm {label!r}: nofact is the full cache, nothing to pin")
         arm = None if nofact and base == NOFACT else Arm.parse(base.replace(",", ":"), **defaults)
-        out.append(Cell(label, arm, int(n) if at else size, pinned, replies))
+        out.append(Cell(label, arm, int(n) if at and not share else size, pinned, replies, share))
     return out
 
 
