@@ -10,7 +10,9 @@ eviction must rank keys), and records, for each virtual row, after which chunk t
 Query i then sees exactly the rows arrived by i and not evicted before it (``visible``): what
 token-by-token feeding stores when i arrives, so the output and the kept set are those of the
 per-token rule (``tests/reference.py``), with one attention instead of one per token, and one
-gather of the kept rows into the storage instead of a row move per token.
+gather of the kept rows into the storage instead of a row move per token. A pinned prompt
+over the budget (every pick a key-ranked pinned one) is replayed many tokens per pass
+(``core.pinned_replay``), with the same picks.
 
 Costs one host read per chunk and layer (the stored positions; the keys when a key-ranked pick
 is due); a decode step never comes here (``DevicePath._feed``).
@@ -21,7 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import quant, storage, unpinned
+from . import pinned_replay, quant, storage, unpinned
 from .attention import attend
 
 NEVER = np.iinfo(np.int32).max
@@ -93,11 +95,11 @@ def _oldest_first(c, pos, free, t0: int, n0: int, k: int, evicted) -> int:
     if not at:
         return 0
     R, block = pos.shape[0], c.block
-    order = np.argsort(np.where(free, pos, LAST), axis=1, kind="stable")
     count = int(free.sum(axis=1).min()) // block  # evictions every row has free rows for
     e = min(len(at), count)
-    if e == 0:
+    if e == 0:  # (a pinned prompt: no free row at all)
         return at[0]
+    order = np.argsort(np.where(free, pos, LAST), axis=1, kind="stable")
     queue = order[:, : e * block].reshape(R, e, block)
     when = np.asarray(at[:e])
     old = np.take_along_axis(pos, queue[:, :, -1], axis=1) <= t0 + when - c.recent  # (R, e)
@@ -134,13 +136,23 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
     alive[evicted != NEVER] = False
     slots = n0 + start - int((evicted != NEVER).sum()) // R  # (the evictions before start)
     has_free = bool((unsunk & unpinned).any())  # False: no unpinned candidate ever
-    for i in range(start, k):
+    i = start - 1
+    while i < k - 1:
+        i += 1
         alive[:, n0 + i] = True
         if geometry is not None:
             geometry.add(rows, n0 + i, 1.0)
         slots += 1
         if slots <= budget or i == k - 1:  # the last token's eviction waits (``due``)
             continue
+        if geometry is not None and pinned_replay.applies(c, by_keys, c.pins_by_keys, pos,
+                                                          unsunk, pinned, evicted):
+            done = pinned_replay.advance(geometry, alive, evicted, pos, unsunk, i, k, n0, t0,
+                                         c.recent)
+            if done:  # tokens i .. i + done - 1 each evicted one row (block 1)
+                slots -= 1
+                i += done - 1
+                continue
         cand = alive & unsunk & (pos <= t0 + i - c.recent)
         if has_free or block > 1:
             free = cand & unpinned
