@@ -8,9 +8,11 @@ rescaled (``ProxyState``): ``E`` (B, H, window, slots) holds ``exp((l - M) * sca
 unscaled logits ``l`` of the newest ``window`` keys (row ``p % window`` for the token at
 position ``p``) against every stored key, ``M`` (B, H, window, 1) each row's maximum when it
 was written (a later key's exp-logit may exceed 1: capped at e^``CAP``, far from float32's
-overflow), ``S`` each row's sum in float64 (the row's own sum when written, then minus the
-victim's entry and plus the token's, at most ``window - 1`` times: no drift, no cancellation
-worth a float32 ulp) and ``inv`` = 1 / (S * window) in float32. MorphKV's mean score of the
+overflow), ``S`` each row's sum in float32 (MLX's float64 is CPU-only: summed afresh when the
+row is written, then plus the token's entry less the victim's, one rounding each, at most
+``window - 1`` times; the victim scores lowest, so its entry is ~``window / slots`` of a
+MorphKV row's sum at most, no cancellation, and TOVA reads only its newest row, fresh: a few
+float32 ulps of drift) and ``inv`` = 1 / (S * window). MorphKV's mean score of the
 slots is then one (1, window) x (window, slots) product a row. Per token: the victim is the
 lowest (score, position) unprotected slot; the token's key and value take its slot (no row
 moves: the storage stays ``budget + 1`` rows, slots out of position order as ever); the
@@ -64,7 +66,7 @@ def bound_nbytes(engine) -> int:
     R, W, cap = engine.rows, engine.config.window, engine.capacity
     D = engine.head_dim
     mirror = 0 if engine.key_bytes == 4 else R * cap * D * 4
-    return mirror + 4 * (3 * R * W + R * W * cap) + 8 * R * W
+    return mirror + 4 * (4 * R * W + R * W * cap)
 
 
 class _Rows:
@@ -135,9 +137,8 @@ def _step_fn(rule, mirrored: bool, n_sink: int, recent: int, scale: float):
             gone = mx.take_along_axis(E, slot, axis=3)  # the victim's old column
             E = mx.put_along_axis(E, slot, added, axis=3)
             E = mx.slice_update(E, fresh, w, axes=(2,))  # the token's row (after the column)
-            total = fresh.sum(axis=-1, keepdims=True).astype(mx.float64)
-            S = mx.where(mine, total, S - gone.astype(mx.float64) + added.astype(mx.float64))
-            inv = (1.0 / (S * W)).astype(mx.float32)
+            S = mx.where(mine, fresh.sum(axis=-1, keepdims=True), S + (added - gone))
+            inv = 1.0 / (S * W)
             M = mx.where(mine, top, M)
             slots = mx.where(mine, slot, slots)
             return K, V, kf, pos, slots, E, M, S, inv
@@ -174,11 +175,11 @@ class ProxyState:
         logits = ring @ keys.swapaxes(-1, -2)  # unscaled: exps of (l - M) * scale
         M = logits.max(axis=-1, keepdims=True)
         E = mx.exp((logits - M) * engine.scale)
-        S = E.astype(mx.float64).sum(axis=-1, keepdims=True)
+        S = E.sum(axis=-1, keepdims=True)
         B, H = stored_keys.shape[:2]  # the window's arrays: (B, H, W, 1), its rows (B, H, W, n)
         self.slots = slots.astype(mx.uint32).reshape(B, H, W, 1)
         self.E, self.M, self.S = E.reshape(B, H, W, n), M.reshape(B, H, W, 1), S.reshape(B, H, W, 1)
-        self.inv = (1.0 / (self.S * W)).astype(mx.float32)
+        self.inv = 1.0 / (self.S * W)
         mirrored = stored_keys.dtype != mx.float32  # the mirror: the storage's shape, float32
         kT = mx.contiguous(keys.swapaxes(-1, -2))
         self.kf = kT.reshape(stored_keys.shape[:2] + kT.shape[1:]) if mirrored else None
