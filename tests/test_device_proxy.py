@@ -97,6 +97,8 @@ def test_decode_tokens_take_the_compiled_step_and_chunks_the_replay(monkeypatch)
         if t == 130:
             state = cache.engine.proxy
             assert state is not None and state.kf is not None  # float16 keys: a mirror
+            held_arrays = [a for a in vars(state).values() if isinstance(a, mx.array)]
+            assert held_arrays and all(a.dtype != mx.float64 for a in held_arrays)  # GPUs: none
             held = cache.engine.nbytes
             assert held >= state.nbytes > 0
             assert cache.tokens_kept == 48  # a read: the due eviction runs early
