@@ -12,8 +12,8 @@ overflow), ``S`` each row's sum in float32 (MLX's float64 is CPU-only: summed af
 row is written, then plus the token's entry less the victim's, one rounding each, at most
 ``window - 1`` times; the victim scores lowest, so its entry is ~``window / slots`` of a
 MorphKV row's sum at most, no cancellation, and TOVA reads only its newest row, fresh: a few
-float32 ulps of drift) and ``inv`` = 1 / (S * window). MorphKV's mean score of the
-slots is then one (1, window) x (window, slots) product a row. Per token: the victim is the
+float32 ulps of drift); ``inv`` = 1 / (S * window), derived each step. MorphKV's mean score
+of the slots is then one (1, window) x (window, slots) product a row. Per token: the victim is the
 lowest (score, position) unprotected slot; the token's key and value take its slot (no row
 moves: the storage stays ``budget + 1`` rows, slots out of position order as ever); the
 token's logits against every stored key (one product) give its row (written over the row of
@@ -66,7 +66,7 @@ def bound_nbytes(engine) -> int:
     R, W, cap = engine.rows, engine.config.window, engine.capacity
     D = engine.head_dim
     mirror = 0 if engine.key_bytes == 4 else R * cap * D * 4
-    return mirror + 4 * (4 * R * W + R * W * cap)
+    return mirror + 4 * (3 * R * W + R * W * cap)  # slots, M, S; E
 
 
 class _Rows:
@@ -108,9 +108,10 @@ def _step_fn(rule, mirrored: bool, n_sink: int, recent: int, scale: float):
     key = (rule, mirrored, n_sink, recent, scale)
     if key not in _STEPS:
 
-        def step(K, V, kf, pos, slots, E, M, S, inv, k_new, v_new, t, w, mine, cols):
+        def step(K, V, kf, pos, slots, E, M, S, k_new, v_new, t, w, mine, cols):
             B, H, n, D = K.shape
             W = E.shape[2]
+            inv = 1.0 / (S * W)
             # the victim: the lowest (score bits, position) unprotected slot; NaN ranks as +inf
             bits = _scores(rule, E, inv, t).view(mx.uint32)
             nan = (bits & ABS) > INF_BITS
@@ -138,10 +139,9 @@ def _step_fn(rule, mirrored: bool, n_sink: int, recent: int, scale: float):
             E = mx.put_along_axis(E, slot, added, axis=3)
             E = mx.slice_update(E, fresh, w, axes=(2,))  # the token's row (after the column)
             S = mx.where(mine, fresh.sum(axis=-1, keepdims=True), S + (added - gone))
-            inv = 1.0 / (S * W)
             M = mx.where(mine, top, M)
             slots = mx.where(mine, slot, slots)
-            return K, V, kf, pos, slots, E, M, S, inv
+            return K, V, kf, pos, slots, E, M, S
 
         _STEPS[key] = mx.compile(step)
     return _STEPS[key]
@@ -179,7 +179,6 @@ class ProxyState:
         B, H = stored_keys.shape[:2]  # the window's arrays: (B, H, W, 1), its rows (B, H, W, n)
         self.slots = slots.astype(mx.uint32).reshape(B, H, W, 1)
         self.E, self.M, self.S = E.reshape(B, H, W, n), M.reshape(B, H, W, 1), S.reshape(B, H, W, 1)
-        self.inv = 1.0 / (self.S * W)
         mirrored = stored_keys.dtype != mx.float32  # the mirror: the storage's shape, float32
         kT = mx.contiguous(keys.swapaxes(-1, -2))
         self.kf = kT.reshape(stored_keys.shape[:2] + kT.shape[1:]) if mirrored else None
@@ -190,7 +189,7 @@ class ProxyState:
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.slots, self.E, self.M, self.S, self.inv, self.kf)
+        arrays = (self.slots, self.E, self.M, self.S, self.kf)
         return sum(int(a.nbytes) for a in arrays if a is not None)
 
     def valid(self, engine) -> bool:
@@ -205,9 +204,9 @@ def step(engine, storage_kv, state: ProxyState, k_new, v_new):
     cols, rows, mine = state.constants
     w = t % state.window
     mirrored = state.kf is not None
-    K, V, kf, engine.positions, state.slots, state.E, state.M, state.S, state.inv = state.fn(
+    K, V, kf, engine.positions, state.slots, state.E, state.M, state.S = state.fn(
         K, V, state.kf if mirrored else E_DUMMY, engine.positions, state.slots, state.E, state.M,
-        state.S, state.inv, k_new, v_new, mx.array(t, mx.int32), rows[w], mine[w], cols)
+        state.S, k_new, v_new, mx.array(t, mx.int32), rows[w], mine[w], cols)
     state.kf = kf if mirrored else None
     if engine.unpinned is not None:
         engine.unpinned = engine.unpinned.arrived(t, 1, engine.pins)

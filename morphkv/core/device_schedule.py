@@ -135,7 +135,9 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
     alive[:, : n0 + start] = True
     alive[evicted != NEVER] = False
     slots = n0 + start - int((evicted != NEVER).sum()) // R  # (the evictions before start)
-    has_free = bool((unsunk & unpinned).any())  # False: no unpinned candidate ever
+    free0 = unsunk & unpinned
+    has_free = bool(free0.any())  # False: no unpinned candidate ever
+    replay = not by_keys and block == 1 and c.pins_by_keys  # pinned_replay's setting
     i = start - 1
     while i < k - 1:
         i += 1
@@ -145,8 +147,9 @@ def schedule(engine, pos0: np.ndarray, k: int, keys) -> tuple[np.ndarray, np.nda
         slots += 1
         if slots <= budget or i == k - 1:  # the last token's eviction waits (``due``)
             continue
-        if geometry is not None and pinned_replay.applies(c, by_keys, c.pins_by_keys, pos,
-                                                          unsunk, pinned, evicted):
+        # every candidate left, alive or to come, pinned: the replay decides many at once
+        if replay and geometry is not None and not (
+                has_free and (free0 & (evicted == NEVER)).any()):
             done = pinned_replay.advance(geometry, alive, evicted, pos, unsunk, i, k, n0, t0,
                                          c.recent)
             if done:  # tokens i .. i + done - 1 each evicted one row (block 1)

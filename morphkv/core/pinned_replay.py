@@ -16,6 +16,8 @@ float32 rounding can move (``TOL32``: error analysis of a D-term dot product) is
 the others are scored again in float64 (one matmul for them all) and must agree and lead by
 more than float64 rounding can move (``TOL``). The replay stops before the first token that
 fails (a tie, a near-tie, a row without candidates): the loop decides it itself.
+``schedule`` calls it only in that steady state (recency rule, block 1, pinned ranked by
+KeyDiff, no unpinned candidate left in any row, alive or still to come).
 """
 
 from __future__ import annotations
@@ -28,14 +30,6 @@ TOL = 1e-11  # a float64 pick's lead over the runner-up, per unit of |sum| (its 
 # (D + 3) * 2**-24 * |sum| (D-term dot product of rounded unit key and sum), with room
 TOL32 = 2.1 * 2.0**-24
 NEVER = np.iinfo(np.int32).max
-
-
-def applies(c, by_keys: bool, pinned_key_ranked: bool, pos, unsunk, pinned, evicted) -> bool:
-    """Is ``schedule`` in the steady state ``advance`` replays: recency rule, block 1, pinned
-    ranked by KeyDiff, and no unpinned candidate left in any row, alive or still to come?"""
-    if by_keys or c.block != 1 or not pinned_key_ranked:
-        return False
-    return not (unsunk & ~pinned & (evicted == NEVER)).any()
 
 
 def advance(geometry, alive, evicted, pos, unsunk, i: int, k: int, n0: int, t0: int,
