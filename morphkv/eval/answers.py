@@ -60,10 +60,10 @@ def write_texts(model, tok, split: str, length: int, path, count: int,
     ``path``; missing ones are written)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    done = json.loads(path.read_text())["texts"] if path.exists() else []
-    done = [t for t in done if t["length"] == length]
     from .chat_items import DATA
 
+    done = json.loads(path.read_text())["texts"] if path.exists() else []
+    done = [t for t in done if t["length"] == length]
     prompts = json.loads((DATA / DATA_FILE).read_text())[split]
     if not 0 <= first < len(prompts):
         raise ValueError(f"--first {first}: the {split} split has prompts 0-{len(prompts) - 1}")
