@@ -136,3 +136,22 @@ def test_the_vote_runs_only_where_its_room_holds_twice_the_pinned_reply():
     assert "keydiff per layer" in describe(small) and "keydiff per layer" not in describe(large)
     assert "each layer ranks its own" in engine_and_pins(small)
     assert "one ranking over all layers" in engine_and_pins(large)
+
+
+def test_a_chunk_longer_than_the_room_is_voted_in_pieces_as_mlx_lm_would_cut_it():
+    """A turn of 45 tokens (room 31): the whole chunk at once is cut into pieces of
+    ``vote.piece`` (a vote before each), so every layer and head keeps one pinned set, and the
+    result equals mlx_lm cutting the prompt into those pieces itself (``prefill_step_size``)."""
+    turns = prompts_of(TURNS[:4] + [45], seed=4)
+    model = model_for()
+    caches = chat(model, turns)
+    size = vote.piece(caches, 64)
+    assert 2 <= size < 45 and vote.pieces(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    held = pinned_held(caches)
+    assert all(h == held[0] for h in held)
+    cut = model.make_cache()
+    for turn in turns:
+        list(generate_step(mx.array(turn), model, prompt_cache=cut, max_tokens=5,
+                           prefill_step_size=size))
+    assert [c.pins.ranges() for c in cut] == [c.pins.ranges() for c in caches]
+    assert_same_cache(cut, caches)

@@ -24,6 +24,8 @@ PIN_AFTER = 2  # pin="prompt": one-token updates after a multi-token one that ar
 class Feed:
     """Counters, pins and input checks (see the module docstring)."""
 
+    prompt_piece = False  # set by ``mlxlm.forward`` while a one-column piece of a prompt runs
+
     def init_feed(self, config, engines: int, per: int | None) -> None:
         """``engines`` engines of ``per`` batch rows each (None: known at the first update)."""
         self.config = config
@@ -56,13 +58,14 @@ class Feed:
         turn's first generated token is pinned too, at times). Called before the update is
         stored (positions may be pinned ahead), so the pins are there before any eviction
         that could take them. The callers skip it for a plain decode step (no row due)."""
+        prompt = self.prompt(C)
         for i, n in enumerate(counts):
-            if n and C > 1 and self.config.pin_replies:
+            if n and prompt and self.config.pin_replies:
                 self.pin_reply(i, int(firsts[i]))
-            if n and (C > 1 or self.pin_next[i]):
+            if n and (prompt or self.pin_next[i]):
                 self.pin_range(i, int(firsts[i]), int(firsts[i]) + int(n))  # the cache's
             if n:
-                self.pin_next[i] = PIN_AFTER if C > 1 else max(0, self.pin_next[i] - 1)
+                self.pin_next[i] = PIN_AFTER if prompt else max(0, self.pin_next[i] - 1)
 
     def pin_reply(self, i: int, first: int) -> None:
         """``pin_replies``: a prompt arrives at ``first`` in row i; the row's tokens since its
@@ -72,6 +75,11 @@ class Feed:
         n = self.reply_due(i, first)
         if n:
             self.pin_range(i, first - n, first)
+
+    def prompt(self, C: int) -> bool:
+        """Is an update of ``C`` columns a prompt's (pinned)? A multi-token one, or a one-column
+        piece of a prompt the model's forward pass cut (``mlxlm.forward``: ``prompt_piece``)."""
+        return C > 1 or self.prompt_piece
 
     def reply_due(self, i: int, first: int) -> int:
         """How many tokens of row i's reply a prompt arriving at ``first`` pins

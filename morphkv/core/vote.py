@@ -53,10 +53,29 @@ def per_layer(config) -> bool:
     return config.pin_rank == "vote" and bool(config.budget) and not votes(config)
 
 
-def trim(caches: list, C: int) -> None:
+def piece(caches: list, C: int) -> int:
+    """Columns a forward pass of ``C`` columns is cut into (``C``: not cut): where a vote
+    runs, a quarter of its room, so each piece's vote keeps at least the room less a quarter and
+    the due reply. A whole chunk at once (mlx_lm's prefill step: up to 2,048; the evals' 256)
+    would leave it ``room - C``: nothing at all past the room (each layer then ranks alone)."""
+    voting = [c for c in caches if hasattr(c, "engines") and votes(c.config)]
+    if C < 4 or not voting:
+        return C
+    return max(2, min(C, room(voting[0].config) // 4))
+
+
+def pieces(C: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) column ranges of ``size`` (the last one shorter): mlx_lm's batches pad
+    prompts on the right, so each row is cut where it would be cut alone (a one-column piece
+    is a prompt's all the same: ``Feed.prompt``)."""
+    starts = list(range(0, C, size))
+    return list(zip(starts, starts[1:] + [C], strict=True))
+
+
+def trim(caches: list, C: int, prompt: bool = False) -> None:
     """Before a forward pass of ``C`` columns: the vote in every row that needs one (a decode
-    step, C = 1, returns before looking at any cache)."""
-    if C < 2:
+    step, C = 1 and not a ``prompt`` piece, returns before looking at any cache)."""
+    if C < 2 and not prompt:
         return
     voting = [c for c in caches if hasattr(c, "engines") and votes(c.config)]
     if not voting or getattr(voting[0], "_held", None) is not None:
@@ -77,6 +96,8 @@ def trim_row(caches: list, i: int, incoming: int, seen: int) -> bool:
     pins = caches[0].pins_of(i)
     if len(pins) <= keep:  # an upper bound on the held pinned tokens: nothing to read
         return False
+    for c in caches:
+        settle(c, i)
     views = [held_row(c, i) for c in caches]
     held = np.unique(np.concatenate([p.ravel() for p, _ in views]))
     pinned = pins.host(held)
@@ -155,6 +176,19 @@ def runs(held: np.ndarray, stay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     edges = np.flatnonzero(np.diff(np.r_[0, stay.astype(np.int8), 0]))
     begin, end = edges[::2], edges[1::2]
     return held[begin].astype(np.int64), held[end - 1].astype(np.int64) + 1
+
+
+def settle(cache, i: int) -> None:
+    """Row ``i``'s due eviction runs now, under the pins it was due with (as a single cache's
+    ``state`` does between mlx_lm's prefill steps), so the vote reads a settled row however the
+    prompt was cut and whichever cache holds the row."""
+    if hasattr(cache, "caches"):
+        settle(cache.caches[i], 0)
+    elif getattr(cache, "_arrays", None) is not None:
+        if cache.engines[i].due:
+            cache.evict_rows([i])
+    else:
+        cache._flush()
 
 
 def held_row(cache, i: int) -> tuple[np.ndarray, np.ndarray]:

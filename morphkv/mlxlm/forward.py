@@ -4,7 +4,9 @@ A cache sees its own layer only; ``pin_rank="vote"`` (``morphkv.core.vote``) nee
 layer's caches at once, before the first layer takes a prefill chunk. mlx_lm calls the model
 itself everywhere (``generate_step``, ``stream_generate``, ``BatchGenerator``, the server):
 ``watch`` gives the model instance a subclass of its own class whose ``__call__`` runs
-``vote.trim`` over the ``cache`` list, then the model's own ``__call__``. The class keeps its
+``vote.trim`` over the ``cache`` list, then the model's own ``__call__``. Where a vote runs, a
+chunk of token ids longer than a quarter of its room is run as pieces of that size (a vote before
+each, the logits joined), as mlx_lm's own prefill steps cut a prompt. The class keeps its
 name and module (the attention hook finds the same modules), weights and ``isinstance`` are
 unchanged, and ``unwatch`` puts the original class back.
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import inspect
 from typing import Any
+
+import mlx.core as mx
 
 from ..core import vote
 
@@ -46,8 +50,34 @@ def _watched_call(cls: type):
         cache = kwargs.get("cache")
         if cache is None and at is not None and len(args) > at:
             cache = args[at]
-        if cache and args and hasattr(args[0], "shape") and args[0].ndim >= 2:
-            vote.trim(cache, args[0].shape[1])
-        return cls.__call__(self, *args, **kwargs)
+        if not (cache and args and hasattr(args[0], "shape") and args[0].ndim >= 2):
+            return cls.__call__(self, *args, **kwargs)
+        C = args[0].shape[1]
+        size = vote.piece(cache, C) if _tokens_only(args, kwargs, at) else C
+        if size == C:
+            vote.trim(cache, C)
+            return cls.__call__(self, *args, **kwargs)
+        outs = []
+        for start, end in vote.pieces(C, size):
+            vote.trim(cache, end - start, prompt=True)
+            _mark(cache, end - start == 1)
+            try:
+                outs.append(cls.__call__(self, args[0][:, start:end], *args[1:], **kwargs))
+            finally:
+                _mark(cache, False)
+        return mx.concatenate(outs, axis=1)
 
     return __call__
+
+
+def _mark(caches: list, on: bool) -> None:
+    for c in caches:
+        if hasattr(c, "prompt_piece"):
+            c.prompt_piece = on
+
+
+def _tokens_only(args: tuple, kwargs: dict, at: int | None) -> bool:
+    """A call of token ids and the cache alone (mlx_lm's every prefill and decode call): one
+    that can be cut into column pieces, each run as mlx_lm's own prefill steps run."""
+    extra = set(kwargs) - {"cache"}
+    return not extra and (len(args) == 1 or (at == 1 and len(args) == 2))
