@@ -79,7 +79,7 @@ def test_recommended_is_one_rule_whichever_argument_it_gets():
     rule = ("method", "morphkv_n_sink", "pin", "pin_rank", "morphkv_block", "morphkv_window")
     assert [getattr(by_tokens, f) for f in rule] == [getattr(by_bytes, f) for f in rule]
     assert (by_tokens.method, by_tokens.pin, by_tokens.pin_rank) == (
-        "streaming_llm", "prompt", "keydiff")
+        "streaming_llm", "prompt", "vote")
     assert (by_tokens.budget, by_tokens.kv_bits, by_tokens.kv_memory) == (128, None, None)
     assert (by_bytes.budget, by_bytes.kv_bits, by_bytes.kv_memory) == (0, 8, 2**20)
     assert dataclasses.replace(recommended(128, pin="none"), pin="prompt") == by_tokens

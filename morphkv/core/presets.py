@@ -4,14 +4,15 @@ on the older items (``tuned``) and MorphKV as published (``paper``).
 ``recommended`` is one rule whichever argument it gets: recency (``streaming_llm``: 4 sinks,
 then the oldest other token goes) over the tokens generated one at a time, with every prompt
 pinned (``pin="prompt"``: the tokens of each prefill, a chat's user turns with their template
-tokens, go after the model's own) and, once the pinned tokens alone overflow, KeyDiff among
-them (``pin_rank="keydiff"``); the model's short replies (at most ``PIN_REPLIES`` tokens: a
-name, a number, a decision) are pinned when the next prompt arrives (``pin_replies``). Recency
-won the fixed rule of issue 42 on held-out chats and long answers (user-said facts 7/7 of the
-full cache's vs MorphKV's 6/7, re-mention agreement 77% vs 74%, KL 0.188 vs 0.236 at the
-float16 bytes of 128 tokens; ``morphkv.eval.choose_said``, docs/recall.md), as it had won
-issue 33's; no rule kept the model's own facts there (0 of 7). Pinning short replies was
-chosen by the second round's fixed rule on tune chats (model-said 2/8 vs 0/8, docs/recall.md).
+tokens, go after the model's own) and, once the pinned tokens alone overflow, one KeyDiff
+ranking of them over every layer (``pin_rank="vote"``); the model's short replies (at most
+``PIN_REPLIES`` tokens: a name, a number, a decision) are pinned when the next prompt arrives
+(``pin_replies``). Recency won the fixed rule of issue 42 on held-out chats and long answers
+(user-said facts 7/7 of the full cache's vs MorphKV's 6/7, re-mention agreement 77% vs 74%, KL
+0.188 vs 0.236 at the float16 bytes of 128 tokens; ``morphkv.eval.choose_said``,
+docs/recall.md), as it had won issue 33's; no rule kept the model's own facts there (0 of 7).
+Pinning short replies was chosen by the second round's fixed rule on tune chats (model-said 2/8
+vs 0/8), the vote among overflowing pins by the eighth's (8/8 vs keydiff's 2/8, docs/recall.md).
 The argument says only how much is kept: ``recommended(budget)`` keeps ``budget`` tokens in
 the dtype keys arrive in; ``recommended(memory=N)`` keeps at most ``N`` bytes, stored at
 ``MEMORY_BITS`` bits (at equal bytes 8 bits hold ~1.9x the tokens and won issue 33).
@@ -36,11 +37,11 @@ MEMORY_BITS = 8  # storage precision of recommended(memory=...)
 # itself (KVCacheConfig.pin), so every entry point (mlx_lm's generate, chat loop,
 # batch_generate, server) runs it as evaluated, with no morphkv.pin call
 PIN = "prompt"
-# once the pinned prompts alone overflow, the pinned token whose key is most like the mean key
-# goes first (KeyDiff among the pinned): chosen by the fixed rule of docs/recall.md on tune
-# chats through mlx_lm.chat's loop (keydiff 4/9, keydiff-span 2/9, the rule's recency 0/9);
-# one vote over all layers ("vote") lost issue 41's round 7 on said chats (1 vs 3 of 5)
-PIN_RANK = "keydiff"
+# once the pinned prompts alone overflow, one KeyDiff ranking over every layer and head decides
+# which pinned tokens go ("vote", in pieces of a quarter of its room): chosen by round 8's fixed
+# rule on tune said chats (model-said 8/8 vs keydiff's 2/8, user-said 6/6 both; docs/recall.md);
+# at budgets whose room is under twice PIN_REPLIES each layer ranks its own (as "keydiff")
+PIN_RANK = "vote"
 PIN_REPLIES = 48  # the model's replies of at most 48 tokens are pinned (issue 42, round 2)
 MEMORY_PIN, MEMORY_PIN_RANK = PIN, PIN_RANK
 PAPER_BLOCK = 8  # the paper's coarse eviction: every 8 steps (-0.9 accuracy points, 0.82x time)
@@ -58,10 +59,10 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     the most tokens per KV head that fit (``budget`` is then ignored). Both evict one token at
     a time, the oldest unpinned one after 4 sinks; both pin every prompt (``pin="prompt"``),
     so plain mlx_lm calls keep the user's words with no ``morphkv.pin``; once the pinned
-    tokens alone overflow, KeyDiff ranks them (``pin_rank="keydiff"``: a template repeated
-    every turn goes before a word said once); a reply of at most ``PIN_REPLIES`` tokens is
-    pinned when the next prompt arrives. Keyword arguments override any ``KVCacheConfig``
-    field."""
+    tokens alone overflow, one KeyDiff ranking over every layer and head decides which go
+    (``pin_rank="vote"``: a template repeated every turn goes before a word said once); a
+    reply of at most ``PIN_REPLIES`` tokens is pinned when the next prompt arrives. Keyword
+    arguments override any ``KVCacheConfig`` field."""
     fields = dict(method=METHOD, morphkv_budget=budget, morphkv_n_sink=N_SINK, pin=PIN,
                   pin_rank=PIN_RANK, pin_replies=PIN_REPLIES)
     if memory is not None:
