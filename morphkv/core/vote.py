@@ -58,10 +58,10 @@ def piece(caches: list, C: int) -> int:
     runs, a quarter of its room, so each piece's vote keeps at least the room less a quarter and
     the due reply. A whole chunk at once (mlx_lm's prefill step: up to 2,048; the evals' 256)
     would leave it ``room - C``: nothing at all past the room (each layer then ranks alone)."""
-    voting = [c for c in caches if hasattr(c, "engines") and votes(c.config)]
-    if C < 4 or not voting:
+    if C < 4:
         return C
-    return max(2, min(C, room(voting[0].config) // 4))
+    voting = [c for c in caches if hasattr(c, "engines") and votes(c.config)]
+    return max(2, min(C, room(voting[0].config) // 4)) if voting else C
 
 
 def pieces(C: int, size: int) -> list[tuple[int, int]]:
