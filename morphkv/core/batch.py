@@ -235,7 +235,7 @@ class BatchMorphKVCache(BatchProtocol):
         C = keys.shape[2]
         self.check(keys, values)  # first: a refused update changes nothing
         self._held = None
-        if self.pin_prompts and C and (C > 1 or self.prompt_piece or any(self.pin_next)):
+        if self.pin_prompts and C and (self.prompt(C) or any(self.pin_next)):
             self.pin_arrived(self.seen, self.spans(C)[1], C)
         starts, counts = self.advance(C)
         fetched = []

@@ -100,7 +100,7 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store new keys/values (B, n_kv_heads, C, head_dim); return what attention reads."""
         C = keys.shape[2]
-        if self.pin_prompts and (C > 1 or self.prompt_piece or self.pin_next[0]):  # first,
+        if self.pin_prompts and (self.prompt(C) or self.pin_next[0]):  # checked first,
             self.check(keys, values)  # so a refused update pins nothing
             self.pin_arrived((self.offset,), (C,), C)
         return self.store(keys, values)

@@ -166,7 +166,7 @@ class DeviceBatchCache(BatchProtocol):
         self.check(keys, values)  # first: a refused update changes nothing
         self.need_hooks(C)
         self._no_held("update_and_fetch")
-        if self.pin_prompts and C and (C > 1 or self.prompt_piece or any(self.pin_next)):
+        if self.pin_prompts and C and (self.prompt(C) or any(self.pin_next)):
             self.pin_arrived(list(self.seen), self.spans(C)[1], C)
         sk, sv = storage.store_form(keys, self.config), storage.store_form(values, self.config)
         if C == 0:

@@ -53,6 +53,11 @@ def per_layer(config) -> bool:
     return config.pin_rank == "vote" and bool(config.budget) and not votes(config)
 
 
+def voting(caches: list) -> list:
+    """The morphkv caches among ``caches`` whose setting votes."""
+    return [c for c in caches if hasattr(c, "engines") and votes(c.config)]
+
+
 def piece(caches: list, C: int) -> int:
     """Columns a forward pass of ``C`` columns is cut into (``C``: not cut): where a vote
     runs, a quarter of its room, so each piece's vote keeps at least the room less a quarter and
@@ -60,8 +65,8 @@ def piece(caches: list, C: int) -> int:
     would leave it ``room - C``: nothing at all past the room (each layer then ranks alone)."""
     if C < 4:
         return C
-    voting = [c for c in caches if hasattr(c, "engines") and votes(c.config)]
-    return max(2, min(C, room(voting[0].config) // 4)) if voting else C
+    those = voting(caches)
+    return max(2, min(C, room(those[0].config) // 4)) if those else C
 
 
 def pieces(C: int, size: int) -> list[tuple[int, int]]:
@@ -77,15 +82,15 @@ def trim(caches: list, C: int, prompt: bool = False) -> None:
     step, C = 1 and not a ``prompt`` piece, returns before looking at any cache)."""
     if C < 2 and not prompt:
         return
-    voting = [c for c in caches if hasattr(c, "engines") and votes(c.config)]
-    if not voting or getattr(voting[0], "_held", None) is not None:
+    those = voting(caches)
+    if not those or getattr(those[0], "_held", None) is not None:
         return
-    first = voting[0]
+    first = those[0]
     _, counts = first.spans(C)
     for i, n in enumerate(counts):
         engine = first.engines[i]
         if n and engine is not None:
-            trim_row(voting, i, int(n) + first.reply_due(i, engine.seen), engine.seen)
+            trim_row(those, i, int(n) + first.reply_due(i, engine.seen), engine.seen)
 
 
 def trim_row(caches: list, i: int, incoming: int, seen: int) -> bool:
