@@ -37,7 +37,7 @@ def test_memory_arms_resolve_to_the_f16_bytes(tiny):
 
 def test_a_memory_arm_checks_without_a_model():
     config = Arm.parse("recommended:memory=f16").config(128)
-    assert config.budget == 0 and config.method == "streaming_llm" and config.kv_bits == 8
+    assert config.budget == 0 and config.method == "peak" and config.kv_bits == 8
     config = Arm.parse("recommended:memory=f16:method=morphkv:peak=1").config(128)
     assert config.budget == 0 and config.morphkv_peak == 1
 

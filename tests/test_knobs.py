@@ -69,17 +69,22 @@ def test_bad_knobs_name_the_field(kwargs, message):
 
 
 def test_recommended_is_one_rule_whichever_argument_it_gets():
-    """Issue 42: recommended(budget) and recommended(memory=...) are one rule (pinned
-    recency, KeyDiff among overflowing pins); the argument says only how much is kept."""
+    """Issue 42: recommended(budget) and recommended(memory=...) are one rule (a pinned
+    decaying peak in blocks of 16, one KeyDiff vote among overflowing pins); the argument says
+    only how much is kept."""
     import dataclasses
 
     from morphkv import PRESETS, recommended
 
     by_tokens, by_bytes = recommended(128), recommended(memory=2**20)
-    rule = ("method", "morphkv_n_sink", "pin", "pin_rank", "morphkv_block", "morphkv_window")
+    rule = ("method", "morphkv_n_sink", "pin", "pin_rank", "morphkv_block", "morphkv_window",
+            "morphkv_decay")
     assert [getattr(by_tokens, f) for f in rule] == [getattr(by_bytes, f) for f in rule]
-    assert (by_tokens.method, by_tokens.pin, by_tokens.pin_rank) == (
-        "streaming_llm", "prompt", "vote")
+    assert (by_tokens.method, by_tokens.pin, by_tokens.pin_rank, by_tokens.morphkv_decay,
+            by_tokens.morphkv_block) == ("peak", "prompt", "vote", 0.95, 16)
+    # another rule asked of the preset: its own decay and block, the preset's pins
+    other = recommended(128, method="streaming_llm")
+    assert (other.morphkv_decay, other.morphkv_block, other.pin) == (1.0, 1, "prompt")
     assert (by_tokens.budget, by_tokens.kv_bits, by_tokens.kv_memory) == (128, None, None)
     assert (by_bytes.budget, by_bytes.kv_bits, by_bytes.kv_memory) == (0, 8, 2**20)
     assert dataclasses.replace(recommended(128, pin="none"), pin="prompt") == by_tokens
@@ -159,7 +164,7 @@ DOCUMENTED_ARMS = [  # (spec, the field it sets, the value) at budget 128
     ("streaming_llm:memory=f16:bits=8", "kv_bits", 8),
     ("recommended:memory=f16:bits=None", "kv_bits", None),
     ("recommended:memory=64M", "kv_memory", 64 * 2**20),
-    ("recommended:memory=f16", "method", "streaming_llm"),  # issue 33's second choice
+    ("recommended:memory=f16", "method", "peak"),  # issue 42, round 12
     ("recommended:memory=f16:method=morphkv:peak=1", "morphkv_peak", 1),  # its first
     ("tuned:peak=0.25:decay=0.999", "morphkv_decay", 0.999),
     ("peak:window=1:recent=32:value=true:pool=3", "morphkv_pool", 3),

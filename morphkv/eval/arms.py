@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from ..core.config import KVCacheConfig
 from ..core.knobs import field_of
@@ -35,12 +35,15 @@ SHORTHANDS = {"mean": ("morphkv_fusion", "mean"), "max": ("morphkv_fusion", "max
 F16 = "f16"  # memory=f16: the bytes of a float16 cache of the command's budget on the model
 NAMED = ("morphkv_fusion", "morphkv_window", "scoring")  # spelled by the legacy arm names
 
-# mlx_lm's own caches: name -> (model, budget, n_sink) -> per-layer caches. A quantized
-# reference (mlx_lm's QuantizedKVCache) is one more entry here.
+# mlx_lm's own caches: name -> (model, budget, n_sink) -> per-layer caches. ``quantized8``:
+# mlx_lm's 8-bit cache (unbounded), the speed reference of 8-bit attention over as many tokens
+# as ``recommended(memory=...)`` holds at equal bytes
 BASELINES = {
     "kvcache": lambda model, budget, n_sink: [KVCache() for _ in model.layers],
     "rotating": lambda model, budget, n_sink: [RotatingKVCache(max_size=budget, keep=n_sink)
                                                for _ in model.layers],
+    "quantized8": lambda model, budget, n_sink: [QuantizedKVCache(group_size=64, bits=8)
+                                                 for _ in model.layers],
 }
 
 

@@ -31,7 +31,7 @@ def _size(text: str) -> int:
 
 ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs), the dest knob
     "method": dict(choices=sorted(METHODS), metavar="METHOD", help="Eviction rule, one of "
-                   f"{', '.join(sorted(METHODS))} (default: the preset's: streaming_llm for "
+                   f"{', '.join(sorted(METHODS))} (default: the preset's: peak for "
                    "recommended, morphkv for tuned and paper)."),
     "window": dict(type=Number(int, lo=1), help="Recent tokens whose queries rank the rest (an "
                    "integer >= 1; default: the preset's, 16 for tuned, 8 for recommended and "
@@ -45,13 +45,13 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                  "window score: max(window, PEAK x peak) (a number >= 0; 0: off; default: the "
                  "preset's)."),
     "decay": dict(type=Number(float, lo=0, hi=1, lo_open=True), help="Per-token decay of the "
-                  "peak (a number in (0, 1]; default: the preset's, 1)."),
+                  "peak (a number in (0, 1]; default: the preset's, 0.95 for recommended, else 1)."),
     "pool": dict(type=Number(int, lo=1), help="Span pooling kernel over neighbouring stored "
                  "tokens (an integer >= 1, odd; default: the preset's, 1 = none)."),
     "block": dict(type=Number(int, lo=1), help="Tokens evicted at once: once the budget is full, "
                   "every BLOCK-th token evicts BLOCK tokens and the tokens between only append "
-                  "(an integer >= 1; budget >= sinks + recent + block; default: the preset's: 1 "
-                  "for recommended, 16 for tuned, 8 for paper, 1 for other methods)."),
+                  "(an integer >= 1; budget >= sinks + recent + block; default: the preset's: 16 "
+                  "for recommended and tuned, 8 for paper, 1 for other methods)."),
     "sinks": dict(type=Number(int, lo=0), help="First tokens never evicted (an integer >= 0; "
                   "default: 4; none for sliding_window)."),
     "fusion": dict(choices=list(FUSIONS), help="How morphkv fuses the window's attention rows "
@@ -100,8 +100,10 @@ def add_cache_flags(parser, budget: int) -> None:
     g = parser.add_argument_group("KV cache")
     g.add_argument(
         "--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS),
-        help="Named setting: recommended (recency after 4 sinks, every prompt pinned, KeyDiff "
-        "among overflowing pins; chosen on held-out chats and answers, docs/recall.md), tuned "
+        help="Named setting: recommended (after 4 sinks, the tokens whose peak attention from "
+        "one query, decaying by 0.95 a token, is lowest go, 16 at a time; every prompt pinned, "
+        "one KeyDiff vote among overflowing pins; chosen on tune chats and answers, "
+        "docs/recall.md), tuned "
         "(morphkv with real queries, window 16, the newest half of the budget always kept, "
         "value-weighted scores, peak-attention persistence (--peak)), paper (the published "
         "rule: window 8, nothing else protected, evicting 8 tokens every 8 as its coarse "
