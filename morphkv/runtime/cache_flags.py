@@ -45,7 +45,8 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                  "window score: max(window, PEAK x peak) (a number >= 0; 0: off; default: the "
                  "preset's)."),
     "decay": dict(type=Number(float, lo=0, hi=1, lo_open=True), help="Per-token decay of the "
-                  "peak (a number in (0, 1]; default: the preset's, 0.95 for recommended, else 1)."),
+                  "peak (a number in (0, 1]; default: the preset's, 0.95 for recommended, else "
+                  "1)."),
     "pool": dict(type=Number(int, lo=1), help="Span pooling kernel over neighbouring stored "
                  "tokens (an integer >= 1, odd; default: the preset's, 1 = none)."),
     "block": dict(type=Number(int, lo=1), help="Tokens evicted at once: once the budget is full, "
