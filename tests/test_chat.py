@@ -28,12 +28,13 @@ def embedded():
     return load_embedded()
 
 
-def _conversation(embedded, budget=32, pin_user=True):
+def _conversation(embedded, budget=32, pin_user=True, **overrides):
     from morphkv.chat.conversation import Conversation
     from morphkv.core.presets import PRESETS
 
     model, tokenizer = embedded
-    return Conversation(model, tokenizer, PRESETS["recommended"](budget), pin_user=pin_user)
+    config = PRESETS["recommended"](budget, **overrides)
+    return Conversation(model, tokenizer, config, pin_user=pin_user)
 
 
 def _say(conv, text, max_tokens=12):
@@ -90,13 +91,15 @@ def test_a_resumed_session_gives_the_same_next_reply(embedded, tmp_path):
 
 @pytest.mark.slow
 def test_pinned_user_turns_outlast_the_replies(embedded):
-    """Three turns through a 48-token cache: with the turns pinned (the default) more of the
-    user's tokens are still held at the end than with ``pin_user=False``."""
+    """Three turns through a 48-token cache evicting by age: with the turns pinned (the
+    default) more of the user's tokens are still held at the end than with
+    ``pin_user=False``. (The preset's attention-ranked rule keeps many user tokens unpinned
+    too: the pins are the mechanism tested here.)"""
     import numpy as np
 
     held = {}
     for pin_user in (True, False):
-        conv = _conversation(embedded, budget=48, pin_user=pin_user)
+        conv = _conversation(embedded, budget=48, pin_user=pin_user, method="streaming_llm")
         ranges = []
         for text in MESSAGES:
             start = conv.fed

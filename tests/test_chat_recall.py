@@ -88,18 +88,18 @@ def test_smoke_run_on_the_embedded_model(tmp_path, monkeypatch):
 
 def test_the_memory_preset_is_the_chosen_arm_and_can_be_overridden():
     """recommended(memory=...) is exactly the arm the rule chose on tune
-    (``streaming_llm:memory=f16:bits=8``, pinned where a chat knows its turns), pinning every
-    prompt itself (``pin=prompt``: the arms pin only what they say), its overflowing pins
-    ranked by one KeyDiff vote over the layers (``pin_rank``, round 8), short replies pinned
-    (``pin_replies``, chosen on the round-2 tune chats)."""
+    (``peak:memory=f16:bits=8:decay=0.95:block=16``, round 12; pinned where a chat knows its
+    turns), pinning every prompt itself (``pin=prompt``: the arms pin only what they say), its
+    overflowing pins ranked by one KeyDiff vote over the layers (``pin_rank``, round 8), short
+    replies pinned (``pin_replies``, chosen on the round-2 tune chats)."""
     import dataclasses
 
     from morphkv import recommended
     from morphkv.eval.arms import Arm
 
-    chosen = Arm.parse("streaming_llm:memory=f16:bits=8:pin=prompt:pin_rank=vote:"
+    chosen = Arm.parse("peak:memory=f16:bits=8:decay=0.95:block=16:pin=prompt:pin_rank=vote:"
                        "pin_replies=48").config(128, n_sink=4)
-    assert Arm.parse("streaming_llm:memory=f16:bits=8").config(128, n_sink=4).pin == "none"
+    assert Arm.parse("peak:memory=f16:bits=8").config(128, n_sink=4).pin == "none"
     preset = recommended(memory=chosen.kv_memory)
     assert dataclasses.replace(preset, engine=chosen.engine, scoring=chosen.scoring) == chosen
     assert dataclasses.replace(recommended(128), kv_bits=8, morphkv_budget=0,
