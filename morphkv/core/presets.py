@@ -64,8 +64,8 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     the most tokens per KV head that fit (``budget`` is then ignored). Both evict in blocks of
     ``BLOCK`` the unpinned tokens after 4 sinks whose decaying peak of attention is lowest
     (``morphkv_decay=DECAY``; without the attention hook, keys stand in for the queries); both
-    pin every prompt (``pin="prompt"``),
-    so plain mlx_lm calls keep the user's words with no ``morphkv.pin``; once the pinned
+    pin every prompt (``pin="prompt"``), so plain mlx_lm calls keep the user's words with no
+    ``morphkv.pin``; once the pinned
     tokens alone overflow, one KeyDiff ranking over every layer and head decides which go
     (``pin_rank="vote"``: a template repeated every turn goes before a word said once); a
     reply of at most ``PIN_REPLIES`` tokens is pinned when the next prompt arrives. Keyword
