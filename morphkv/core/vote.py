@@ -159,20 +159,29 @@ def choose(pinned: np.ndarray, score: np.ndarray, keep: int, max_runs: int = MAX
 
 def join(stay: np.ndarray, pinned: np.ndarray, max_runs: int) -> np.ndarray:
     """``stay`` in at most ``max_runs`` runs: the shortest gaps made only of pinned tokens are
-    filled first; past those, the runs holding the fewest tokens go."""
+    filled first (ties: the earliest); past those, the runs holding the fewest tokens go. Filling
+    a gap or dropping a run leaves the other gaps and runs as they were, and once no gap of
+    pinned tokens is left none appears (a dropped run joins a gap holding an unpinned token, or
+    ends the row), so both are chosen at once by a stable sort."""
     stay = stay.copy()
-    while True:
-        edges = np.flatnonzero(np.diff(np.r_[0, stay.astype(np.int8), 0]))
-        begin, end = edges[::2], edges[1::2]  # runs [begin, end)
-        if begin.size <= max_runs:
-            return stay
-        gaps = [(e, b) for e, b in zip(end[:-1], begin[1:], strict=True) if pinned[e:b].all()]
-        if gaps:
-            e, b = min(gaps, key=lambda g: g[1] - g[0])
-            stay[e:b] = True
-        else:
-            shortest = int(np.argmin(end - begin))
-            stay[begin[shortest] : end[shortest]] = False
+    edges = np.flatnonzero(np.diff(np.r_[0, stay.astype(np.int8), 0]))
+    begin, end = edges[::2], edges[1::2]  # runs [begin, end)
+    excess = begin.size - max_runs
+    if excess <= 0:
+        return stay
+    e, b = end[:-1], begin[1:]  # the gaps between runs: [e, b)
+    unpinned = np.r_[0, np.cumsum(~pinned.astype(bool))]
+    fill = np.flatnonzero(unpinned[b] == unpinned[e])  # gaps of pinned tokens only
+    fill = fill[np.argsort(b[fill] - e[fill], kind="stable")][:excess]
+    for g in fill:
+        stay[e[g] : b[g]] = True
+    if fill.size == excess:
+        return stay
+    edges = np.flatnonzero(np.diff(np.r_[0, stay.astype(np.int8), 0]))
+    begin, end = edges[::2], edges[1::2]
+    for r in np.argsort(end - begin, kind="stable")[: begin.size - max_runs]:
+        stay[begin[r] : end[r]] = False
+    return stay
 
 
 def runs(held: np.ndarray, stay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
