@@ -55,6 +55,34 @@ def test_choose_keeps_the_best_scored_and_the_newest_in_few_runs():
     assert joined[-1] and not joined[pinned == 0].any()  # never pins an unpinned token
 
 
+def join_one_at_a_time(stay, pinned, max_runs):
+    """``vote.join`` as first written: one gap filled (the shortest of pinned tokens only, the
+    earliest of equals) or, with none left, the shortest run dropped, until few enough runs."""
+    stay = stay.copy()
+    while True:
+        edges = np.flatnonzero(np.diff(np.r_[0, stay.astype(np.int8), 0]))
+        begin, end = edges[::2], edges[1::2]
+        if begin.size <= max_runs:
+            return stay
+        gaps = [(e, b) for e, b in zip(end[:-1], begin[1:], strict=True) if pinned[e:b].all()]
+        if gaps:
+            e, b = min(gaps, key=lambda g: g[1] - g[0])
+            stay[e:b] = True
+        else:
+            shortest = int(np.argmin(end - begin))
+            stay[begin[shortest] : end[shortest]] = False
+
+
+def test_join_chooses_at_once_what_one_at_a_time_chooses():
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        n = int(rng.integers(1, 60))
+        pinned = rng.random(n) < rng.random()
+        stay = (rng.random(n) < rng.random()) & pinned
+        runs = int(rng.integers(1, 6))
+        assert (vote.join(stay, pinned, runs) == join_one_at_a_time(stay, pinned, runs)).all()
+
+
 @pytest.mark.parametrize("bits", [None, 8])
 def test_the_vote_keeps_one_pinned_set_in_every_layer_and_head(bits):
     extra = {} if bits is None else dict(kv_bits=bits, kv_group_size=32)
