@@ -12,6 +12,7 @@ from morphkv.eval import recall_items as N
 from morphkv.eval.arms import Arm, f16_bytes
 from morphkv.eval.models import tiny_llama
 from morphkv.mlxlm.layout import morph_caches
+from morphkv.runtime.argtypes import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,12 @@ def test_memory_arms_resolve_to_the_f16_bytes(tiny):
     assert share[0].config.recent == max(16, share[0].config.budget // 4)
     sized = morph_caches(Arm.parse("h2o:memory=300K").caches(tiny, 64))[0].config
     assert sized.kv_memory == 300 * 1024 and sized.kv_bits is None
+
+
+def test_a_memory_the_model_cannot_hold_is_a_usage_error_naming_the_arm(tiny):
+    small = r"arm h2o\S* on this model: kv_memory=1024 bytes .*too small"
+    with pytest.raises(UsageError, match=small):
+        Arm.parse("h2o:memory=1K").caches(tiny, 64)
 
 
 def test_a_memory_arm_checks_without_a_model():

@@ -28,6 +28,7 @@ from ..core.memory import parse_size
 from ..core.presets import PRESETS
 from ..core.rules import METHODS
 from ..mlxlm.builder import KVCacheBuilder
+from ..runtime.argtypes import UsageError
 
 SHORTHANDS = {"mean": ("morphkv_fusion", "mean"), "max": ("morphkv_fusion", "max"),
               "attn": ("scoring", "attention"), "attention": ("scoring", "attention"),
@@ -185,7 +186,10 @@ class Arm:
         """Per-layer caches for ``model`` (the attention hook is attached when needed)."""
         if self.is_baseline:
             return BASELINES[self.method](model, budget, n_sink)
-        return KVCacheBuilder.for_model(model, self.config(budget, model, n_sink=n_sink))
+        try:
+            return KVCacheBuilder.for_model(model, self.config(budget, model, n_sink=n_sink))
+        except ValueError as e:  # a setting this model cannot hold: the command's one line
+            raise UsageError(f"arm {self.name} on this model: {e}") from e
 
 
 def f16_bytes(model, tokens: int) -> int:
