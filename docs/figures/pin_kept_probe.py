@@ -26,6 +26,9 @@ from morphkv.eval.models import stored_positions
 from morphkv.mlxlm.builder import patch_model
 from morphkv.model import load
 
+sys.path.insert(0, "docs/figures")  # from the checkout: python docs/figures/pin_kept_probe.py
+from pin_scores_probe import value_positions  # noqa: E402
+
 MEMORY = 1_572_864  # the float16 bytes of 128 tokens of Qwen2.5-0.5B
 
 
@@ -54,14 +57,7 @@ def main(index=81, out="docs/figures/pin_kept_probe.json"):
             ids.append(r.token)
             kind.append("reply")
     kind = np.array(kind)
-    values = {q.value: [] for q in chat.questions}
-    for v in values:
-        for pre in (" ", ""):
-            sub = tok.encode(pre + v, add_special_tokens=False)
-            s = find(ids, sub)
-            if s >= 0:
-                values[v] = list(range(s, s + len(sub)))
-                break
+    values = {q.value: value_positions(tok, ids, q.value) for q in chat.questions}
     counts, whole = {k: 0 for k in ("template", "user", "reply")}, dict.fromkeys(values, 0)
     cells = 0
     for c in cache:

@@ -65,12 +65,11 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     ``BLOCK`` the unpinned tokens after 4 sinks whose decaying peak of attention is lowest
     (``morphkv_decay=DECAY``; without the attention hook, keys stand in for the queries); both
     pin every prompt (``pin="prompt"``), so plain mlx_lm calls keep the user's words with no
-    ``morphkv.pin``; once the pinned
-    tokens alone overflow, one KeyDiff ranking over every layer and head decides which go
-    (``pin_rank="vote"``; it keeps a chat template's tokens at about their share of the stream:
-    41% of the slots after 10 turns of mlx_lm's chat loop, docs/figures/pin_kept_probe.py); a
-    reply of at most ``PIN_REPLIES`` tokens is pinned when the next prompt arrives. Keyword
-    arguments override any ``KVCacheConfig`` field."""
+    ``morphkv.pin``; once the pinned tokens alone overflow, one KeyDiff ranking over every layer
+    and head decides which go (``pin_rank="vote"``; it keeps a chat template's tokens at about
+    their share of the stream: 41% of the slots after 10 turns of mlx_lm's chat loop,
+    docs/figures/pin_kept_probe.py); a reply of at most ``PIN_REPLIES`` tokens is pinned when
+    the next prompt arrives. Keyword arguments override any ``KVCacheConfig`` field."""
     fields = dict(method=METHOD, morphkv_budget=budget, morphkv_n_sink=N_SINK, pin=PIN,
                   pin_rank=PIN_RANK, pin_replies=PIN_REPLIES, morphkv_decay=DECAY,
                   morphkv_block=block_for(budget, KVCacheConfig().recent))

@@ -164,8 +164,7 @@ def join(stay: np.ndarray, pinned: np.ndarray, max_runs: int) -> np.ndarray:
     pinned tokens is left none appears (a dropped run joins a gap holding an unpinned token, or
     ends the row), so both are chosen at once by a stable sort."""
     stay = stay.copy()
-    edges = np.flatnonzero(np.diff(np.r_[0, stay.astype(np.int8), 0]))
-    begin, end = edges[::2], edges[1::2]  # runs [begin, end)
+    begin, end = true_runs(stay)
     excess = begin.size - max_runs
     if excess <= 0:
         return stay
@@ -177,18 +176,22 @@ def join(stay: np.ndarray, pinned: np.ndarray, max_runs: int) -> np.ndarray:
         stay[e[g] : b[g]] = True
     if fill.size == excess:
         return stay
-    edges = np.flatnonzero(np.diff(np.r_[0, stay.astype(np.int8), 0]))
-    begin, end = edges[::2], edges[1::2]
+    begin, end = true_runs(stay)
     for r in np.argsort(end - begin, kind="stable")[: begin.size - max_runs]:
         stay[begin[r] : end[r]] = False
     return stay
 
 
+def true_runs(stay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[begin, end) indices of the runs of True in ``stay``."""
+    edges = np.flatnonzero(np.diff(np.r_[0, stay.astype(np.int8), 0]))
+    return edges[::2], edges[1::2]
+
+
 def runs(held: np.ndarray, stay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[start, end) position ranges of the runs of ``stay`` among the held positions: a run
     spans the positions between its held tokens too (none of them held: never seen again)."""
-    edges = np.flatnonzero(np.diff(np.r_[0, stay.astype(np.int8), 0]))
-    begin, end = edges[::2], edges[1::2]
+    begin, end = true_runs(stay)
     return held[begin].astype(np.int64), held[end - 1].astype(np.int64) + 1
 
 

@@ -186,8 +186,9 @@ class Arm:
         """Per-layer caches for ``model`` (the attention hook is attached when needed)."""
         if self.is_baseline:
             return BASELINES[self.method](model, budget, n_sink)
+        config = self.config(budget, model, n_sink=n_sink)  # names the arm itself
         try:
-            return KVCacheBuilder.for_model(model, self.config(budget, model, n_sink=n_sink))
+            return KVCacheBuilder.for_model(model, config)
         except ValueError as e:  # a setting this model cannot hold: the command's one line
             raise UsageError(f"arm {self.name} on this model: {e}") from e
 
