@@ -37,6 +37,7 @@ from .device_cache import DevicePath
 from .feed import Feed
 from .pins import MAX_NBYTES, keep_bounded, repinned
 from .quant import QuantizedAttributes
+from .repeats import HEARD
 from .saved import SavedState
 from .unpinned import follows, of_kept
 
@@ -217,6 +218,8 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
             return None
         per_slot = self.storage_nbytes // quant.dims(self.keys)[2]  # plain or quantized rows
         pins = MAX_NBYTES if self.pin_prompts else self.pins.nbytes  # pinned ranges
+        if self.pin_prompts and self.config.pin_repeats:  # held by a row's first cache alone
+            pins += HEARD * 4  # (core.repeats), counted in every layer's bound
         return per_slot * (self.config.budget + 1) + engine + pins
 
     def size(self) -> int:

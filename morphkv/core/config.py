@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from .repeats import MAX_RUN
 from .rules import METHODS, Rule, make_rule
 from .rules.attention import FUSIONS
 
@@ -86,6 +87,10 @@ class KVCacheConfig:
         pin_fit: with ``pin_replies``, pin a reply only while the pinned positions, the reply
             with them, still fit in the budget: once a long chat's pins alone fill the cache,
             its later replies go before the user's words instead of crowding them out.
+        pin_repeats: with ``pin="prompt"``, a prompt token in a run of this many tokens that an
+            earlier prompt of the same row held is not pinned (``morphkv.core.repeats``: a chat
+            template re-sent every turn); needs the model's forward pass (``patch_model`` /
+            ``attach`` watch it). 0: off; else 2 to 16.
     """
 
     method: str = "morphkv"
@@ -111,6 +116,7 @@ class KVCacheConfig:
     pin_rank: str = "rule"
     pin_replies: int = 0
     pin_fit: bool = False
+    pin_repeats: int = 0
 
     @property
     def default_engine(self) -> str:
@@ -227,6 +233,10 @@ class KVCacheConfig:
             raise ValueError(f"pin_replies must be an integer >= 0, got {self.pin_replies!r}")
         if not isinstance(self.pin_fit, bool):
             raise ValueError(f"pin_fit must be True or False, got {self.pin_fit!r}")
+        if type(self.pin_repeats) is not int or not (self.pin_repeats == 0 or
+                                                      2 <= self.pin_repeats <= MAX_RUN):
+            raise ValueError(f"pin_repeats must be 0 (off) or an integer in [2, {MAX_RUN}], "
+                             f"got {self.pin_repeats!r}")
         self._validate_storage()
         return self
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import storage
-from .pins import Pins
+from .pins import Pins, true_runs
 from .queries import hooks_attached
 from .rules import make_rule
 
@@ -25,6 +25,7 @@ class Feed:
     """Counters, pins and input checks (see the module docstring)."""
 
     prompt_piece = False  # set by ``mlxlm.forward`` while a one-column piece of a prompt runs
+    pin_skip = None  # pin_repeats, set by ``mlxlm.forward``: per engine, columns not to pin
 
     def init_feed(self, config, engines: int, per: int | None) -> None:
         """``engines`` engines of ``per`` batch rows each (None: known at the first update)."""
@@ -63,9 +64,24 @@ class Feed:
             if n and prompt and self.config.pin_replies:
                 self.pin_reply(i, int(firsts[i]))
             if n and (prompt or self.pin_next[i]):
-                self.pin_range(i, int(firsts[i]), int(firsts[i]) + int(n))  # the cache's
+                for a, b in self.pinned_runs(i, int(n), C):
+                    self.pin_range(i, int(firsts[i]) + a, int(firsts[i]) + b)  # the cache's
             if n:
                 self.pin_next[i] = PIN_AFTER if prompt else max(0, self.pin_next[i] - 1)
+
+    def pinned_runs(self, i: int, n: int, C: int) -> list[tuple[int, int]]:
+        """[a, b) offsets among engine i's ``n`` tokens of this update that are pinned: all of
+        them, or those ``pin_skip`` (``pin_repeats``) leaves."""
+        skip = None if self.pin_skip is None else self.pin_skip[i]
+        if skip is None:
+            return [(0, n)]
+        start = int(self.spans(C)[0][i])
+        begin, end = true_runs(~skip[start : start + n])
+        return list(zip(begin.tolist(), end.tolist(), strict=True))
+
+    def pinned_count(self, i: int, n: int, C: int) -> int:
+        """How many of engine i's ``n`` tokens of this update ``pin_arrived`` pins."""
+        return sum(b - a for a, b in self.pinned_runs(i, n, C))
 
     def pin_reply(self, i: int, first: int) -> None:
         """``pin_replies``: a prompt arrives at ``first`` in row i; the row's tokens since its

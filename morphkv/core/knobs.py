@@ -33,6 +33,7 @@ FIELDS = {  # a knob's name -> the KVCacheConfig field that holds it
     "pin_rank": "pin_rank",
     "pin_replies": "pin_replies",
     "pin_fit": "pin_fit",
+    "pin_repeats": "pin_repeats",
 }
 OLD = {"n_sink": "sinks", "bits": "kv_bits", "memory": "kv_memory"}  # older spellings
 NAMES = {field: name for name, field in FIELDS.items()}

@@ -30,6 +30,7 @@ class Pins:
         self.starts = np.zeros(0, np.int64)
         self.ends = np.zeros(0, np.int64)
         self._device = None  # (starts, ends) as MLX arrays, made on first use
+        self.heard = np.zeros(0, np.uint32)  # pin_repeats: the row's prompts (core.repeats)
 
     def __len__(self) -> int:
         """Positions pinned (0: the selection is the rule's alone)."""
@@ -42,7 +43,7 @@ class Pins:
 
     @property
     def nbytes(self) -> int:
-        return self.starts.nbytes + self.ends.nbytes
+        return self.starts.nbytes + self.ends.nbytes + self.heard.nbytes
 
     def add(self, positions) -> None:
         p = np.asarray(positions)
@@ -93,7 +94,7 @@ class Pins:
 
     def copy(self) -> Pins:
         new = Pins()
-        new.starts, new.ends = self.starts.copy(), self.ends.copy()
+        new.starts, new.ends, new.heard = self.starts.copy(), self.ends.copy(), self.heard.copy()
         return new
 
     def positions(self) -> np.ndarray:
@@ -119,6 +120,12 @@ class Pins:
         starts, ends = self._device
         p = positions.astype(mx.int64)[..., None]
         return ((p >= starts) & (p < ends)).any(axis=-1)
+
+
+def true_runs(stay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[begin, end) indices of the runs of True in ``stay``."""
+    edges = np.flatnonzero(np.diff(np.r_[0, stay.astype(np.int8), 0]))
+    return edges[::2], edges[1::2]
 
 
 def keep_bounded(pins: Pins, held, seen: int) -> bool:

@@ -16,16 +16,21 @@ import numpy as np
 from . import device_saved, quant
 from .config import KVCacheConfig
 from .pins import Pins, check_ranges
+from .repeats import check_heard
 
 HOST_FORMAT = ("saved cache: written by the float64 host engine, which was removed (issue 43); "
                "its state cannot be loaded: rebuild the cache from its tokens")
 
 def header(config: KVCacheConfig, pins: Pins) -> str:
     """A saved cache's first entry: the config's fields as JSON, plus ``"pinned"``: the pinned
-    [start, end) ranges, when there are any (a file without them has none)."""
-    if not len(pins.starts):
+    [start, end) ranges, and ``"heard"``: ``pin_repeats``' hashes, when there are any (a file
+    without them has none)."""
+    if not (len(pins.starts) or pins.heard.size):
         return config.to_json()
-    return json.dumps({**json.loads(config.to_json()), "pinned": pins.ranges()}, sort_keys=True)
+    extra = {"pinned": pins.ranges()} if len(pins.starts) else {}
+    if pins.heard.size:
+        extra["heard"] = pins.heard.tolist()
+    return json.dumps({**json.loads(config.to_json()), **extra}, sort_keys=True)
 
 
 def read_header(text) -> tuple[KVCacheConfig, Pins]:
@@ -42,6 +47,7 @@ def read_header(text) -> tuple[KVCacheConfig, Pins]:
     ranges = check_ranges(fields.pop("pinned", []))
     if ranges:
         pins.starts, pins.ends = (np.array(x, np.int64) for x in zip(*ranges, strict=True))
+    pins.heard = check_heard(fields.pop("heard", []))
     return KVCacheConfig.from_json(json.dumps(fields)).validate(), pins
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import quant, storage
 from .feed import PIN_AFTER
-from .pins import MAX_RANGES
+from .pins import MAX_RANGES, true_runs
 from .unpinned import Unpinned
 
 MAX_RUNS = MAX_RANGES - 8  # ranges a vote leaves (room for the turns pinned before the next)
@@ -90,7 +90,8 @@ def trim(caches: list, C: int, prompt: bool = False) -> None:
     for i, n in enumerate(counts):
         engine = first.engines[i]
         if n and engine is not None:
-            trim_row(those, i, int(n) + first.reply_due(i, engine.seen), engine.seen)
+            incoming = first.pinned_count(i, int(n), C) + first.reply_due(i, engine.seen)
+            trim_row(those, i, incoming, engine.seen)
 
 
 def trim_row(caches: list, i: int, incoming: int, seen: int) -> bool:
@@ -180,12 +181,6 @@ def join(stay: np.ndarray, pinned: np.ndarray, max_runs: int) -> np.ndarray:
     for r in np.argsort(end - begin, kind="stable")[: begin.size - max_runs]:
         stay[begin[r] : end[r]] = False
     return stay
-
-
-def true_runs(stay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[begin, end) indices of the runs of True in ``stay``."""
-    edges = np.flatnonzero(np.diff(np.r_[0, stay.astype(np.int8), 0]))
-    return edges[::2], edges[1::2]
 
 
 def runs(held: np.ndarray, stay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

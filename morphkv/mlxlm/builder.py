@@ -90,8 +90,8 @@ class KVCacheBuilder:
             )
         config = _scoring(model, config)
         config = resolve_for_model(model, config, _factory)
-        if config.pin_rank == "vote":  # one ranking over all layers: the model's forward pass
-            forward.watch(model)
+        if config.pin_rank == "vote" or config.pin_repeats:  # the model's forward pass: one
+            forward.watch(model)  # ranking over all layers; the prompt's token ids
         return replace_global(caches, lambda: MorphKVCache(config))
 
     @staticmethod

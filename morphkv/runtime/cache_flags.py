@@ -81,6 +81,10 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                     "reply only while the pins, the reply with them, fit in the budget (a "
                     "long chat's later replies then go before the user's words; default: the "
                     "preset's)."),
+    "pin_repeats": dict(type=Number(int, lo=0), help="With --pin prompt: a prompt token in a "
+                        "run of this many tokens an earlier prompt of the same conversation "
+                        "held is not pinned (a chat template sent again every turn; 0: off, "
+                        "else 2-16; default: the preset's)."),
     "kv_bits": dict(type=int, choices=(4, 8), help="Store keys and values quantized to 4 or 8 "
                     "bits (default: as they arrive, unquantized)."),
     "kv_group_size": dict(type=int, choices=(32, 64, 128), help="Quantization group size with "
@@ -164,6 +168,8 @@ def describe(config: KVCacheConfig) -> str:
         if config.pin_replies:
             text += f" pin-replies={config.pin_replies}" + (" (while they fit)"
                                                              if config.pin_fit else "")
+        if config.pin_repeats:
+            text += f" pin-repeats={config.pin_repeats}"
     return text
 
 
