@@ -8,6 +8,10 @@ replies. Then every held slot of every layer and KV head is labelled: the templa
 tokens, counted as kept only where every token of the value is held.
 
     python docs/figures/pin_kept_probe.py [chat]  ->  docs/figures/pin_kept_probe.json
+    python docs/figures/pin_kept_probe.py 81 4  ->  docs/figures/pin_kept_probe_repeats4.json
+
+The second argument turns ``pin_repeats`` on (round 14: a run of that many tokens heard in an
+earlier prompt is not pinned).
 """
 
 import json  # noqa: I001 (morphkv, which loads OpenBLAS, before MLX)
@@ -39,9 +43,10 @@ def find(ids, sub, start=0):
     return -1
 
 
-def main(index=81, out="docs/figures/pin_kept_probe.json"):
+def main(index=81, repeats=0):
+    out = "docs/figures/pin_kept_probe" + (f"_repeats{repeats}" if int(repeats) else "") + ".json"
     model, tok = load("qwen2.5-0.5b")
-    patch_model(model, recommended(memory=MEMORY))
+    patch_model(model, recommended(memory=MEMORY, pin_repeats=int(repeats)))
     chat, cache, ids, kind = build_chat("test", int(index)), None, [], []
     cache = make_prompt_cache(model)
     for text in user_turns(chat, 10, False):
@@ -69,7 +74,8 @@ def main(index=81, out="docs/figures/pin_kept_probe.json"):
             for v, pos in values.items():
                 whole[v] += int(bool(pos) and np.isin(pos, row).all())
     held = sum(counts.values())
-    result = {"chat": int(index), "tokens_seen": len(ids), "cells": cells,
+    result = {"chat": int(index), "pin_repeats": int(repeats), "tokens_seen": len(ids),
+              "cells": cells,
               "held_per_cell": held / cells,
               "share": {k: n / held for k, n in counts.items()},
               "seen_share": {k: float((kind == k).mean()) for k in counts},
@@ -79,4 +85,4 @@ def main(index=81, out="docs/figures/pin_kept_probe.json"):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    main(*sys.argv[1:3])

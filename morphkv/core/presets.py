@@ -8,7 +8,9 @@ over the tokens generated one at a time, with every prompt pinned (``pin="prompt
 tokens of each prefill, a chat's user turns with their template tokens, go after the model's
 own) and, once the pinned tokens alone overflow, one KeyDiff ranking of them over every layer
 (``pin_rank="vote"``); the model's short replies (at most ``PIN_REPLIES`` tokens: a name, a
-number, a decision) are pinned when the next prompt arrives (``pin_replies``). Issue 42's
+number, a decision) are pinned when the next prompt arrives (``pin_replies``), and a prompt's
+runs of tokens heard in an earlier prompt (a chat template sent again) are not pinned
+(``pin_repeats``, issue 41's round 14). Issue 42's
 rounds, each a fixed rule on tune items (docs/recall.md): recency won round 1 (user-said facts
 and re-mentions on held-out chats and code answers), pinning short replies round 2, the vote
 among overflowing pins round 8, and the decaying peak round 12 (re-mentions a long code answer
@@ -48,6 +50,10 @@ PIN = "prompt"
 # at budgets whose room is under twice PIN_REPLIES each layer ranks its own (as "keydiff")
 PIN_RANK = "vote"
 PIN_REPLIES = 48  # the model's replies of at most 48 tokens are pinned (issue 42, round 2)
+# a prompt's runs of 4 tokens heard in an earlier prompt (a chat template sent again) are not
+# pinned: round 14's fixed rule on live tune chats 0-2, loop and server together: 4 of 18 facts
+# vs 1 without (docs/recall.md)
+PIN_REPEATS = 4
 MEMORY_PIN, MEMORY_PIN_RANK = PIN, PIN_RANK
 PAPER_BLOCK = 8  # the paper's coarse eviction: every 8 steps (-0.9 accuracy points, 0.82x time)
 BLOCK = 16  # tuned: evict 16 tokens every 16 (no window ring; docs/engine.md, issue 26)
@@ -68,10 +74,13 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     ``morphkv.pin``; once the pinned tokens alone overflow, one KeyDiff ranking over every layer
     and head decides which go (``pin_rank="vote"``; it keeps a chat template's tokens at about
     their share of the stream: 41% of the slots after 10 turns of mlx_lm's chat loop,
-    docs/figures/pin_kept_probe.py); a reply of at most ``PIN_REPLIES`` tokens is pinned when
-    the next prompt arrives. Keyword arguments override any ``KVCacheConfig`` field."""
+    docs/figures/pin_kept_probe.py), so a prompt's runs of ``PIN_REPEATS`` tokens heard in an
+    earlier prompt (the template sent again) are not pinned (``pin_repeats``); a reply of at most
+    ``PIN_REPLIES`` tokens is pinned when the next prompt arrives. Keyword arguments override any
+    ``KVCacheConfig`` field."""
     fields = dict(method=METHOD, morphkv_budget=budget, morphkv_n_sink=N_SINK, pin=PIN,
-                  pin_rank=PIN_RANK, pin_replies=PIN_REPLIES, morphkv_decay=DECAY,
+                  pin_rank=PIN_RANK, pin_replies=PIN_REPLIES, pin_repeats=PIN_REPEATS,
+                  morphkv_decay=DECAY,
                   morphkv_block=block_for(budget, KVCacheConfig().recent))
     if memory is not None:
         fields.update(morphkv_budget=0, kv_memory=memory, kv_bits=MEMORY_BITS, morphkv_block=BLOCK)

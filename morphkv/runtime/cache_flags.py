@@ -106,8 +106,9 @@ def add_cache_flags(parser, budget: int) -> None:
     g.add_argument(
         "--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS),
         help="Named setting: recommended (after 4 sinks, the tokens whose peak attention from "
-        "one query, decaying by 0.95 a token, is lowest go, 16 at a time; every prompt pinned, "
-        "one KeyDiff vote among overflowing pins; chosen on tune chats and answers, "
+        "one query, decaying by 0.95 a token, is lowest go, 16 at a time; every prompt pinned "
+        "but its runs of 4 tokens heard in an earlier prompt (a template sent again), one "
+        "KeyDiff vote among overflowing pins; chosen on tune chats and answers, "
         "docs/recall.md), tuned "
         "(morphkv with real queries, window 16, the newest half of the budget always kept, "
         "value-weighted scores, peak-attention persistence (--peak)), paper (the published "
