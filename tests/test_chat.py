@@ -57,7 +57,12 @@ def test_each_turn_prefills_only_its_new_tokens(embedded):
         assert turn.last.prompt_tokens == len(turn.prompt)
         if i > 1:  # the user's message and the template around it, no more
             assert len(turn.prompt) < len(tokenizer.encode(text)) + 12, turn.prompt
-        assert conv.pinned[-1] == [before, before + len(turn.prompt)]  # the turn's prompt
+        # the preset pins prompts itself (pin="prompt"): the turn's prompt, less the template
+        # runs an earlier prompt held (pin_repeats); the conversation pins nothing more
+        held = {p for a, b in conv.caches[0].pins.ranges() for p in range(a, b)}
+        mine = held & set(range(before, before + len(turn.prompt)))
+        assert before + len(turn.prompt) - 1 in mine and not conv.pinned
+        assert len(mine) == len(turn.prompt) if i == 1 else 0 < len(mine) < len(turn.prompt)
         fed += turn.prompt + turn.tokens
     assert {t.finish for t in [conv.last]} <= {"stop", "length"}
     # what the cache has seen is the template of the whole conversation, token for token
@@ -86,7 +91,8 @@ def test_a_resumed_session_gives_the_same_next_reply(embedded, tmp_path):
     resumed.resume(loaded)
     assert _say(resumed, MESSAGES[2]) == straight
     assert resumed.turns == 3 and resumed.fed == talk.fed
-    assert loaded.pins == talk.pinned[:2]
+    assert loaded.pins == talk.pinned[:2] == []  # the caches pinned the prompts themselves
+    assert loaded.caches[0].pins.ranges() and loaded.caches[0].pins.heard.size
 
 
 @pytest.mark.slow
@@ -99,7 +105,8 @@ def test_pinned_user_turns_outlast_the_replies(embedded):
 
     held = {}
     for pin_user in (True, False):
-        conv = _conversation(embedded, budget=48, pin_user=pin_user, method="streaming_llm")
+        conv = _conversation(embedded, budget=48, pin_user=pin_user, method="streaming_llm",
+                             pin_repeats=0)  # whole prompts, template too (as counted here)
         ranges = []
         for text in MESSAGES:
             start = conv.fed

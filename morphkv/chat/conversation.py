@@ -12,8 +12,10 @@ the prompt plus every generated token, the end-of-turn token included; ``Convers
 checked against the caches' own count after each turn.
 
 Each turn's prompt tokens (the user's message with its template tokens; the system prompt in
-the first) are pinned (``morphkv.pin``): a bounded cache evicts the assistant's tokens before the
-user's, so what the user said stays longest. ``pin_user=False`` (``morphkv chat --no-pin``)
+the first) are pinned: a bounded cache evicts the assistant's tokens before the user's, so what
+the user said stays longest. A config that pins prompts itself (``pin="prompt"``, the preset's)
+leaves it to the caches, which do not pin a template sent again (``pin_repeats``); any other
+config is pinned here (``morphkv.pin``). ``pin_user=False`` (``morphkv chat --no-pin``)
 pins nothing: not the turns, and not the prompts a ``pin="prompt"`` config pins by itself.
 """
 
@@ -132,7 +134,7 @@ class Conversation:
         prompt_text = self._template([*self.messages, {"role": "user", "content": user}], True)
         prompt = self.new_tokens(user)
         turn = Turn(self.turns + 1, prompt)
-        if self.pin_user:
+        if self.pin_user and self.config.pin != "prompt":  # else the caches pin it themselves
             self.pin_range(self.fed, self.fed + len(prompt))
         resp = None
         interrupted = ended = False
