@@ -84,21 +84,26 @@ def test_the_chat_loop_pins_the_template_once_and_every_turns_words():
     assert set(range(c2[0].offset - 4 - 12, c2[0].offset - 4)) <= pinned(c2)  # off: all
 
 
+def served(model, prompts: list, caches: list) -> tuple[list, dict]:
+    """(uids, uid -> finished response) of ``prompts`` run together through BatchGenerator."""
+    gen = BatchGenerator(model, max_tokens=4, prefill_step_size=STEP)
+    uids, done = gen.insert(prompts, max_tokens=[4] * len(prompts), caches=caches), {}
+    for _ in range(100):
+        done.update({r.uid: r for r in gen.next_generated() if r.finish_reason})
+        if len(done) == len(prompts):
+            break
+    gen.close()
+    return uids, done
+
+
 def test_the_server_prompt_cache_and_batch_rows_keep_each_rows_memory(tmp_path):
-    """A first turn through BatchGenerator (rows join), kept in the server's prompt cache,
+    """A first turn of two rows through BatchGenerator, each kept in the server's prompt cache,
     fetched back (a deepcopy), a second turn merged into a batch: the template is heard."""
     from morphkv.server.run import bounded_prompt_cache
 
     model = model_for()
     first = [turn([5, 6, 7, 8]), turn([9, 10, 11, 12, 13, 14])]
-    gen = BatchGenerator(model, max_tokens=6, prefill_step_size=STEP)
-    uids = gen.insert(first, max_tokens=[6, 6])
-    finished = {}
-    for _ in range(100):
-        finished.update({r.uid: r for r in gen.next_generated() if r.finish_reason})
-        if len(finished) == 2:
-            break
-    gen.close()
+    uids, finished = served(model, first, [None, None])
     kept = bounded_prompt_cache(10, 10**9)
     for uid in uids:
         kept.insert_cache("m", finished[uid].all_tokens, finished[uid].prompt_cache)
@@ -107,14 +112,7 @@ def test_the_server_prompt_cache_and_batch_rows_keep_each_rows_memory(tmp_path):
     back, rest = kept.fetch_nearest_cache("m", history + second)
     assert rest == second and back[0].pins.heard.size
     at = back[0].offset
-    gen = BatchGenerator(model, max_tokens=3, prefill_step_size=STEP)
-    gen.insert([rest, turn([50, 51])], max_tokens=[3, 3], caches=[back, None])
-    done = {}
-    for _ in range(50):
-        done.update({r.uid: r for r in gen.next_generated() if r.finish_reason})
-        if len(done) == 2:
-            break
-    gen.close()
+    _, done = served(model, [rest, turn([50, 51])], [back, None])
     caches = min(done.values(), key=lambda r: r.uid).prompt_cache
     held = pinned(caches)
     assert {at + 6, at + 7, at + 8} <= held and not set(range(at, at + 6)) & held
