@@ -155,10 +155,15 @@ def test_the_vote_counts_only_what_the_prompt_pins_and_the_bound_counts_the_memo
     assert on[1].nbytes_bound - off[1].nbytes_bound == repeats.HEARD * 4  # counted in each
 
 
-def test_pin_repeats_is_validated_and_named_by_the_flag():
+def test_pin_repeats_is_validated_and_named_by_the_flag_and_the_server():
     from morphkv.runtime.cache_flags import describe
 
     for bad in (1, 17, -2, 2.0, True):
         with pytest.raises(ValueError, match="pin_repeats must be 0"):
             KVCacheConfig(pin_repeats=bad).validate()
-    assert "pin-repeats=4" in describe(KVCacheConfig(pin="prompt", pin_repeats=4).validate())
+    from morphkv.server.memory import engine_and_pins
+
+    on = KVCacheConfig(pin="prompt", pin_repeats=4).validate()
+    assert "pin-repeats=4" in describe(on)
+    assert "less runs of 4 tokens an earlier prompt" in engine_and_pins(on)  # serve's first line
+    assert "less runs" not in engine_and_pins(KVCacheConfig(pin="prompt").validate())

@@ -92,8 +92,10 @@ def engine_and_pins(config) -> str:
     ``MorphKVCache.merge``), and what its caches pin."""
     one = config.scoring == "attention" and config.rule.evicts  # ``DeviceBatchCache.accepts``
     engine = "engine mlx (batches too" + (")" if one else ", row by row)")
+    repeats = (f", less runs of {config.pin_repeats} tokens an earlier prompt of the "
+               "conversation held" if config.pin_repeats else "")
     pins = ("pinned: every prompt's tokens (system prompt and user turns as they arrive, with "
-            "their template tokens; generated tokens are not)" if config.pin == "prompt"
+            f"their template tokens{repeats}; generated tokens are not)" if config.pin == "prompt"
             else "pinned: nothing (--pin prompt pins every prompt's tokens)")
     if config.pin == "prompt" and config.pin_rank == "vote":
         from ..core.vote import per_layer
