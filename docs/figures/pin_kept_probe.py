@@ -11,7 +11,9 @@ tokens, counted as kept only where every token of the value is held.
     python docs/figures/pin_kept_probe.py 81 4  ->  docs/figures/pin_kept_probe_repeats4.json
 
 The second argument turns ``pin_repeats`` on (round 14: a run of that many tokens heard in an
-earlier prompt is not pinned).
+earlier prompt is not pinned). ``update_turn`` in the JSON: each token of the turn that updates a
+fact (turn 3), the share of layer-heads holding it and whether it is pinned (round 14: a vote
+keeps both city names and drops "moved from ... to").
 """
 
 import json  # noqa: I001 (morphkv, which loads OpenBLAS, before MLX)
@@ -44,12 +46,14 @@ def find(ids, sub, start=0):
 
 
 def main(index=81, repeats=0):
-    out = "docs/figures/pin_kept_probe" + (f"_repeats{repeats}" if int(repeats) else "") + ".json"
+    out = "docs/figures/pin_kept_probe" + (f"_repeats{repeats}" if int(repeats) else "") + (
+        f"_chat{index}" if int(index) != 81 else "") + ".json"
     model, tok = load("qwen2.5-0.5b")
     patch_model(model, recommended(memory=MEMORY, pin_repeats=int(repeats)))
-    chat, cache, ids, kind = build_chat("test", int(index)), None, [], []
+    chat, cache, ids, kind, starts = build_chat("test", int(index)), None, [], [], []
     cache = make_prompt_cache(model)
     for text in user_turns(chat, 10, False):
+        starts.append(len(ids))
         prompt = list(tok.apply_chat_template([{"role": "user", "content": text}],
                                               add_generation_prompt=True))
         words = tok.encode(text, add_special_tokens=False)
@@ -64,11 +68,12 @@ def main(index=81, repeats=0):
     kind = np.array(kind)
     values = {q.value: value_positions(tok, ids, q.value) for q in chat.questions}
     counts, whole = {k: 0 for k in ("template", "user", "reply")}, dict.fromkeys(values, 0)
-    cells = 0
+    cells, share = 0, np.zeros(len(ids))
     for c in cache:
         for row in stored_positions(c):
             row = row[row < len(ids)]
             cells += 1
+            share[row] += 1
             for k in counts:
                 counts[k] += int((kind[row] == k).sum())
             for v, pos in values.items():
@@ -79,7 +84,9 @@ def main(index=81, repeats=0):
               "held_per_cell": held / cells,
               "share": {k: n / held for k, n in counts.items()},
               "seen_share": {k: float((kind == k).mean()) for k in counts},
-              "value_whole_in_cells": {v: n / cells for v, n in whole.items()}}
+              "value_whole_in_cells": {v: n / cells for v, n in whole.items()},
+              "update_turn": [[tok.decode([ids[p]]), round(share[p] / cells, 2),
+                               bool(cache[0].pins.holds(p))] for p in range(starts[2], starts[3])]}
     print(json.dumps(result, indent=1))
     json.dump(result, open(out, "w"), indent=1)
 

@@ -75,9 +75,9 @@ def recommended(budget: int = 512, *, memory: int | None = None, **overrides) ->
     and head decides which go (``pin_rank="vote"``; it keeps a chat template's tokens at about
     their share of the stream: 41% of the slots after 10 turns of mlx_lm's chat loop,
     docs/figures/pin_kept_probe.py), so a prompt's runs of ``PIN_REPEATS`` tokens heard in an
-    earlier prompt (the template sent again) are not pinned (``pin_repeats``); a reply of at most
-    ``PIN_REPLIES`` tokens is pinned when the next prompt arrives. Keyword arguments override any
-    ``KVCacheConfig`` field."""
+    earlier prompt (the template sent again) are not pinned (``pin_repeats``: 22%); a reply of
+    at most ``PIN_REPLIES`` tokens is pinned when the next prompt arrives. Keyword arguments
+    override any ``KVCacheConfig`` field."""
     fields = dict(method=METHOD, morphkv_budget=budget, morphkv_n_sink=N_SINK, pin=PIN,
                   pin_rank=PIN_RANK, pin_replies=PIN_REPLIES, pin_repeats=PIN_REPEATS,
                   morphkv_decay=DECAY,
