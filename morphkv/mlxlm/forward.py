@@ -58,6 +58,9 @@ def _watched_call(cls: type):
         tokens = _tokens_only(args, kwargs, at)
         skip = heard(cache, args[0], C) if tokens else None
         size = vote.piece(cache, C) if tokens else C
+        if size == C and skip is None:  # a decode step; a chunk not cut, nothing to skip
+            vote.trim(cache, C)
+            return cls.__call__(self, *args, **kwargs)
         outs = []
         for start, end in vote.pieces(C, size) if size < C else [(0, C)]:
             _set(cache, "pin_skip", None if skip is None else [m[start:end] for m in skip])
@@ -79,9 +82,11 @@ def heard(caches: list, ids: mx.array, C: int) -> list | None:
     repeat a run an earlier prompt of the row held (not pinned); the row remembers this
     prompt's runs. None where nothing is skipped: a one-column step, no cache with the policy,
     or a single cache of several rows (one set of pins for all)."""
+    if C < 2 or not mx.issubdtype(ids.dtype, mx.integer):
+        return None
     holder = next((c for c in caches if getattr(c, "pin_prompts", False)
                    and c.config.pin_repeats), None)
-    if holder is None or C < 2 or not mx.issubdtype(ids.dtype, mx.integer):
+    if holder is None:
         return None
     starts, counts = holder.spans(C)
     if len(counts) != ids.shape[0]:
