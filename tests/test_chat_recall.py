@@ -91,14 +91,15 @@ def test_the_memory_preset_is_the_chosen_arm_and_can_be_overridden():
     (``peak:memory=f16:bits=8:decay=0.95:block=16``, round 12; pinned where a chat knows its
     turns), pinning every prompt itself (``pin=prompt``: the arms pin only what they say), its
     overflowing pins ranked by one KeyDiff vote over the layers (``pin_rank``, round 8), short
-    replies pinned (``pin_replies``, chosen on the round-2 tune chats)."""
+    replies pinned (``pin_replies``, chosen on the round-2 tune chats), a template sent again
+    not pinned (``pin_repeats``, round 14)."""
     import dataclasses
 
     from morphkv import recommended
     from morphkv.eval.arms import Arm
 
     chosen = Arm.parse("peak:memory=f16:bits=8:decay=0.95:block=16:pin=prompt:pin_rank=vote:"
-                       "pin_replies=48").config(128, n_sink=4)
+                       "pin_replies=48:pin_repeats=4").config(128, n_sink=4)
     assert Arm.parse("peak:memory=f16:bits=8").config(128, n_sink=4).pin == "none"
     preset = recommended(memory=chosen.kv_memory)
     assert dataclasses.replace(preset, engine=chosen.engine, scoring=chosen.scoring) == chosen

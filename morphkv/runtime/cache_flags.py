@@ -13,6 +13,7 @@ import argparse
 from ..core.config import ENGINES, PIN_POLICIES, PIN_RANKS, SCORINGS, KVCacheConfig
 from ..core.knobs import FIELDS, flag
 from ..core.presets import PRESETS
+from ..core.repeats import MAX_RUN
 from ..core.rules import METHODS
 from ..core.rules.attention import FUSIONS
 from .argtypes import Number, UsageError, add_number, flag_names
@@ -81,10 +82,11 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                     "reply only while the pins, the reply with them, fit in the budget (a "
                     "long chat's later replies then go before the user's words; default: the "
                     "preset's)."),
-    "pin_repeats": dict(type=Number(int, lo=0), help="With --pin prompt: a prompt token in a "
-                        "run of this many tokens an earlier prompt of the same conversation "
-                        "held is not pinned (a chat template sent again every turn; 0: off, "
-                        "else 2-16; default: the preset's)."),
+    "pin_repeats": dict(type=Number(int, lo=0, hi=MAX_RUN), help="With --pin prompt: a "
+                        "prompt token in a run of this many tokens an earlier prompt of the "
+                        "same conversation held is not pinned (a chat template sent again "
+                        f"every turn; an integer in [0, {MAX_RUN}], 0: off, 1 refused; default: "
+                        "the preset's, 4 for recommended)."),
     "kv_bits": dict(type=int, choices=(4, 8), help="Store keys and values quantized to 4 or 8 "
                     "bits (default: as they arrive, unquantized)."),
     "kv_group_size": dict(type=int, choices=(32, 64, 128), help="Quantization group size with "
