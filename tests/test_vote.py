@@ -83,13 +83,13 @@ def test_join_chooses_at_once_what_one_at_a_time_chooses():
         assert (vote.join(stay, pinned, runs) == join_one_at_a_time(stay, pinned, runs)).all()
 
 
-@pytest.mark.parametrize("bits", [None, 8])
-def test_the_vote_keeps_one_pinned_set_in_every_layer_and_head(bits):
+@pytest.mark.parametrize(("bits", "rank"), [(None, "vote"), (8, "vote"), (8, "vote-span")])
+def test_the_vote_keeps_one_pinned_set_in_every_layer_and_head(bits, rank):
     extra = {} if bits is None else dict(kv_bits=bits, kv_group_size=32)
     turns = prompts_of(TURNS, seed=3)
     by_head = pinned_held(chat(model_for("keydiff", **extra), turns))
     assert any(h != by_head[0] for h in by_head)  # each head its own: they differ here
-    caches = chat(model_for(**extra), turns)
+    caches = chat(model_for(rank, **extra), turns)
     held = pinned_held(caches)
     assert all(h == held[0] for h in held)  # one ranking: the same in every layer and head
     room = vote.room(caches[0].config)
@@ -97,8 +97,11 @@ def test_the_vote_keeps_one_pinned_set_in_every_layer_and_head(bits):
     assert len(caches[0].pins.starts) <= vote.MAX_RUNS + 2
 
 
-def test_the_kept_pinned_tokens_are_the_top_of_the_averaged_keydiff():
-    model, turns = model_for(), prompts_of(TURNS, seed=3)
+@pytest.mark.parametrize("rank", ["vote", "vote-span"])
+def test_the_kept_pinned_tokens_are_the_top_of_the_averaged_keydiff(rank):
+    """"vote-span": each pinned token scores the best of the pinned tokens among the 5 held
+    tokens centred on it, recounted here one token at a time."""
+    model, turns = model_for(rank), prompts_of(TURNS, seed=3)
     caches = chat(model, turns[:-1])
     last = turns[-1]
     seen, c = caches[0].offset, caches[0]
@@ -114,7 +117,12 @@ def test_the_kept_pinned_tokens_are_the_top_of_the_averaged_keydiff():
                 score[int(p)].append(1 - float(u @ mean))
     pinned = [int(p) for p in held if p >= 2 and p in set(c.pins.positions().tolist())]
     assert len(pinned) > keep  # the vote must drop some
-    best = sorted(pinned, key=lambda p: -np.mean(score[p]))[:keep] + [max(pinned)]
+    mean = {p: np.mean(score[p]) for p in pinned}
+    if rank == "vote-span":
+        order = [int(p) for p in held]
+        mean = {p: max(mean[q] for q in order[max(order.index(p) - 2, 0) : order.index(p) + 3]
+                       if q in mean) for p in pinned}
+    best = sorted(pinned, key=lambda p: -mean[p])[:keep] + [max(pinned)]
     chat(model, [last], caches, replies=1)
     after = set(caches[0].pins.positions().tolist())
     assert set(best) <= after  # fragmented into more runs than allowed it could keep fewer

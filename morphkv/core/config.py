@@ -13,7 +13,8 @@ SCORINGS = ("auto", "attention", "proxy")
 ENGINES = ("auto", "mlx")
 PIN_POLICIES = ("none", "prompt")
 # how pinned tokens rank among themselves once they alone overflow (``pin_rank``)
-PIN_RANKS = ("rule", "keydiff", "keydiff-span", "vote")
+PIN_RANKS = ("rule", "keydiff", "keydiff-span", "vote", "vote-span")
+VOTES = ("vote", "vote-span")  # the pin ranks run by the model's forward pass (``core.vote``)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,10 @@ class KVCacheConfig:
             sub-tokens stay or go together; ``"vote"``: one KeyDiff ranking averaged over every
             layer and KV head decides, before each prefill chunk, which pinned tokens stay
             pinned in every layer alike (``morphkv.core.vote``; a layer that must still take
-            a pinned token ranks as "keydiff"). Unpinned tokens always go before pinned ones.
+            a pinned token ranks as "keydiff"); ``"vote-span"``: that vote with each token's
+            averaged score max-pooled over 5 pinned neighbours, so the words around a kept
+            name ("moved from ... to") stay with it. Unpinned tokens always go before pinned
+            ones.
         pin_replies: with ``pin="prompt"`` (no effect otherwise), when a prompt arrives,
             the model's tokens since the last pinned range (its reply) are pinned too if there
             are at most this many: a short answer (a name, a number, a decision) is kept as the
@@ -134,8 +138,8 @@ class KVCacheConfig:
     @property
     def pins_by_keys(self) -> bool:
         """Do a layer's overflowing pinned tokens rank by KeyDiff (``pin_rank`` "keydiff", or
-        "vote" where the model-level vote has not made room: ``core.vote``)?"""
-        return self.pin_rank in ("keydiff", "vote")
+        a vote where the model-level vote has not made room: ``core.vote``)?"""
+        return self.pin_rank == "keydiff" or self.pin_rank in VOTES
 
     @property
     def rule(self):

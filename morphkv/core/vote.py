@@ -18,6 +18,12 @@ the model's last reply starts: ``pin_replies``). Pins stay pins: merged, extract
 saved rows keep the result. A chunk that alone exceeds the room leaves the layers to rank by
 themselves (as ``"keydiff"``). The new pins are at most ``MAX_RUNS`` ranges: where the choice
 is more fragmented, the cheapest gaps of pinned tokens between kept runs stay pinned too.
+
+``pin_rank="vote-span"`` votes the same way with each pinned token's averaged score replaced by
+the largest of the pinned ones among the ``PIN_SPAN`` (5) held tokens centred on it (SnapKV's
+pooling, in position order): KeyDiff ranks function words low, so a plain vote keeps "Hobart"
+and "Tromso" of "I've just moved from Hobart to Tromso" and drops the words that say which is
+the new one (docs/recall.md, round 14's probe); pooled, the words around a kept word stay too.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import mlx.core as mx
 import numpy as np
 
 from . import quant, storage
+from .config import VOTES
 from .feed import PIN_AFTER
 from .pins import MAX_RANGES, true_runs
+from .rules import PIN_SPAN
 from .unpinned import Unpinned
 
 MAX_RUNS = MAX_RANGES - 8  # ranges a vote leaves (room for the turns pinned before the next)
@@ -44,13 +52,13 @@ def votes(config) -> bool:
     """Does this setting vote? Only where the room holds twice the longest reply it pins (a due
     reply and at least as much of the history): at smaller budgets (48 tokens of the embedded
     model) a vote would cut the earlier turns to a few tokens, so each layer ranks its own."""
-    return config.pin_rank == "vote" and room(config) >= 2 * max(config.pin_replies, 1)
+    return config.pin_rank in VOTES and room(config) >= 2 * max(config.pin_replies, 1)
 
 
 def per_layer(config) -> bool:
     """A vote setting whose (resolved) budget is too small for one ranking: each layer ranks
     its own pinned tokens, as ``"keydiff"`` (what the cache and start-up lines say)."""
-    return config.pin_rank == "vote" and bool(config.budget) and not votes(config)
+    return config.pin_rank in VOTES and bool(config.budget) and not votes(config)
 
 
 def voting(caches: list) -> list:
@@ -115,7 +123,10 @@ def trim_row(caches: list, i: int, incoming: int, seen: int) -> bool:
         np.add.at(total, idx, keydiff(keys))
         np.add.at(cells, idx, 1)
     sink = held < caches[0].config.n_sink  # protected anyway: pinned, never counted
-    stay = choose(pinned & ~sink, total / np.maximum(cells, 1), keep) | (pinned & sink)
+    score = total / np.maximum(cells, 1)
+    if caches[0].config.pin_rank == "vote-span":
+        score = pooled(score, pinned & ~sink, PIN_SPAN)
+    stay = choose(pinned & ~sink, score, keep) | (pinned & sink)
     starts, ends = runs(held, stay)
     ahead = pins.ends > seen  # pinned ahead of the tokens seen: kept as they are
     starts = np.concatenate([starts, np.maximum(pins.starts[ahead], seen)])
@@ -137,6 +148,15 @@ def keydiff(keys: np.ndarray) -> np.ndarray:
     mean = unit.mean(axis=1, keepdims=True)
     mean /= np.maximum(np.linalg.norm(mean, axis=-1, keepdims=True), 1e-6)
     return 1.0 - (unit * mean).sum(-1)
+
+
+def pooled(score: np.ndarray, among: np.ndarray, width: int) -> np.ndarray:
+    """``score`` with each token of ``among`` given the largest score among the ``among`` tokens
+    of the ``width`` held tokens centred on it (tokens not ``among`` neither lend nor take)."""
+    half = width // 2
+    lent = np.pad(np.where(among, score, -np.inf), half, constant_values=-np.inf)
+    best = np.lib.stride_tricks.sliding_window_view(lent, width).max(axis=1)
+    return np.where(among, best, score)
 
 
 def choose(pinned: np.ndarray, score: np.ndarray, keep: int, max_runs: int = MAX_RUNS):

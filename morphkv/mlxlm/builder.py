@@ -8,7 +8,7 @@ import weakref
 from typing import Any
 
 from ..core.cache import MorphKVCache
-from ..core.config import KVCacheConfig
+from ..core.config import VOTES, KVCacheConfig
 from . import forward, hooks
 from .layout import count_global, morph_caches, native_caches, native_factory, replace_global
 from .memory import resolve_for_model
@@ -90,7 +90,7 @@ class KVCacheBuilder:
             )
         config = _scoring(model, config)
         config = resolve_for_model(model, config, _factory)
-        if config.pin_rank == "vote" or config.pin_repeats:  # the model's forward pass: one
+        if config.pin_rank in VOTES or config.pin_repeats:  # the model's forward pass: one
             forward.watch(model)  # ranking over all layers; the prompt's token ids
         return replace_global(caches, lambda: MorphKVCache(config))
 

@@ -72,7 +72,8 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                      "alone overflow the budget: rule (its own score; recency: the oldest), "
                      "keydiff (the key most like the mean key), keydiff-span (that, pooled "
                      "over 5 neighbours), vote (one keydiff ranking over every layer and head "
-                     "unpins the same tokens in all layers before a prompt overflows them) "
+                     "unpins the same tokens in all layers before a prompt overflows them), "
+                     "vote-span (that vote, each score pooled over 5 pinned neighbours) "
                      "(default: the preset's)."),
     "pin_replies": dict(type=Number(int, lo=0), help="With --pin prompt: when a prompt "
                         "arrives, also pin the model's reply before it if it is at most this "

@@ -3,6 +3,7 @@ the server's caches for its concurrency and prompt-cache settings."""
 
 from __future__ import annotations
 
+from ..core.config import VOTES
 from ..runtime.cache_flags import describe
 
 
@@ -97,7 +98,7 @@ def engine_and_pins(config) -> str:
     pins = ("pinned: every prompt's tokens (system prompt and user turns as they arrive, with "
             f"their template tokens{repeats}; generated tokens are not)" if config.pin == "prompt"
             else "pinned: nothing (--pin prompt pins every prompt's tokens)")
-    if config.pin == "prompt" and config.pin_rank == "vote":
+    if config.pin == "prompt" and config.pin_rank in VOTES:
         from ..core.vote import per_layer
 
         pins += ("; past the budget each layer ranks its own (too small for one ranking)"

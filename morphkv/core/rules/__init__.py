@@ -57,13 +57,13 @@ def make_rule(config) -> Rule:
     return pooled if pooled.kernel > 1 else rule
 
 
-PIN_SPAN = 5  # keydiff-span: neighbours a pinned token's key score is pooled over
+PIN_SPAN = 5  # keydiff-span, vote-span: neighbours a pinned token's key score is pooled over
 
 
 def pin_scorer(config) -> Rule | None:
     """What ranks pinned tokens among themselves once they must go (``pin_rank``): None for
     the rule's own score, else a key-geometry rule (``KeyDiff``, span-pooled for
-    ``"keydiff-span"``; ``"vote"`` ranks by it where the model-level vote made no room). It
+    ``"keydiff-span"``; the votes rank by it where the model-level vote made no room). It
     needs only the stored keys, so it works beside any rule."""
     rank = getattr(config, "pin_rank", "rule")
     if rank == "rule":
