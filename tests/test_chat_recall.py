@@ -217,3 +217,36 @@ def test_long_live_chats_add_questions_of_their_split_never_a_fact_clause():
     assert live.user_turns(live.held_out_chats("test", 25, 1, 0)[0], own + 10, True) != bare
     with pytest.raises(SystemExit, match="--turns 500"):
         live.user_turns(chat, 500, False)
+
+
+@pytest.mark.slow
+def test_live_said_asks_back_what_each_arm_itself_invented(tmp_path):
+    """``--data said --live mlx_lm``: mlx_lm's chat loop on the embedded model; an invention
+    ask follows user turns 1 and 2, the arm's own reply is the value asked back with the
+    user's facts; a ``:nofact`` arm (no facts, no asks) is asked the first arm's names; the
+    table gives each arm's share of the first arm's items by who said them."""
+    from morphkv.cli.commands import build_parser
+    from morphkv.eval import live, runner
+    from morphkv.eval.chat_items import name_of
+    from tests.smollm2_fixture import embedded_gguf_path
+
+    embedded_gguf_path()
+    argv = ["eval", "recall", "--data", "said", "--live", "mlx_lm", "--split", "test",
+            "--chats", "1", "--turns", "2", "--reply-tokens", "4", "--answer-tokens", "4",
+            "--out", str(tmp_path), "--live-arms"]
+    args = build_parser().parse_args(argv + ["own=mlx_lm;memory=--budget 48;own:nofact=mlx_lm"])
+    vars(args).pop("_run")
+    result = runner.run(live.Live(args))
+    (own,), (memory,), (bare,) = [a["rows"] for a in result["arms"]]
+    assert own["who"] == memory["who"] == bare["who"] == ["user"] * 3 + ["model"] * 2
+    assert len(own["first_token_s"]) == 4 and len(bare["first_token_s"]) == 2  # 2 asks
+    assert own["values"][3:] == [own["invented"][k] for k in own["invented"]]
+    assert all(v == name_of(v) for v in own["values"][3:])  # a name, as name_of cuts it
+    assert bare["values"] == own["values"] and bare["invented"] == {}
+    assert memory["values"][:3] == own["values"][:3]
+    firsts = result["summary"]["own"]["of_first"]
+    assert set(firsts) == {"model", "user"} and firsts["model"]["right"] == firsts["model"]["of"]
+    assert (tmp_path / "said_live_mlx_lm_test.json").exists()
+    bad = build_parser().parse_args(argv + ["own:nofact=mlx_lm;own=mlx_lm"])
+    with pytest.raises(ValueError, match="the first arm has no facts"):
+        live.Live(bad).arms()

@@ -176,14 +176,25 @@ def invent(model, tok, messages: list[dict]) -> str:
     return until_end(tok, greedy_tokens(model, make_prompt_cache(model), ids, REPLY_TOKENS))
 
 
+def said_asks(split: str, index: int, seed: int = 0, asks: str | None = None) -> list[dict]:
+    """Chat ``index``'s invention asks (``data/said.json``), after its user turns 1 and 2."""
+    rng = random.Random(f"said:{split}:{seed}:{index}")
+    return rng.sample(list(kinds(asks or split)), INVENTIONS)
+
+
+def said_question(kind: dict, value: str) -> Question:
+    """The question asking back the name the model invented for ``kind``'s ask."""
+    return Question(MODEL + kind["kind"], value, (), kind["question"] + SUFFIX,
+                    kind.get("lead", ""))
+
+
 def build_said_chat(model, tok, split: str, index: int, seed: int = 0,
                     asks: str | None = None):
     """Chat ``index``: the user-said chat of ``split`` with the invention exchanges woven in
     (replies written now by ``model`` with the full cache), questions for all five facts;
     ``asks``: the split of ``data/said.json`` the invention asks come from (default ``split``)."""
     chat = build_chat(split, index, seed)
-    rng = random.Random(f"said:{split}:{seed}:{index}")
-    picks = rng.sample(list(kinds(asks or split)), INVENTIONS)
+    picks = said_asks(split, index, seed, asks)
     messages, asked = [], []
     user_turn = 0
     for m in chat.messages:
@@ -199,8 +210,7 @@ def build_said_chat(model, tok, split: str, index: int, seed: int = 0,
     chat.messages = messages
     for k, value in asked:
         if value:  # an empty reply asks nothing
-            chat.questions.append(Question(MODEL + k["kind"], value, (), k["question"] + SUFFIX,
-                                           k.get("lead", "")))
+            chat.questions.append(said_question(k, value))
     return chat
 
 

@@ -106,7 +106,7 @@ class Chats(Evaluation):
 
 
 def add_arguments(parser: argparse.ArgumentParser, live: bool = True) -> None:
-    """The options; ``live``: and those of ``--live`` (``--data chats`` only)."""
+    """The options; ``live``: and those of ``--live``."""
     add_flags(parser, [
         *standard(NAME, "model", "first", "seed", "n_sink", "chunk", "out", "stem", "quiet"),
         ("--split", "test", "the chats' split", ("tune", "test")),
@@ -135,7 +135,8 @@ def add_arguments(parser: argparse.ArgumentParser, live: bool = True) -> None:
 def run(args: argparse.Namespace) -> None:
     from .live import Live  # --live: the chats run live (morphkv.eval.live)
 
-    run_evaluation((Live if args.live else Chats)(args))
+    prefilled = Said if getattr(args, "data", "chats") == "said" else Chats
+    run_evaluation((Live if args.live else prefilled)(args))
 
 
 class Said(Chats):
@@ -169,8 +170,13 @@ class Said(Chats):
         return summary, text
 
     @staticmethod
+    def run(args: argparse.Namespace) -> None:
+        """``--live``: the chats run live, the arm's own replies the names asked back."""
+        run(args)
+
+    @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        add_arguments(parser, live=False)  # prefilled chats only
+        add_arguments(parser)
         parser.set_defaults(split="tune", chats=8, max_tokens=10,
                             arms=f"{FULL},nofact,recommended:memory=f16+pin")
         add_flags(parser, [("--asks", None, "the split of data/said.json the invention asks "

@@ -11,6 +11,12 @@ to ``--reply-tokens`` greedy tokens; then each fact's question from the conversa
 request with the history, or a copy of the prompt cache), judged strictly. ``:nofact`` arms run
 the chats without their fact clauses. Per turn: time to the first token and the server's
 resident memory. Intervals: a bootstrap over chats.
+
+``--data said --live ...``: what the model said, the way the server and the chat loop run it.
+After user turns 1 and 2 the user asks the model to invent a name (``data/said.json``); the
+arm's own live reply is the value (``chat_items.name_of``), asked back at the end with the
+user's facts, each arm judged against what it itself said. ``:nofact`` arms (no facts, no
+asks) are judged against the first arm's names: how often the question alone finds them.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import time
 import numpy as np
 
 from .chat_answers import questions
-from .chat_items import build_chat, judge
+from .chat_items import INVENTIONS, build_chat, judge, name_of, said_asks, said_by, said_question
 from .metrics import cluster_interval
 from .process import free_port, stop_process, stream_chat, wait_healthy
 from .runner import Evaluation, markdown_table
@@ -54,27 +60,65 @@ def user_turns(chat, turns: int, nofact: bool) -> list[str]:
     return said[:turns]
 
 
-def talk(chats, args, say, fork, new, rss=None) -> list[dict]:
+def said(args) -> bool:
+    """``--data said``: the chats ask the model to invent names, asked back at the end."""
+    return getattr(args, "data", "chats") == "said"
+
+
+def asks_of(chat, args) -> list[dict]:
+    """The chat's invention asks (``--asks``: the split they come from), one after each of
+    its first ``INVENTIONS`` user turns."""
+    asks = said_asks(chat.split, chat.index, args.seed, getattr(args, "asks", None))
+    return asks[: min(INVENTIONS, args.turns)]
+
+
+def turns_of(chat, args, nofact: bool) -> list[tuple[str, dict | None]]:
+    """(text, the invention ask's kind or None) per user turn: with ``--data said`` (and the
+    facts) an ask follows user turns 1 and 2, as ``chat_items.build_said_chat`` places it."""
+    texts = user_turns(chat, args.turns, nofact)
+    asks = asks_of(chat, args) if said(args) and not nofact else []
+    out = []
+    for i, text in enumerate(texts):
+        out.append((text, None))
+        if i < len(asks):
+            out.append((asks[i]["ask"], asks[i]))
+    return out
+
+
+def talk(chats, args, say, fork, new, rss=None, names=None) -> list[dict]:
     """Every chat: its user turns (``say(state, text, tokens)`` -> (reply, first-token
     seconds), on ``new()``: a prompt cache or a history), then each question from
-    ``fork(state)``; ``rss()``: the server's memory after each turn."""
-    rows = []
+    ``fork(state)``; ``rss()``: the server's memory after each turn. With ``--data said``
+    the names the model invented are asked too; ``names`` (chat index -> names) keeps the
+    first arm's for the ``:nofact`` arms."""
+    rows, names = [], {} if names is None else names
     for chat, nofact in chats:
-        state, firsts, mem = new(), [], []
-        for text in user_turns(chat, args.turns, nofact):
-            firsts.append(say(state, text, args.reply_tokens)[1])
+        state, firsts, mem, invented = new(), [], [], {}
+        for text, ask in turns_of(chat, args, nofact):
+            reply, first = say(state, text, args.reply_tokens)
+            firsts.append(first)
             mem += [rss()] if rss else []
-        answers = [say(fork(state), q.text, args.answer_tokens)[0] for q in chat.questions]
+            if ask is not None:
+                invented[ask["kind"]] = name_of(reply)
+        questions = list(chat.questions)
+        if said(args):
+            if not nofact:
+                names.setdefault(chat.index, invented)
+            questions += [said_question(k, (invented or names[chat.index]).get(k["kind"], ""))
+                          for k in asks_of(chat, args)]
+        answers = [say(fork(state), q.text, args.answer_tokens)[0] for q in questions]
         out = {"chat": chat.index, "answers": answers, "first_token_s": firsts, "rss_mb": mem,
-               "right": [judge(a, q) for a, q in zip(answers, chat.questions, strict=True)],
-               "values": [q.value for q in chat.questions]}
+               "right": [bool(q.value) and judge(a, q)  # an empty name: never right
+                         for a, q in zip(answers, questions, strict=True)],
+               "values": [q.value for q in questions],
+               "who": [said_by(q.kind) for q in questions], "invented": invented}
         if state and hasattr(state[0], "pins"):  # the patched prompt cache's pinned ranges
             out["pinned"] = state[0].pins.ranges()
         rows.append(out)
     return rows
 
 
-def mlx_lm_chat(model, tok, flags: list[str], chats, args) -> list[dict]:
+def mlx_lm_chat(model, tok, flags: list[str], chats, args, names=None) -> list[dict]:
     """mlx_lm's chat loop: one prompt cache, each turn templates only its new message."""
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
@@ -100,7 +144,7 @@ def mlx_lm_chat(model, tok, flags: list[str], chats, args) -> list[dict]:
             out.append(r.text)
         return "".join(out), first
 
-    rows = talk(chats, args, say, copy.deepcopy, lambda: make_prompt_cache(model))
+    rows = talk(chats, args, say, copy.deepcopy, lambda: make_prompt_cache(model), names=names)
     unpatch_model(model)
     return rows
 
@@ -115,7 +159,8 @@ def start_server(model: str | None, flags: list[str], log) -> tuple[subprocess.P
     return proc, url, " ".join(cmd)
 
 
-def served_chat(model_name: str | None, flags: list[str], chats, args, log) -> list[dict]:
+def served_chat(model_name: str | None, flags: list[str], chats, args, log,
+                names=None) -> list[dict]:
     """morphkv serve with the openai client: the whole history resent every turn."""
     import openai
 
@@ -135,7 +180,7 @@ def served_chat(model_name: str | None, flags: list[str], chats, args, log) -> l
                 line = next((ln for ln in f if ln.startswith("VmRSS:")), "VmRSS: 0 kB")
             return int(line.split()[1]) / 1024
 
-        return talk(chats, args, say, list, list, rss)
+        return talk(chats, args, say, list, list, rss, names)
     finally:
         stop_process(proc, 30)  # by its process id, also when a request failed
 
@@ -156,11 +201,19 @@ class Live(Evaluation):
         arms = [p.strip().partition("=") for p in self.args.live_arms.split(";") if p.strip()]
         if bad := [f"{n}={f}" for n, _, f in arms if not n.strip()]:
             raise ValueError(f"--live-arms: {bad[0]!r} has no name (name=flags)")
+        if said(self.args) and arms and arms[0][0].strip().endswith(NOFACT):
+            raise ValueError("--data said: the first arm has no facts; a ':nofact' arm is "
+                             "asked the names an arm with the facts invented before it")
         return [(name.strip(), shlex.split(flags)) for name, _, flags in arms]
+
+    def stem(self) -> str:
+        a = self.args
+        return a.stem or (f"said_live_{a.live}_{a.split}" if said(a) else super().stem())
 
     def items(self, model, tok):
         a = self.args
         self.chats = held_out_chats(a.split, a.first, a.chats, a.seed)
+        self.names = {}  # --data said: chat index -> the first arm's invented names
         self.log = open(os.devnull, "w") if not a.verbose else None
         return self.arm_list
 
@@ -168,9 +221,9 @@ class Live(Evaluation):
         (name, flags), start = arm, time.perf_counter()
         chats = [(c, name.endswith(NOFACT)) for c in self.chats]
         if self.args.live == MLX_LM:
-            rows = mlx_lm_chat(model, tok, flags, chats, self.args)
+            rows = mlx_lm_chat(model, tok, flags, chats, self.args, self.names)
         else:
-            rows = served_chat(self.args.model, flags, chats, self.args, self.log)
+            rows = served_chat(self.args.model, flags, chats, self.args, self.log, self.names)
         hits = [r["right"] for r in rows]
         firsts = np.array([r["first_token_s"] for r in rows], float)
         out = {"arm": name, "flags": flags, "rows": rows, "right": int(sum(map(sum, hits))),
@@ -184,6 +237,31 @@ class Live(Evaluation):
         return out
 
     def report(self, records: list, arms) -> tuple:
+        """Per arm: facts right, and of the first arm's right items (the reference: own or
+        full), by who said them, with a bootstrap interval over chats."""
         keys = ("right", "items", "interval", "first_token_last_over_early", "seconds")
-        return {r["arm"]: {k: r[k] for k in keys} for r in records}, markdown_table(
-            ["arm", *keys], [[r["arm"], *(r[k] for k in keys)] for r in records])
+        who = ("model", "user") if said(self.args) else ("user",)
+        summary = {r["arm"]: {k: r[k] for k in keys} for r in records}
+        for r in records:
+            summary[r["arm"]]["of_first"] = {w: of_first(r, records[0], w) for w in who}
+        heads = [f"{w}-said: of {records[0]['arm']}'s" for w in who] if records else []
+        return summary, markdown_table(["arm", *keys, *heads], [
+            [r["arm"], *(r[k] for k in keys), *map(shown, summary[r["arm"]]["of_first"].values())]
+            for r in records])
+
+
+def of_first(arm: dict, first: dict, who: str) -> dict:
+    """The items ``who`` said that the ``first`` arm got right, and how many ``arm`` got right
+    (chats matched by index; a chat's questions come in one order in every arm)."""
+    ref = {r["chat"]: r for r in first["rows"]}
+    hits = [[h for h, g, w in zip(r["right"], ref[r["chat"]]["right"], r["who"], strict=True)
+             if g and w == who] for r in arm["rows"] if r["chat"] in ref]
+    return {"right": int(sum(map(sum, hits))), "of": int(sum(map(len, hits))),
+            "interval": cluster_interval(hits)}
+
+
+def shown(share: dict) -> str:
+    """``5 of 11 = 45% [33, 60]``."""
+    ci = share["interval"]
+    tail = f" = {ci[0]:.0%} [{100 * ci[1]:.0f}, {100 * ci[2]:.0f}]" if ci else ""
+    return f"{share['right']} of {share['of']}{tail}"
