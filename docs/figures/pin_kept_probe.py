@@ -10,10 +10,13 @@ tokens, counted as kept only where every token of the value is held.
     python docs/figures/pin_kept_probe.py [chat]  ->  docs/figures/pin_kept_probe.json
     python docs/figures/pin_kept_probe.py 81 4  ->  docs/figures/pin_kept_probe_repeats4.json
 
+    python docs/figures/pin_kept_probe.py 96 4 vote-span  ->  ..._repeats4_chat96_vote-span.json
+
 The second argument turns ``pin_repeats`` on (round 14: a run of that many tokens heard in an
 earlier prompt is not pinned). ``update_turn`` in the JSON: each token of the turn that updates a
 fact (turn 3), the share of layer-heads holding it and whether it is pinned (round 14: a vote
-keeps both city names and drops "moved from ... to").
+keeps both city names and drops "moved from ... to"). The third sets ``pin_rank`` (round 15:
+``vote-span``, the vote's scores pooled over neighbours).
 """
 
 import json  # noqa: I001 (morphkv, which loads OpenBLAS, before MLX)
@@ -45,11 +48,12 @@ def find(ids, sub, start=0):
     return -1
 
 
-def main(index=81, repeats=0):
+def main(index=81, repeats=0, rank="vote"):
     out = "docs/figures/pin_kept_probe" + (f"_repeats{repeats}" if int(repeats) else "") + (
-        f"_chat{index}" if int(index) != 81 else "") + ".json"
+        f"_chat{index}" if int(index) != 81 else "") + (
+        f"_{rank}" if rank != "vote" else "") + ".json"
     model, tok = load("qwen2.5-0.5b")
-    patch_model(model, recommended(memory=MEMORY, pin_repeats=int(repeats)))
+    patch_model(model, recommended(memory=MEMORY, pin_repeats=int(repeats), pin_rank=rank))
     chat, cache, ids, kind, starts = build_chat("test", int(index)), None, [], [], []
     cache = make_prompt_cache(model)
     for text in user_turns(chat, 10, False):
@@ -92,4 +96,4 @@ def main(index=81, repeats=0):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
