@@ -103,7 +103,9 @@ def engine_and_pins(config) -> str:
 
         pins += ("; past the budget each layer ranks its own (too small for one ranking)"
                  if per_layer(config) else
-                 "; past the budget one ranking over all layers says which stay pinned")
+                 "; past the budget one ranking over all layers says which stay pinned"
+                 + (", each score pooled over 5 neighbours" if config.pin_rank == "vote-span"
+                    else ""))
     return f"{engine}; {pins}"
 
 
