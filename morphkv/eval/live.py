@@ -60,7 +60,7 @@ def user_turns(chat, turns: int, nofact: bool) -> list[str]:
     return said[:turns]
 
 
-def said(args) -> bool:
+def said_mode(args) -> bool:
     """``--data said``: the chats ask the model to invent names, asked back at the end."""
     return getattr(args, "data", "chats") == "said"
 
@@ -76,7 +76,7 @@ def turns_of(chat, args, nofact: bool) -> list[tuple[str, dict | None]]:
     """(text, the invention ask's kind or None) per user turn: with ``--data said`` (and the
     facts) an ask follows user turns 1 and 2, as ``chat_items.build_said_chat`` places it."""
     texts = user_turns(chat, args.turns, nofact)
-    asks = asks_of(chat, args) if said(args) and not nofact else []
+    asks = asks_of(chat, args) if said_mode(args) and not nofact else []
     out = []
     for i, text in enumerate(texts):
         out.append((text, None))
@@ -101,7 +101,7 @@ def talk(chats, args, say, fork, new, rss=None, names=None) -> list[dict]:
             if ask is not None:
                 invented[ask["kind"]] = name_of(reply)
         questions = list(chat.questions)
-        if said(args):
+        if said_mode(args):
             if not nofact:
                 names.setdefault(chat.index, invented)
             questions += [said_question(k, (invented or names[chat.index]).get(k["kind"], ""))
@@ -201,14 +201,14 @@ class Live(Evaluation):
         arms = [p.strip().partition("=") for p in self.args.live_arms.split(";") if p.strip()]
         if bad := [f"{n}={f}" for n, _, f in arms if not n.strip()]:
             raise ValueError(f"--live-arms: {bad[0]!r} has no name (name=flags)")
-        if said(self.args) and arms and arms[0][0].strip().endswith(NOFACT):
+        if said_mode(self.args) and arms and arms[0][0].strip().endswith(NOFACT):
             raise ValueError("--data said: the first arm has no facts; a ':nofact' arm is "
                              "asked the names an arm with the facts invented before it")
         return [(name.strip(), shlex.split(flags)) for name, _, flags in arms]
 
     def stem(self) -> str:
         a = self.args
-        return a.stem or (f"said_live_{a.live}_{a.split}" if said(a) else super().stem())
+        return a.stem or (f"said_live_{a.live}_{a.split}" if said_mode(a) else super().stem())
 
     def items(self, model, tok):
         a = self.args
@@ -240,7 +240,7 @@ class Live(Evaluation):
         """Per arm: facts right, and of the first arm's right items (the reference: own or
         full), by who said them, with a bootstrap interval over chats."""
         keys = ("right", "items", "interval", "first_token_last_over_early", "seconds")
-        who = ("model", "user") if said(self.args) else ("user",)
+        who = ("model", "user") if said_mode(self.args) else ("user",)
         summary = {r["arm"]: {k: r[k] for k in keys} for r in records}
         for r in records:
             summary[r["arm"]]["of_first"] = {w: of_first(r, records[0], w) for w in who}
