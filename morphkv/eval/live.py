@@ -72,11 +72,9 @@ def asks_of(chat, args) -> list[dict]:
     return asks[: min(INVENTIONS, args.turns)]
 
 
-def turns_of(chat, args, nofact: bool) -> list[tuple[str, dict | None]]:
-    """(text, the invention ask's kind or None) per user turn: with ``--data said`` (and the
-    facts) an ask follows user turns 1 and 2, as ``chat_items.build_said_chat`` places it."""
-    texts = user_turns(chat, args.turns, nofact)
-    asks = asks_of(chat, args) if said_mode(args) and not nofact else []
+def turns_of(texts: list[str], asks: list[dict]) -> list[tuple[str, dict | None]]:
+    """(text, the invention ask's kind or None) per user turn: ask i follows user turn i + 1,
+    as ``chat_items.build_said_chat`` places it."""
     out = []
     for i, text in enumerate(texts):
         out.append((text, None))
@@ -94,18 +92,19 @@ def talk(chats, args, say, fork, new, rss=None, names=None) -> list[dict]:
     rows, names = [], {} if names is None else names
     for chat, nofact in chats:
         state, firsts, mem, invented = new(), [], [], {}
-        for text, ask in turns_of(chat, args, nofact):
+        asks = asks_of(chat, args) if said_mode(args) else []
+        for text, ask in turns_of(user_turns(chat, args.turns, nofact), [] if nofact else asks):
             reply, first = say(state, text, args.reply_tokens)
             firsts.append(first)
             mem += [rss()] if rss else []
             if ask is not None:
                 invented[ask["kind"]] = name_of(reply)
         questions = list(chat.questions)
-        if said_mode(args):
+        if asks:
             if not nofact:
                 names.setdefault(chat.index, invented)
             questions += [said_question(k, (invented or names[chat.index]).get(k["kind"], ""))
-                          for k in asks_of(chat, args)]
+                          for k in asks]
         answers = [say(fork(state), q.text, args.answer_tokens)[0] for q in questions]
         out = {"chat": chat.index, "answers": answers, "first_token_s": firsts, "rss_mb": mem,
                "right": [bool(q.value) and judge(a, q)  # an empty name: never right

@@ -4,6 +4,7 @@ the server's caches for its concurrency and prompt-cache settings."""
 from __future__ import annotations
 
 from ..core.config import VOTES
+from ..core.rules import PIN_SPAN
 from ..runtime.cache_flags import describe
 
 
@@ -104,8 +105,8 @@ def engine_and_pins(config) -> str:
         pins += ("; past the budget each layer ranks its own (too small for one ranking)"
                  if per_layer(config) else
                  "; past the budget one ranking over all layers says which stay pinned"
-                 + (", each score pooled over 5 neighbours" if config.pin_rank == "vote-span"
-                    else ""))
+                 + (f", each score pooled over {PIN_SPAN} neighbours"
+                    if config.pin_rank == "vote-span" else ""))
     return f"{engine}; {pins}"
 
 
