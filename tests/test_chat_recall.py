@@ -219,6 +219,22 @@ def test_long_live_chats_add_questions_of_their_split_never_a_fact_clause():
         live.user_turns(chat, 500, False)
 
 
+@pytest.mark.parametrize("kind, value, who", [
+    ("city", "Graz", "user"),
+    ("model:bakery", "Sourdough Bakery", "echo"),  # its ask: "a tiny bakery that sells sourdough"
+    ("model:island", "the Hidden Volcanic Island", "echo"),
+    ("model:horse", "Greta", "model"),
+    ("model:wifi", "Wi-Fi Dream", "model"),  # "wi", "fi": shorter than 3 letters
+    ("model:wifi", "Home Sweet Wi-Fi", "echo"),  # "our home Wi-Fi network"
+])
+def test_a_name_that_repeats_its_ask_is_counted_apart(kind, value, who):
+    """A model-said item whose invented name repeats a word of its ask or question is ``echo``
+    (the question alone finds it), apart from the names the model made up."""
+    from morphkv.eval.chat_items import said_by
+
+    assert said_by(kind, value) == who
+
+
 @pytest.mark.slow
 def test_live_said_asks_back_what_each_arm_itself_invented(tmp_path):
     """``--data said --live mlx_lm``: mlx_lm's chat loop on the embedded model; an invention
@@ -227,7 +243,7 @@ def test_live_said_asks_back_what_each_arm_itself_invented(tmp_path):
     table gives each arm's share of the first arm's items by who said them."""
     from morphkv.cli.commands import build_parser
     from morphkv.eval import live, runner
-    from morphkv.eval.chat_items import name_of
+    from morphkv.eval.chat_items import name_of, said_by
     from tests.smollm2_fixture import embedded_gguf_path
 
     embedded_gguf_path()
@@ -238,14 +254,17 @@ def test_live_said_asks_back_what_each_arm_itself_invented(tmp_path):
     vars(args).pop("_run")
     result = runner.run(live.Live(args))
     (own,), (memory,), (bare,) = [a["rows"] for a in result["arms"]]
-    assert own["who"] == memory["who"] == bare["who"] == ["user"] * 3 + ["model"] * 2
+    assert own["who"][:3] == memory["who"][:3] == bare["who"][:3] == ["user"] * 3
+    assert set(own["who"][3:]) <= {"model", "echo"} and bare["who"] == own["who"]
+    assert own["who"][3:] == [said_by("model:" + k, v) for k, v in own["invented"].items()]
     assert len(own["first_token_s"]) == 4 and len(bare["first_token_s"]) == 2  # 2 asks
     assert own["values"][3:] == [own["invented"][k] for k in own["invented"]]
     assert all(v == name_of(v) for v in own["values"][3:])  # a name, as name_of cuts it
     assert bare["values"] == own["values"] and bare["invented"] == {}
     assert memory["values"][:3] == own["values"][:3]
     firsts = result["summary"]["own"]["of_first"]
-    assert set(firsts) == {"model", "user"} and firsts["model"]["right"] == firsts["model"]["of"]
+    assert set(firsts) == {"model", "echo", "user"}
+    assert all(firsts[w]["right"] == firsts[w]["of"] for w in firsts)
     assert (tmp_path / "said_live_mlx_lm_test.json").exists()
     bad = build_parser().parse_args(argv + ["own:nofact=mlx_lm;own=mlx_lm"])
     with pytest.raises(ValueError, match="the first arm has no facts"):

@@ -145,6 +145,8 @@ def judge(answer: str, q: Question) -> bool:
 INVENTIONS = 2  # exchanges woven in, after user turns 1 and 2
 MODEL = "model:"  # a model-said question's kind starts so
 REPLY_TOKENS = 16
+WHO = ("model", "echo", "user")  # who said an item (``said_by``), as the tables split them
+HEADS = {"model": "model-said", "echo": "model-said echoing the ask", "user": "user-said"}
 
 
 @functools.cache
@@ -214,5 +216,24 @@ def build_said_chat(model, tok, split: str, index: int, seed: int = 0,
     return chat
 
 
-def said_by(kind: str) -> str:
-    return "model" if kind.startswith(MODEL) else "user"
+def said_by(kind: str, value: str = "") -> str:
+    """Who said a question's value: ``user``; ``model`` (a name the model invented); ``echo``
+    (an invented name that only repeats the ask: ``echoes``)."""
+    if not kind.startswith(MODEL):
+        return "user"
+    return "echo" if echoes(kind[len(MODEL):], value) else "model"
+
+
+@functools.cache
+def _asked_words(kind: str) -> frozenset:
+    """The words of every ask and question of ``kind`` in ``data/said.json`` (all splits)."""
+    data = json.loads((DATA / "said.json").read_text())
+    return frozenset(w for split, ks in data.items() if isinstance(ks, list) for k in ks
+                     if k["kind"] == kind for w in words(k["ask"] + " " + k["question"]))
+
+
+def echoes(kind: str, value: str) -> bool:
+    """Does an invented name repeat a word (of 3 or more letters) of its ask or question? The
+    0.5B model names a sourdough bakery "Sourdough Bakery", and asked back with no chat at
+    all it says the same: such an item measures the question, not the memory of the reply."""
+    return any(len(w) > 2 and w in _asked_words(kind) for w in words(value))

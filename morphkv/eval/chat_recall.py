@@ -24,7 +24,7 @@ import time
 from ..core.pins import pin
 from ..mlxlm.turns import user_positions
 from .arms import Arm, cells
-from .chat_items import build_chat, build_said_chat, encode, judge, said_by, tokenize
+from .chat_items import HEADS, WHO, build_chat, build_said_chat, encode, judge, said_by, tokenize
 from .metrics import cluster_interval
 from .models import ask, until_end
 from .plots import plt, save
@@ -153,20 +153,21 @@ class Said(Chats):
         kept (``of_full``), with the questions asked of each speaker and how many the full cache
         answered (the same for every arm: the denominators); the table by speaker."""
         chats, labels = records, [c.label for c in arms]
-        summary, who = summarize(chats, labels), ("model", "user")
-        asked = {w: sum(said_by(q["kind"]) == w for c in chats for q in c["questions"])
+        summary, who = summarize(chats, labels), WHO
+        asked = {w: sum(said_by(q["kind"], q["value"]) == w for c in chats
+                        for q in c["questions"])
                  for w in who}
         full = {w: of_full(chats, FULL, w)["n"] for w in who}
         said = summary["_said"] = {label: {**{w: of_full(chats, label, w) for w in who},
                                            "asked": asked, "full_right": full} for label in labels}
-        text = markdown_table(["arm", "MiB held", "model-said: of the full cache's items",
-                               "user-said: of the full cache's items"],
-                              [[label, f"{summary[label]['mib']:.2f}", _pct(said[label]["model"]),
-                                _pct(said[label]["user"])] for label in labels])
+        text = markdown_table(["arm", "MiB held", *(f"{HEADS[w]}: of the full cache's items"
+                                                    for w in who)],
+                              [[label, f"{summary[label]['mib']:.2f}",
+                                *(_pct(said[label][w]) for w in who)] for label in labels])
         full = said.get(FULL, {}).get("full_right", {})
-        text += (f"\n{len(chats)} chats; the full cache answered {full.get('model', 0)} of "
-                 f"{asked['model']} model-said and {full.get('user', 0)} of {asked['user']} "
-                 "user-said questions; intervals: 95% bootstrap over chats")
+        text += (f"\n{len(chats)} chats; the full cache answered " + ", ".join(
+            f"{full.get(w, 0)} of {asked[w]} {HEADS[w]}" for w in who) + " questions; "
+            "intervals: 95% bootstrap over chats")
         return summary, text
 
     @staticmethod
@@ -240,16 +241,16 @@ def summarize(chats: list[dict], labels: list[str], full: str = FULL) -> dict:
 
 
 def of_full(chats: list[dict], label: str, who: str) -> dict:
-    """Of the full cache's right answers to ``who``'s questions (``said_by``: model, user), how
-    many ``label`` gives, per chat (the bootstrap's clusters); for ``nofact``: its right answers
-    to the same items."""
+    """Of the full cache's right answers to ``who``'s questions (``said_by``: model, echo,
+    user), how many ``label`` gives, per chat (the bootstrap's clusters); for ``nofact``: its
+    right answers to the same items."""
     hits = []
     for c in chats:
         full, arm = c["arms"].get(FULL), c["arms"].get(label)
         if full is None or arm is None:
             continue
         hits.append([arm["correct"][i] for i, q in enumerate(c["questions"])
-                     if said_by(q["kind"]) == who and full["correct"][i]])
+                     if said_by(q["kind"], q["value"]) == who and full["correct"][i]])
     k, n = sum(map(sum, hits)), sum(map(len, hits))
     return {"k": int(k), "n": int(n), "chats": len(hits), "interval": cluster_interval(hits)}
 

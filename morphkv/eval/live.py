@@ -33,7 +33,17 @@ import time
 import numpy as np
 
 from .chat_answers import questions
-from .chat_items import INVENTIONS, build_chat, judge, name_of, said_asks, said_by, said_question
+from .chat_items import (
+    HEADS,
+    INVENTIONS,
+    WHO,
+    build_chat,
+    judge,
+    name_of,
+    said_asks,
+    said_by,
+    said_question,
+)
 from .metrics import cluster_interval
 from .process import free_port, stop_process, stream_chat, wait_healthy
 from .runner import Evaluation, markdown_table
@@ -110,7 +120,7 @@ def talk(chats, args, say, fork, new, rss=None, names=None) -> list[dict]:
                "right": [bool(q.value) and judge(a, q)  # an empty name: never right
                          for a, q in zip(answers, questions, strict=True)],
                "values": [q.value for q in questions],
-               "who": [said_by(q.kind) for q in questions], "invented": invented}
+               "who": [said_by(q.kind, q.value) for q in questions], "invented": invented}
         if state and hasattr(state[0], "pins"):  # the patched prompt cache's pinned ranges
             out["pinned"] = state[0].pins.ranges()
         rows.append(out)
@@ -239,11 +249,11 @@ class Live(Evaluation):
         """Per arm: facts right, and of the first arm's right items (the reference: own or
         full), by who said them, with a bootstrap interval over chats."""
         keys = ("right", "items", "interval", "first_token_last_over_early", "seconds")
-        who = ("model", "user") if said_mode(self.args) else ("user",)
+        who = WHO if said_mode(self.args) else ("user",)
         summary = {r["arm"]: {k: r[k] for k in keys} for r in records}
         for r in records:
             summary[r["arm"]]["of_first"] = {w: of_first(r, records[0], w) for w in who}
-        heads = [f"{w}-said: of {records[0]['arm']}'s" for w in who] if records else []
+        heads = [f"{HEADS[w]}: of {records[0]['arm']}'s" for w in who] if records else []
         return summary, markdown_table(["arm", *keys, *heads], [
             [r["arm"], *(r[k] for k in keys), *map(shown, summary[r["arm"]]["of_first"].values())]
             for r in records])
@@ -251,10 +261,12 @@ class Live(Evaluation):
 
 def of_first(arm: dict, first: dict, who: str) -> dict:
     """The items ``who`` said that the ``first`` arm got right, and how many ``arm`` got right
-    (chats matched by index; a chat's questions come in one order in every arm)."""
+    (chats matched by index; a chat's questions come in one order in every arm; whether a name
+    echoes its ask is the first arm's: each arm invents its own)."""
     ref = {r["chat"]: r for r in first["rows"]}
-    hits = [[h for h, g, w in zip(r["right"], ref[r["chat"]]["right"], r["who"], strict=True)
-             if g and w == who] for r in arm["rows"] if r["chat"] in ref]
+    hits = [[h for h, g, w in zip(r["right"], ref[r["chat"]]["right"], ref[r["chat"]]["who"],
+                                  strict=True) if g and w == who]
+            for r in arm["rows"] if r["chat"] in ref]
     return {"right": int(sum(map(sum, hits))), "of": int(sum(map(len, hits))),
             "interval": cluster_interval(hits)}
 
