@@ -99,7 +99,7 @@ def test_the_memory_preset_is_the_chosen_arm_and_can_be_overridden():
     from morphkv.eval.arms import Arm
 
     chosen = Arm.parse("peak:memory=f16:bits=8:decay=0.95:block=16:pin=prompt:pin_rank=vote:"
-                       "pin_replies=48:pin_repeats=4").config(128, n_sink=4)
+                       "pin_replies=16:pin_repeats=4").config(128, n_sink=4)
     assert Arm.parse("peak:memory=f16:bits=8").config(128, n_sink=4).pin == "none"
     preset = recommended(memory=chosen.kv_memory)
     assert dataclasses.replace(preset, engine=chosen.engine, scoring=chosen.scoring) == chosen

@@ -10,13 +10,13 @@ own) and, once the pinned tokens alone overflow, one KeyDiff ranking of them ove
 (``pin_rank="vote"``); the model's short replies (at most ``PIN_REPLIES`` tokens: a name, a
 number, a decision) are pinned when the next prompt arrives (``pin_replies``), and a prompt's
 runs of tokens heard in an earlier prompt (a chat template sent again) are not pinned
-(``pin_repeats``, issue 41's round 14). Issue 42's
-rounds, each a fixed rule on tune items (docs/recall.md): recency won round 1 (user-said facts
-and re-mentions on held-out chats and code answers), pinning short replies round 2, the vote
-among overflowing pins round 8, and the decaying peak round 12 (re-mentions a long code answer
-makes of its own identifiers at a quarter of its bytes: 72 of 78 vs recency's 64, KL 0.027 vs
-0.052, said tune chats level at 8/8 and 6/6); MorphKV's window of 16 rows won re-mentions too
-(69) but its state's bytes came out of the pins (round 11: said 4/8 and 4/6).
+(``pin_repeats``, issue 41's round 14). Issue 42's rounds, each a fixed rule on tune items
+(docs/recall.md): recency won round 1 (user-said facts and re-mentions on held-out chats and
+code answers), pinning short replies round 2 (48 tokens; 16 since round 16), the vote among
+overflowing pins round 8, and the decaying peak round 12 (re-mentions a long code answer makes
+of its own identifiers at a quarter of its bytes: 72 of 78 vs recency's 64, KL 0.027 vs 0.052,
+said tune chats level at 8/8 and 6/6); MorphKV's window of 16 rows won re-mentions too (69)
+but its state's bytes came out of the pins (round 11: said 4/8 and 4/6).
 The argument says only how much is kept: ``recommended(budget)`` keeps ``budget`` tokens in
 the dtype keys arrive in; ``recommended(memory=N)`` keeps at most ``N`` bytes, stored at
 ``MEMORY_BITS`` bits (at equal bytes 8 bits hold ~1.9x the tokens and won issue 33).
@@ -49,7 +49,10 @@ PIN = "prompt"
 # rule on tune said chats (model-said 8/8 vs keydiff's 2/8, user-said 6/6 both; docs/recall.md);
 # at budgets whose room is under twice PIN_REPLIES each layer ranks its own (as "keydiff")
 PIN_RANK = "vote"
-PIN_REPLIES = 48  # the model's replies of at most 48 tokens are pinned (issue 42, round 2)
+# the model's replies of at most 16 tokens are pinned (a name, a number, a decision): round 16's
+# fixed rule on live tune chats 9-12 and said tune chats 20-23, 28 vs 21 items with 48 (round 2's
+# choice), model-said level: a reply that runs to 17 tokens or more goes first, not the user's words
+PIN_REPLIES = 16
 # a prompt's runs of 4 tokens heard in an earlier prompt (a chat template sent again) are not
 # pinned: round 14's fixed rule on live tune chats 0-2, loop and server together: 4 of 18 facts
 # vs 1 without (docs/recall.md)
