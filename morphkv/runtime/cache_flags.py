@@ -12,7 +12,7 @@ import argparse
 
 from ..core.config import ENGINES, PIN_POLICIES, PIN_RANKS, SCORINGS, KVCacheConfig
 from ..core.knobs import FIELDS, flag
-from ..core.presets import PRESETS
+from ..core.presets import PIN_REPEATS, PIN_REPLIES, PRESETS
 from ..core.repeats import MAX_RUN
 from ..core.rules import METHODS
 from ..core.rules.attention import FUSIONS
@@ -78,7 +78,7 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
     "pin_replies": dict(type=Number(int, lo=0), help="With --pin prompt: when a prompt "
                         "arrives, also pin the model's reply before it if it is at most this "
                         "many tokens (a name, a number, a decision; an integer >= 0, 0: off; "
-                        "default: the preset's, 48 for recommended)."),
+                        f"default: the preset's, {PIN_REPLIES} for recommended)."),
     "pin_fit": dict(action=argparse.BooleanOptionalAction, help="With --pin-replies: pin a "
                     "reply only while the pins, the reply with them, fit in the budget (a "
                     "long chat's later replies then go before the user's words; default: the "
@@ -87,7 +87,7 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                         "prompt token in a run of this many tokens an earlier prompt of the "
                         "same conversation held is not pinned (a chat template sent again "
                         f"every turn; an integer in [0, {MAX_RUN}], 0: off, 1 refused; default: "
-                        "the preset's, 4 for recommended)."),
+                        f"the preset's, {PIN_REPEATS} for recommended)."),
     "kv_bits": dict(type=int, choices=(4, 8), help="Store keys and values quantized to 4 or 8 "
                     "bits (default: as they arrive, unquantized)."),
     "kv_group_size": dict(type=int, choices=(32, 64, 128), help="Quantization group size with "
