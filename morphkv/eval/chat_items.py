@@ -228,12 +228,13 @@ def said_by(kind: str, value: str = "") -> str:
 def _asked_words(kind: str) -> frozenset:
     """The words of every ask and question of ``kind`` in ``data/said.json`` (all splits)."""
     data = json.loads((DATA / "said.json").read_text())
-    return frozenset(w for split, ks in data.items() if isinstance(ks, list) for k in ks
+    return frozenset(w for ks in data.values() if isinstance(ks, list) for k in ks
                      if k["kind"] == kind for w in words(k["ask"] + " " + k["question"]))
 
 
 def echoes(kind: str, value: str) -> bool:
     """Does an invented name repeat a word (of 3 or more letters) of its ask or question? The
     0.5B model names a sourdough bakery "Sourdough Bakery", and asked back with no chat at
-    all it says the same: such an item measures the question, not the memory of the reply."""
+    all it says the same: such an item measures the question, not the memory of the reply.
+    Words run together ("VolcanicIsland") are not split: such a name counts as made up."""
     return any(len(w) > 2 and w in _asked_words(kind) for w in words(value))
