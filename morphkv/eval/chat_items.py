@@ -150,8 +150,13 @@ HEADS = {"model": "model-said", "echo": "model-said echoing the ask", "user": "u
 
 
 @functools.cache
+def _said_data() -> dict:
+    return json.loads((DATA / "said.json").read_text())
+
+
+@functools.cache
 def kinds(split: str) -> tuple[dict, ...]:
-    data = json.loads((DATA / "said.json").read_text())
+    data = _said_data()
     if split not in data:
         raise SystemExit(f"morphkv: error: data/said.json has no {split!r} split (yet)")
     return tuple(data[split])
@@ -227,8 +232,7 @@ def said_by(kind: str, value: str = "") -> str:
 @functools.cache
 def _asked_words(kind: str) -> frozenset:
     """The words of every ask and question of ``kind`` in ``data/said.json`` (all splits)."""
-    data = json.loads((DATA / "said.json").read_text())
-    return frozenset(w for ks in data.values() if isinstance(ks, list) for k in ks
+    return frozenset(w for ks in _said_data().values() if isinstance(ks, list) for k in ks
                      if k["kind"] == kind for w in words(k["ask"] + " " + k["question"]))
 
 

@@ -154,9 +154,8 @@ class Said(Chats):
         answered (the same for every arm: the denominators); the table by speaker."""
         chats, labels = records, [c.label for c in arms]
         summary, who = summarize(chats, labels), WHO
-        asked = {w: sum(said_by(q["kind"], q["value"]) == w for c in chats
-                        for q in c["questions"])
-                 for w in who}
+        by = [said_by(q["kind"], q["value"]) for c in chats for q in c["questions"]]
+        asked = {w: by.count(w) for w in who}
         full = {w: of_full(chats, FULL, w)["n"] for w in who}
         said = summary["_said"] = {label: {**{w: of_full(chats, label, w) for w in who},
                                            "asked": asked, "full_right": full} for label in labels}
