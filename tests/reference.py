@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 
 TIE_RTOL = 1e-9
+FLOOR = float(np.finfo(np.float32).tiny)  # float32's smallest normal: 1.2e-38
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -116,6 +117,9 @@ def reference_kept(
     ``margins``: a list that gets, at every eviction, how far the decision is from a tie: the
     relative gap between the lowest score kept among the candidates and the highest evicted
     (<= 0: a tie decided by position; small: a near-tie another precision may break apart).
+    A decision between two scores both under float32's smallest normal (``FLOOR``, 1.2e-38) is
+    a tie (margin 0): the engine's float32 exps flush such attention to 0, so two keys a query
+    all but ignores (probabilities 1e-42 and 2e-41) tie there and the oldest goes.
 
     ``pinned``: positions evicted last: each pick is among the unpinned candidates while any
     remain, else among the pinned ones (margins: within the group the picks came from).
@@ -180,5 +184,6 @@ def reference_kept(
             rest = [s for s, p in candidates if (p in pinned) == (last in pinned)]
             if rest:
                 best = min(rest)
-                margins.append((best - worst) / max(abs(best), abs(worst), 1e-300))
+                tie = max(abs(best), abs(worst)) < FLOOR
+                margins.append(0.0 if tie else (best - worst) / max(abs(best), abs(worst)))
     return stored

@@ -13,7 +13,9 @@ At a grid point the rule scores the slots (rules read ``xp = mlx.core``), the ``
 unprotected scores go (``select``: one argpartition over (float32 score bits, position) keys,
 so exact ties go to the oldest), and at most ``block`` rows move down (``moves``), all lazily.
 Scores are float32 of float16 rows where the reference's are float64 of the same rows: two
-candidates whose scores are within ``RTOL`` (relative) may be ranked the other way.
+candidates whose scores are within ``RTOL`` (relative) may be ranked the other way, and two
+whose float32 attention flushes to 0 (under 1.2e-38: keys a query all but ignores) tie, and the
+oldest goes.
 """
 
 from __future__ import annotations
