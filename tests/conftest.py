@@ -15,8 +15,9 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import morphkv  # noqa: E402, F401
 from hypothesis import settings  # noqa: E402
+
+import morphkv  # noqa: E402, F401
 
 settings.register_profile("ci", derandomize=True)
 if os.environ.get("MORPHKV_CI") == "1":

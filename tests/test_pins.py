@@ -123,6 +123,10 @@ def test_user_positions_are_the_user_turns_of_the_template():
     short = user_positions(tok, messages, replies=16)  # the short reply pinned too
     assert "How can I help" in tok.decode([ids[p] for p in short]) and len(short) > len(pos)
     assert (user_positions(tok, messages, replies=3) == pos).all()  # longer than 3 tokens
+    # a reply counts as its text's tokens, as the cache's pin_replies counts a generated one
+    n = len(tok.encode("Hello! How can I help?", add_special_tokens=False))
+    assert len(user_positions(tok, messages, replies=n)) > len(pos)
+    assert (user_positions(tok, messages, replies=n - 1) == pos).all()
 
 
 def test_pin_suffixes_of_arm_specs():

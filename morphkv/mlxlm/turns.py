@@ -16,6 +16,11 @@ def _ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=False))
 
 
+def _generated(tokenizer, message: dict) -> int:
+    """How many tokens the model generates for ``message``'s text (no special tokens)."""
+    return len(tokenizer.encode(str(message.get("content", "")), add_special_tokens=False))
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading ids ``a`` and ``b`` share."""
     n = 0
@@ -30,8 +35,9 @@ def user_positions(tokenizer, messages: list[dict], offset: int = 0,
                    replies: int = 0) -> np.ndarray:
     """Positions (int64, ascending) of every user turn's tokens in
     ``tokenizer.apply_chat_template(messages)``, plus ``offset`` (the tokens fed before);
-    with ``replies`` > 0 also every assistant turn of at most ``replies`` tokens as rendered
-    (a short answer: a name, a number, a decision)."""
+    with ``replies`` > 0 also every assistant turn whose text is at most ``replies`` tokens (a
+    short answer: a name, a number, a decision), counted as the cache's ``pin_replies`` counts a
+    generated reply: its text's tokens, not the role markers the template adds around it."""
     full = _ids(tokenizer, messages)
     out, end = [], 0
     for i, m in enumerate(messages):
@@ -45,6 +51,7 @@ def user_positions(tokenizer, messages: list[dict], offset: int = 0,
         if head != full[:end]:
             raise ValueError(f"the chat template renders messages[:{i + 1}] differently inside "
                              "the whole chat: user turns cannot be located by prefix")
-        if m.get("role") == "user" or (m.get("role") == "assistant" and end - start <= replies):
+        if m.get("role") == "user" or (m.get("role") == "assistant" and replies
+                                       and _generated(tokenizer, m) <= replies):
             out.append(np.arange(start, end))
     return np.concatenate(out) + offset if out else np.zeros(0, np.int64)
