@@ -18,6 +18,8 @@ from morphkv.eval.choose_said import CANDIDATES, choose
     ('Your robot name is "Echo', "Echo"), ("**Sea Breeze**", "Sea Breeze"),
     ("The Whispering Pages", "Whispering Pages"), ("Name: Frostheim.", "Frostheim"),
     ("\u201cBook Nook\u201d is a great name!", "Book Nook"), ("", ""),
+    ("Sure, here's a name for your shed:\n\n**Moonlit Haven**", "Moonlit Haven"),
+    ("Here is one,\nGlimmerstone", "Glimmerstone"),
 ])
 def test_the_invented_name_is_taken_from_the_reply(reply, name):
     assert S.name_of(reply) == name

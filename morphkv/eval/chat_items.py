@@ -165,8 +165,12 @@ def kinds(split: str) -> tuple[dict, ...]:
 def name_of(reply: str) -> str:
     """The invented name in a reply: its first line (the first quoted or bold part of it when
     there is one), quotes, markup, end punctuation and a leading article gone, at most six
-    words (empty when nothing is left)."""
-    line = next((ln for ln in reply.strip().splitlines() if ln.strip()), "")
+    words (empty when nothing is left). A first line that only leads in ("Sure, here's a name
+    for your shed:", ending with ":" or ",") gives way to the next."""
+    lines = [ln for ln in reply.strip().splitlines() if ln.strip()]
+    while len(lines) > 1 and lines[0].rstrip().endswith((":", ",")):
+        lines = lines[1:]
+    line = lines[0] if lines else ""
     quoted = re.search(r"[\"\u201c*]+([^\"\u201d*\n]{2,60})(?:[\"\u201d*]+|$)", line)
     line = quoted.group(1) if quoted else line  # 'Your robot is "Echo"' -> Echo
     line = re.sub(r"^(name|suggestion|answer)\s*:\s*", "", line.strip(), flags=re.I)
