@@ -77,29 +77,12 @@ def piece(caches: list, C: int) -> int:
     return max(2, min(C, room(those[0].config) // 4)) if those else C
 
 
-def pieces(C: int, size: int, lead: int = 0) -> list[tuple[int, int]]:
-    """[start, end) column ranges of ``size`` (the last one shorter), the first ``lead``
-    columns (a multiple of ``size``) one range: mlx_lm's batches pad prompts on the right, so
-    each row is cut where it would be cut alone (a one-column piece is a prompt's all the
-    same: ``Feed.prompt``)."""
-    starts = [0, *range(max(lead, size), C, size)]
+def pieces(C: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) column ranges of ``size`` (the last one shorter): mlx_lm's batches pad
+    prompts on the right, so each row is cut where it would be cut alone (a one-column piece
+    is a prompt's all the same: ``Feed.prompt``)."""
+    starts = list(range(0, C, size))
     return list(zip(starts, starts[1:] + [C], strict=True))
-
-
-def plan(caches: list, C: int, size: int) -> list[tuple[int, int]]:
-    """``pieces`` of a chunk of ``C`` columns cut at ``size``, the leading pieces whose votes
-    would change nothing joined into one: while a row's held pins, its due reply and every
-    column so far fit in the room, ``trim_row`` returns before reading anything (its bound),
-    so those pieces run as one forward pass, and every later piece starts where it would."""
-    those = voting(caches)
-    first, free = those[0], room(those[0].config)
-    _, counts = first.spans(C)
-    for i, n in enumerate(counts):
-        engine = first.engines[i]
-        if n and engine is not None:
-            held = len(first.pins_of(i)) + first.reply_due(i, engine.seen)
-            free = min(free, room(first.config) - held)
-    return pieces(C, size, max(free, 0) // size * size)
 
 
 def trim(caches: list, C: int, prompt: bool = False) -> None:

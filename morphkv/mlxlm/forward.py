@@ -62,7 +62,7 @@ def _watched_call(cls: type):
             vote.trim(cache, C)
             return cls.__call__(self, *args, **kwargs)
         outs = []
-        for start, end in vote.plan(cache, C, size) if size < C else [(0, C)]:
+        for start, end in vote.pieces(C, size) if size < C else [(0, C)]:
             _set(cache, "pin_skip", None if skip is None else [m[start:end] for m in skip])
             vote.trim(cache, end - start, prompt=size < C)
             _set(cache, "prompt_piece", size < C and end - start == 1)
