@@ -1,0 +1,82 @@
+"""Probe (not a figure): after a live chat through mlx_lm's loop with the memory preset, where do
+the updated fact's old and new values stand? For each value: its token positions in the stream,
+whether they are pinned, and in how many (layer, KV head) cells each is still held.
+
+    python docs/figures/update_probe.py --first 136 --chats 2
+
+Prints one block per chat; nothing is chosen from it (round 17b's losses, read once)."""
+
+from __future__ import annotations
+
+import argparse
+
+import morphkv  # noqa: F401, I001  (OpenBLAS before MLX: keep first)
+import numpy as np
+from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from morphkv.eval.chat_items import build_chat
+from morphkv.eval.live import user_turns
+from morphkv.mlxlm.builder import patch_model
+from morphkv.model import load
+from morphkv.runtime.cache_flags import add_cache_flags, config_from_flags
+
+
+def spans(stream: list[int], tok, value: str) -> list[tuple[int, int]]:
+    """[start, end) positions of ``value``'s tokens (with or without a leading space)."""
+    out = []
+    for v in (" " + value, value):
+        ids = tok.encode(v, add_special_tokens=False)
+        for i in range(len(stream) - len(ids) + 1):
+            if stream[i : i + len(ids)] == ids:
+                out.append((i, i + len(ids)))
+    return sorted(set(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--first", type=int, default=136)
+    ap.add_argument("--chats", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=10)
+    a = ap.parse_args()
+    model, tok = load("qwen2.5-0.5b")
+    parser = argparse.ArgumentParser()
+    add_cache_flags(parser, budget=512)
+    patch_model(model, config_from_flags(parser.parse_args(["--kv-memory", "1572864"])))
+    greedy = make_sampler(0.0)
+    for index in range(a.first, a.first + a.chats):
+        chat = build_chat("test", index)
+        cache, stream = make_prompt_cache(model), []
+        for text in user_turns(chat, a.turns, False):
+            prompt = tok.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True)
+            stream += list(prompt)
+            for r in stream_generate(model, tok, prompt, max_tokens=24, sampler=greedy,
+                                     prompt_cache=cache):
+                stream.append(r.token)
+            stream.pop()  # the last generated token is not fed
+        q = next(q for q in chat.questions if q.updated)
+        said = " ".join(m["content"] for m in chat.messages if m["role"] == "user")
+        print(f"chat {index}: seen {len(stream)}, kept {cache[0].tokens_kept}; pinned "
+              f"{len(cache[0].pins.positions())} positions")
+        held = [np.asarray(c.kept_positions) for c in cache]  # (B, H, n) per layer
+        cells = sum(h.shape[1] for h in held)
+        pinned = set(cache[0].pins.positions().tolist())
+        for value in sorted({q.value, *[w for w in q.wrong if w in said]}):
+            for s, e in spans(stream, tok, value):
+                whole = sum(bool(np.isin(np.arange(s, e), h[0, k]).all())
+                            for h in held for k in range(h.shape[1]))
+                print(f"  {'NEW' if value == q.value else 'old'} {value!r} at {s}-{e}: pinned "
+                      f"{all(p in pinned for p in range(s, e))}, whole in {whole} of {cells} "
+                      "cells")
+        first = min(s for s, _ in spans(stream, tok, q.value))  # the update sentence around it
+        window = range(max(0, first - 14), min(len(stream), first + 6))
+        cells_of = [sum(int(np.isin(p, h[0, k])) for h in held for k in range(h.shape[1]))
+                    for p in window]
+        shown = [f"{tok.decode([stream[p]])!r}:{n}" for p, n in zip(window, cells_of, strict=True)]
+        print("  around the new value (token: cells holding it):", " ".join(shown))
+
+
+if __name__ == "__main__":
+    main()
