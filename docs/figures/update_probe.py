@@ -6,11 +6,11 @@ whether they are pinned, and in how many (layer, KV head) cells each is still he
 
 Prints one block per chat; nothing is chosen from it (round 17b's losses, read once)."""
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 (morphkv, which loads OpenBLAS, before MLX)
 
 import argparse
 
-import morphkv  # noqa: F401, I001  (OpenBLAS before MLX: keep first)
+import morphkv  # noqa: F401
 import numpy as np
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
