@@ -184,6 +184,6 @@ def reference_kept(
             rest = [s for s, p in candidates if (p in pinned) == (last in pinned)]
             if rest:
                 best = min(rest)
-                tie = max(abs(best), abs(worst)) < FLOOR
-                margins.append(0.0 if tie else (best - worst) / max(abs(best), abs(worst)))
+                size = max(abs(best), abs(worst))
+                margins.append(0.0 if size < FLOOR else (best - worst) / size)
     return stored

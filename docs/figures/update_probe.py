@@ -16,22 +16,11 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from morphkv.eval.chat_items import build_chat
+from morphkv.eval.chat_items import build_chat, value_spans
 from morphkv.eval.live import user_turns
 from morphkv.mlxlm.builder import patch_model
 from morphkv.model import load
 from morphkv.runtime.cache_flags import add_cache_flags, config_from_flags
-
-
-def spans(stream: list[int], tok, value: str) -> list[tuple[int, int]]:
-    """[start, end) positions of ``value``'s tokens (with or without a leading space)."""
-    out = []
-    for v in (" " + value, value):
-        ids = tok.encode(v, add_special_tokens=False)
-        for i in range(len(stream) - len(ids) + 1):
-            if stream[i : i + len(ids)] == ids:
-                out.append((i, i + len(ids)))
-    return sorted(set(out))
 
 
 def main() -> None:
@@ -64,13 +53,14 @@ def main() -> None:
         cells = sum(h.shape[1] for h in held)
         pinned = set(cache[0].pins.positions().tolist())
         for value in sorted({q.value, *[w for w in q.wrong if w in said]}):
-            for s, e in spans(stream, tok, value):
-                whole = sum(bool(np.isin(np.arange(s, e), h[0, k]).all())
+            for span in value_spans(tok, stream, value):
+                s, e = span.start, span.stop
+                whole = sum(bool(np.isin(span, h[0, k]).all())
                             for h in held for k in range(h.shape[1]))
                 print(f"  {'NEW' if value == q.value else 'old'} {value!r} at {s}-{e}: pinned "
-                      f"{all(p in pinned for p in range(s, e))}, whole in {whole} of {cells} "
+                      f"{all(p in pinned for p in span)}, whole in {whole} of {cells} "
                       "cells")
-        first = min(s for s, _ in spans(stream, tok, q.value))  # the update sentence around it
+        first = value_spans(tok, stream, q.value)[0].start  # the update sentence around it
         window = range(max(0, first - 14), min(len(stream), first + 6))
         cells_of = [sum(int(np.isin(p, h[0, k])) for h in held for k in range(h.shape[1]))
                     for p in window]

@@ -57,8 +57,8 @@ def field_name(key: str) -> str:
 
 
 # an arm spec ending ``+pin`` pins the user turns of chats (``morphkv.pin``); ``+pinN`` also
-# the assistant's replies of at most N tokens of text (as ``pin_replies`` counts them; before
-# stop 65 as the template rendered them, role markers included: ~5 tokens more)
+# the assistant's replies of at most N tokens of text (as ``pin_replies`` counts them; rounds
+# 2-16 of docs/recall.md counted them as rendered, role markers included: ~5 tokens more)
 _PIN = re.compile(r"\+pin(\d*)$")
 
 
