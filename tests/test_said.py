@@ -25,6 +25,18 @@ def test_the_invented_name_is_taken_from_the_reply(reply, name):
     assert S.name_of(reply) == name
 
 
+@pytest.mark.parametrize(("reply", "name"), [
+    ("In the city there lived a young wizard named Elara. Elara was wise.", "Elara"),
+    ("The pirate captain's name was Jack, a brilliant pirate.", "Jack"),
+    ('A helpful robot named "Alexia" has been built.', "Alexia"),
+    ("The mouse was a curious little one.", ""),  # no name given: the item asks nothing
+])
+def test_a_story_ask_is_answered_by_its_character_name(reply, name):
+    assert S.story_name(reply) == name
+    assert S.value_of({"kind": "k", "reply_tokens": 64}, reply) == name
+    assert S.value_of({"kind": "k"}, "**Moonlit Haven**") == "Moonlit Haven"
+
+
 def test_splits_share_no_kind_ask_or_question():
     data = json.loads((S.DATA / "said.json").read_text())
     prompts = json.loads((S.DATA / A.DATA_FILE).read_text())
@@ -35,6 +47,9 @@ def test_splits_share_no_kind_ask_or_question():
             assert not {k[field] for k in data[tune]} & {k[field] for k in data[test]}
     # the later asks have kinds of their own (``echoes`` reads a kind's asks in every split)
     later = {k["kind"] for s in ("tune3", "test3") for k in data[s]}
+    stories = [k["kind"] for k in data["tune4"]]  # round 18: a story, its character named
+    assert len(set(stories)) == len(stories) and not set(stories) & later
+    assert all(k["reply_tokens"] > 16 for k in data["tune4"])  # longer than the preset pins
     assert not later & {k["kind"] for s in ("tune", "test", "test2") for k in data[s]}
     if "test" in prompts:
         assert not set(prompts["tune"]) & set(prompts["test"])

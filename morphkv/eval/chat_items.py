@@ -179,12 +179,29 @@ def name_of(reply: str) -> str:
     return " ".join(line.split()[:6])
 
 
-def invent(model, tok, messages: list[dict]) -> str:
-    """The full cache's greedy reply to the chat so far (its last turn is the user's ask)."""
+_NAMED = re.compile(r"\b(?:named|called|name was|name is)\s+[\"\u201c*]*([A-Z][\w'-]+)")
+
+
+def story_name(reply: str) -> str:
+    """The name a story gives its character: the capitalised word after its first "named",
+    "called", "name was" or "name is" ("a young wizard named Elara." -> Elara; empty if none)."""
+    m = _NAMED.search(reply)
+    return m.group(1) if m else ""
+
+
+def value_of(kind: dict, reply: str) -> str:
+    """The value an invention ask's reply gives: a story's character name for an ask with a
+    ``reply_tokens`` of its own (a story), else ``name_of``."""
+    return story_name(reply) if "reply_tokens" in kind else name_of(reply)
+
+
+def invent(model, tok, messages: list[dict], tokens: int = REPLY_TOKENS) -> str:
+    """The full cache's greedy reply to the chat so far (its last turn is the user's ask), at
+    most ``tokens`` long (an ask's ``reply_tokens``: the name then reasons why it fits)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     ids = list(tok.apply_chat_template(messages, add_generation_prompt=True))
-    return until_end(tok, greedy_tokens(model, make_prompt_cache(model), ids, REPLY_TOKENS))
+    return until_end(tok, greedy_tokens(model, make_prompt_cache(model), ids, tokens))
 
 
 def said_asks(split: str, index: int, seed: int = 0, asks: str | None = None) -> list[dict]:
@@ -215,9 +232,9 @@ def build_said_chat(model, tok, split: str, index: int, seed: int = 0,
             if user_turn <= INVENTIONS:
                 k = picks[user_turn - 1]
                 messages.append({"role": "user", "content": k["ask"]})
-                reply = invent(model, tok, messages)
+                reply = invent(model, tok, messages, k.get("reply_tokens", REPLY_TOKENS))
                 messages.append({"role": "assistant", "content": reply})
-                asked.append((k, name_of(reply)))
+                asked.append((k, value_of(k, reply)))
     chat.messages = messages
     for k, value in asked:
         if value:  # an empty reply asks nothing

@@ -39,10 +39,10 @@ from .chat_items import (
     WHO,
     build_chat,
     judge,
-    name_of,
     said_asks,
     said_by,
     said_question,
+    value_of,
 )
 from .metrics import cluster_interval
 from .process import free_port, stop_process, stream_chat, wait_healthy
@@ -108,7 +108,7 @@ def talk(chats, args, say, fork, new, rss=None, names=None) -> list[dict]:
             firsts.append(first)
             mem += [rss()] if rss else []
             if ask is not None:
-                invented[ask["kind"]] = name_of(reply)
+                invented[ask["kind"]] = value_of(ask, reply)
         questions = list(chat.questions)
         if asks:
             if not nofact:
