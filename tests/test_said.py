@@ -37,6 +37,13 @@ def test_a_story_ask_is_answered_by_its_character_name(reply, name):
     assert S.value_of({"kind": "k"}, "**Moonlit Haven**") == "Moonlit Haven"
 
 
+def test_a_name_given_twice_in_a_chat_is_not_asked():
+    kind = {"kind": "k", "question": "Who?", "lead": ""}
+    fact = S.Question("pet", "Noodle", (), "", "")
+    asked = [(kind, "Jack"), (kind, "jack"), (kind, "Noodle"), (kind, ""), (kind, "Elara")]
+    assert [q.value for q in S.asked_back(asked, [fact])] == ["Elara"]
+
+
 def test_splits_share_no_kind_ask_or_question():
     data = json.loads((S.DATA / "said.json").read_text())
     prompts = json.loads((S.DATA / A.DATA_FILE).read_text())
@@ -47,9 +54,11 @@ def test_splits_share_no_kind_ask_or_question():
             assert not {k[field] for k in data[tune]} & {k[field] for k in data[test]}
     # the later asks have kinds of their own (``echoes`` reads a kind's asks in every split)
     later = {k["kind"] for s in ("tune3", "test3") for k in data[s]}
-    stories = [k["kind"] for k in data["tune4"]]  # round 18: a story, its character named
+    stories = [k["kind"] for s in ("tune4", "test4") for k in data[s]]  # round 18: stories
     assert len(set(stories)) == len(stories) and not set(stories) & later
-    assert all(k["reply_tokens"] > 16 for k in data["tune4"])  # longer than the preset pins
+    assert all(k["reply_tokens"] > 16 for s in ("tune4", "test4") for k in data[s])
+    for field in ("ask", "question"):
+        assert not {k[field] for k in data["tune4"]} & {k[field] for k in data["test4"]}
     assert not later & {k["kind"] for s in ("tune", "test", "test2") for k in data[s]}
     if "test" in prompts:
         assert not set(prompts["tune"]) & set(prompts["test"])

@@ -236,10 +236,16 @@ def build_said_chat(model, tok, split: str, index: int, seed: int = 0,
                 messages.append({"role": "assistant", "content": reply})
                 asked.append((k, value_of(k, reply)))
     chat.messages = messages
-    for k, value in asked:
-        if value:  # an empty reply asks nothing
-            chat.questions.append(said_question(k, value))
+    chat.questions += asked_back(asked, chat.questions)
     return chat
+
+
+def asked_back(asked: list[tuple[dict, str]], facts) -> list[Question]:
+    """The questions for the names the model gave (``(kind, value)``): none for an empty
+    reply, nor for a name given twice in the chat (two stories' "Jack", or a user's fact),
+    which cannot tell what was remembered (round 18)."""
+    given = [v.lower() for _, v in asked] + [q.value.lower() for q in facts]
+    return [said_question(k, v) for k, v in asked if v and given.count(v.lower()) == 1]
 
 
 def said_by(kind: str, value: str = "") -> str:
