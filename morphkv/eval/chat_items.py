@@ -197,7 +197,7 @@ def value_of(kind: dict, reply: str) -> str:
 
 def invent(model, tok, messages: list[dict], tokens: int = REPLY_TOKENS) -> str:
     """The full cache's greedy reply to the chat so far (its last turn is the user's ask), at
-    most ``tokens`` long (an ask's ``reply_tokens``: the name then reasons why it fits)."""
+    most ``tokens`` long (an ask's ``reply_tokens``: a story that names its character)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     ids = list(tok.apply_chat_template(messages, add_generation_prompt=True))
