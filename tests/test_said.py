@@ -54,12 +54,12 @@ def test_splits_share_no_kind_ask_or_question():
             assert not {k[field] for k in data[tune]} & {k[field] for k in data[test]}
     # the later asks have kinds of their own (``echoes`` reads a kind's asks in every split)
     later = {k["kind"] for s in ("tune3", "test3") for k in data[s]}
+    assert not later & {k["kind"] for s in ("tune", "test", "test2") for k in data[s]}
     stories = [k["kind"] for s in ("tune4", "test4") for k in data[s]]  # round 18: stories
     assert len(set(stories)) == len(stories) and not set(stories) & later
     assert all(k["reply_tokens"] > 16 for s in ("tune4", "test4") for k in data[s])
     for field in ("ask", "question"):
         assert not {k[field] for k in data["tune4"]} & {k[field] for k in data["test4"]}
-    assert not later & {k["kind"] for s in ("tune", "test", "test2") for k in data[s]}
     if "test" in prompts:
         assert not set(prompts["tune"]) & set(prompts["test"])
 

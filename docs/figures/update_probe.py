@@ -12,15 +12,11 @@ import argparse
 
 import morphkv  # noqa: F401
 import numpy as np
-from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 
 from morphkv.eval.chat_items import build_chat, value_spans
-from morphkv.eval.live import user_turns
-from morphkv.mlxlm.builder import patch_model
+from morphkv.eval.live import loop_turn, patch_with_flags, user_turns
 from morphkv.model import load
-from morphkv.runtime.cache_flags import add_cache_flags, config_from_flags
 
 
 def main() -> None:
@@ -30,20 +26,14 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=10)
     a = ap.parse_args()
     model, tok = load("qwen2.5-0.5b")
-    parser = argparse.ArgumentParser()
-    add_cache_flags(parser, budget=512)
-    patch_model(model, config_from_flags(parser.parse_args(["--kv-memory", "1572864"])))
-    greedy = make_sampler(0.0)
+    patch_with_flags(model, ["--kv-memory", "1572864"])
     for index in range(a.first, a.first + a.chats):
         chat = build_chat("test", index)
         cache, stream = make_prompt_cache(model), []
         for text in user_turns(chat, a.turns, False):
-            prompt = tok.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True)
+            prompt, replies = loop_turn(model, tok, cache, text, 24)
             stream += list(prompt)
-            for r in stream_generate(model, tok, prompt, max_tokens=24, sampler=greedy,
-                                     prompt_cache=cache):
-                stream.append(r.token)
+            stream += [r.token for r in replies]
             stream.pop()  # the last generated token is not fed
         q = next(q for q in chat.questions if q.updated)
         said = " ".join(m["content"] for m in chat.messages if m["role"] == "user")

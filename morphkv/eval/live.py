@@ -127,28 +127,41 @@ def talk(chats, args, say, fork, new, rss=None, names=None) -> list[dict]:
     return rows
 
 
-def mlx_lm_chat(model, tok, flags: list[str], chats, args, names=None) -> list[dict]:
-    """mlx_lm's chat loop: one prompt cache, each turn templates only its new message."""
+def patch_with_flags(model, flags: list[str]) -> None:
+    """``patch_model`` with ``morphkv serve``'s cache flags (``["--kv-memory", "1572864"]``)."""
+    from ..mlxlm.builder import patch_model
+    from ..runtime.cache_flags import add_cache_flags, config_from_flags
+
+    parser = argparse.ArgumentParser()
+    add_cache_flags(parser, budget=512)
+    patch_model(model, config_from_flags(parser.parse_args(flags)))
+
+
+def loop_turn(model, tok, cache, text: str, max_tokens: int):
+    """One turn of mlx_lm's chat loop: (the turn's templated prompt, the greedy reply's
+    ``stream_generate`` responses, on ``cache``)."""
     from mlx_lm.generate import stream_generate
-    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
-    from ..mlxlm.builder import patch_model, unpatch_model
-    from ..runtime.cache_flags import add_cache_flags, config_from_flags
+    prompt = tok.apply_chat_template([{"role": "user", "content": text}],
+                                     add_generation_prompt=True)
+    return prompt, stream_generate(model, tok, prompt, max_tokens=max_tokens,
+                                   sampler=make_sampler(0.0), prompt_cache=cache)
+
+
+def mlx_lm_chat(model, tok, flags: list[str], chats, args, names=None) -> list[dict]:
+    """mlx_lm's chat loop: one prompt cache, each turn templates only its new message."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..mlxlm.builder import unpatch_model
 
     unpatch_model(model)
     if flags != [MLX_LM]:  # morphkv serve's cache flags
-        parser = argparse.ArgumentParser()
-        add_cache_flags(parser, budget=512)
-        patch_model(model, config_from_flags(parser.parse_args(flags)))
-    greedy = make_sampler(0.0)
+        patch_with_flags(model, flags)
 
     def say(cache, text: str, max_tokens: int):
-        prompt = tok.apply_chat_template([{"role": "user", "content": text}],
-                                         add_generation_prompt=True)
         start, first, out = time.perf_counter(), None, []
-        for r in stream_generate(model, tok, prompt, max_tokens=max_tokens, sampler=greedy,
-                                 prompt_cache=cache):
+        for r in loop_turn(model, tok, cache, text, max_tokens)[1]:
             first = first or time.perf_counter() - start
             out.append(r.text)
         return "".join(out), first
