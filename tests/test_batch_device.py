@@ -18,7 +18,7 @@ from morphkv.core.rules import METHODS
 from morphkv.eval.models import tiny_llama
 from tests.test_batch import STEP, _Tok, assert_same_cache, drive, prompts_of, single
 
-RULES = sorted(set(METHODS) - {"full", "sliding_window"})
+RULES = sorted(set(METHODS) - {"sliding_window"})
 
 
 def device_config(method: str, block: int, **extra) -> KVCacheConfig:
@@ -58,22 +58,43 @@ def test_batch_generate_rows_equal_single_runs_on_the_mlx_engine(method, block):
         assert_same_cache(caches, reference)
 
 
+def test_full_rows_grow_in_one_storage():
+    """``full`` rows batch on the MLX engine too: one storage, every row as wide as the widest
+    needs (a prompt over 256 slots in its prefill, rows crossing 256 and 512 in decode), each
+    row's tokens and stored keys those of the same sequence alone."""
+    config = device_config("full", 1)
+    model = device_model(config, seed=1)
+    prompts, max_tokens = prompts_of([5, 250, 300], seed=2), [520, 20, 10]
+    for ids, caches, tokens, reference in batch_rows(model, prompts, max_tokens):
+        assert ids == tokens
+        assert_same_cache(caches, reference)
+        for a, b in zip(caches, reference, strict=True):
+            n = b.offset
+            assert a.keys.shape == b.keys.shape  # handed back at its own width, not the widest
+            np.testing.assert_allclose(np.array(a.keys[..., :n, :]), np.array(b.keys[..., :n, :]),
+                                       atol=1e-5)  # (batched projections round differently)
+
+
 def test_the_merged_batch_is_on_the_mlx_engine():
-    config = device_config("morphkv", 16)
-    rows = [MorphKVCache(config) for _ in range(3)]
-    assert isinstance(MorphKVCache.merge(rows), DeviceBatchCache)
+    for method in ("morphkv", "full"):
+        rows = [MorphKVCache(device_config(method, 16)) for _ in range(3)]
+        assert isinstance(MorphKVCache.merge(rows), DeviceBatchCache)
     proxy = KVCacheConfig(method="morphkv", morphkv_budget=16, scoring="proxy")
     assert isinstance(MorphKVCache.merge([MorphKVCache(proxy)]), BatchMorphKVCache)
 
 
-@pytest.mark.parametrize("block", [1, 16])
-def test_rows_join_leave_and_keep_their_pins(block, tmp_path):
+@pytest.mark.parametrize(("method", "block", "lengths"), [
+    ("morphkv", 1, [20, 30, 9, 25]), ("morphkv", 16, [20, 30, 9, 25]),
+    ("full", 1, [300, 20, 530, 240]),  # rows 512, 256, 768 and 256 slots wide, growing
+])
+def test_rows_join_leave_and_keep_their_pins(method, block, lengths, tmp_path):
     """BatchGenerator: rows join mid-stream (extend), leave (filter), are handed back
-    (extract) and saved; each row started from a pinned history, its pins kept throughout."""
-    config = device_config("morphkv", block, morphkv_peak=0.02)
+    (extract) and saved; each row started from a pinned history, its pins kept throughout.
+    ``full`` rows of different widths share one storage, grown as the widest needs."""
+    config = device_config(method, block, **({} if method == "full" else {"morphkv_peak": 0.02}))
     model = device_model(config, seed=3)
     prompts = prompts_of([7, 45, 3, 60], seed=1)
-    histories = prompts_of([20, 30, 9, 25], seed=4)
+    histories = prompts_of(lengths, seed=4)
     max_tokens = [50, 12, 44, 30]
     pins = [range(3, 12), range(5, 25), range(0, 4), range(10, 20)]
 
@@ -141,8 +162,11 @@ def test_bench_kernels_counts_a_batch_of_four_rows():
 
     with queries_by_hand():
         mlx = count("tuned", 64, 3, 1, rows=4)
-        proxy = count("streaming_llm", 64, 3, 1, rows=4)  # no hook's scoring: row-wise
-    assert (mlx["class"], mlx["batch"], mlx["host_syncs_per_step"]) == ("DeviceBatchCache", 4, 0)
+        full = count("full", 64, 3, 1, rows=4)
+        proxy = count("seed", 64, 3, 1, rows=4)  # keys as proxies (no hook): row-wise
+    for arm in (mlx, full):
+        assert (arm["class"], arm["batch"], arm["host_syncs_per_step"]) == (
+            "DeviceBatchCache", 4, 0)
     assert (proxy["class"], proxy["batch"]) == ("BatchMorphKVCache", 4)
 
 

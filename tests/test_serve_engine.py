@@ -1,6 +1,7 @@
 """``morphkv serve``: the caches the server installs batch on the one engine (every request runs
-in a batch: over one storage with real queries, row-wise for keys as proxies and ``full``), and
-the start-up line names it; ``--engine host`` (the removed float64 engine) is refused."""
+in a batch: over one storage with real queries, ``full`` included; row-wise for keys as
+proxies), and the start-up line names it; ``--engine host`` (the removed float64 engine) is
+refused."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def served_config(*flags):
     ([], "mlx", DeviceBatchCache),  # auto: the MLX engine for the recommended preset
     (["--engine", "mlx"], "mlx", DeviceBatchCache),
     (["--scoring", "proxy"], "mlx", BatchMorphKVCache),  # keys as proxies: row-wise
-    (["--method", "full"], "mlx", BatchMorphKVCache),
+    (["--method", "full"], "mlx", DeviceBatchCache),  # one storage, grown as rows need
     (["--block", "1"], "mlx", DeviceBatchCache),  # auto: per-token recency is scheduled on MLX
     # auto: the per-token rule of a rule that reads attention runs on MLX too (issue 43)
     (["--preset", "tuned", "--block", "1"], "mlx", DeviceBatchCache),

@@ -58,7 +58,7 @@ def make_cache(spec: str, budget: int, window: int, n_sink: int = 4):
     if seed:  # the bare config, used alone: keys as proxy queries
         spec = "morphkv" + spec[len("seed"):]
     config = Arm.parse(spec, window=window).config(budget, n_sink=n_sink)
-    real = not seed and config.rule.attention and config.scoring != "proxy"
+    real = not seed and config.scoring != "proxy"  # as a hooked model builds it
     if real:
         config = dataclasses.replace(config, scoring="attention")
     return KVCacheBuilder.build(config), real

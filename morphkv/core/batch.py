@@ -9,7 +9,7 @@ bookkeeping; ``DeviceBatchCache`` (``morphkv.core.device_batch``) runs it over o
 rows scored by the model's real queries.
 
 ``BatchMorphKVCache`` holds every other batch (keys as proxy queries: a cache used without the
-attention hook, the seed's API; ``full``) as its rows' own ``MorphKVCache`` objects: each row's
+attention hook, the seed's API) as its rows' own ``MorphKVCache`` objects: each row's
 real tokens go to its cache (``MorphKVCache.store``), so a row keeps exactly what the same
 sequence run alone keeps, by construction. What attention reads is every row's [kept + new]
 rows, padded to the longest; a row's kept count before an update follows from its position

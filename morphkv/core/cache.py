@@ -232,8 +232,9 @@ class MorphKVCache(DevicePath, Feed, SavedState, QuantizedAttributes, mlx_cache.
     def merge(cls, caches: list):
         """mlx_lm's batch protocol (``batch_generate``, ``BatchGenerator``, the server): one
         batched cache over single-sequence caches. Rows with real queries batch over one
-        storage (``morphkv.core.device_batch``); any other batch (keys as proxies, ``full``)
-        keeps its rows as they are (``morphkv.core.batch``)."""
+        storage (``morphkv.core.device_batch``; ``full`` rows too, the storage as wide as the
+        widest row needs); keys as proxies (no hook) keep their rows as they are
+        (``morphkv.core.batch``)."""
         if DeviceBatchCache.accepts(caches):
             return DeviceBatchCache.merge(caches, row_class=cls)
         return BatchMorphKVCache.merge(caches, row_class=cls)

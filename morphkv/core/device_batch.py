@@ -4,7 +4,8 @@
 queries (the attention hook is attached: every ``morphkv serve`` request). Each batch row keeps
 its own ``DeviceEngine`` (B = 1) for its counters (``seen`` / ``slots`` / ``due``), rule and
 pins; the engines' arrays are stacked for all rows (``core.device_rows``) over ONE shared
-storage (B, H, budget + 1, D), rows left-aligned.
+storage (B, H, budget + 1, D), rows left-aligned. ``full`` rows (no eviction) share it too:
+it is as wide as the widest row needs, grown in ``storage.STEP`` slots (``_room``).
 
 * A decode step (every row takes one token): the rows due an eviction evict in one set of ops
   for all rows (``device_rows.evict``; rows not due carry identity moves), the storage moves
@@ -47,12 +48,12 @@ class DeviceBatchCache(BatchProtocol):
         self._held = None  # the update waiting for its queries
         self._arrays = None  # every row's engine arrays, stacked (``core.device_rows``)
         self._H = None  # KV heads
+        self._cap = config.budget + 1 if self.evicts else 0  # ``full`` grows (``_room``)
 
     @classmethod
     def accepts(cls, caches) -> bool:
         """Can these single-sequence caches batch on the MLX engine?"""
-        return bool(caches) and all(
-            c.config.scoring == "attention" and c.evicts for c in caches)
+        return bool(caches) and all(c.config.scoring == "attention" for c in caches)
 
     # ---- building -------------------------------------------------------------------------
     @classmethod
@@ -67,21 +68,22 @@ class DeviceBatchCache(BatchProtocol):
         for c in full:
             if c._held is not None:
                 raise RuntimeError("merge: a cache's update is still waiting for its queries")
-        if full:
-            like = full[0]
-            batch.keys = storage.concat_rows_all(
-                [c.keys if not c.empty() else storage.zeros(like.keys, 1, batch.capacity)
-                 for c in caches])
-            batch.values = storage.concat_rows_all(
-                [c.values if not c.empty() else storage.zeros(like.values, 1, batch.capacity)
-                 for c in caches])
+        if not batch.evicts and full:  # ``full`` rows: every row as wide as the widest
+            batch._cap = max(c.engine.capacity for c in full)
         for i, c in enumerate(caches):
             if not c.empty():
-                batch.engines[i] = cls.copy_engine(c.engine, batch.row_pins[i])
+                batch.engines[i] = e = cls.copy_engine(c.engine, batch.row_pins[i])
+                e.reserve(batch.capacity)
                 batch.seen[i], batch.stored[i] = c.offset, c.engine.slots
         if full:
-            batch._H = quant.dims(full[0].keys)[1]
-            batch._arrays = device_rows.stack(batch.engines, full[0].engine)
+            like = full[0]
+            for name in ("keys", "values"):
+                setattr(batch, name, storage.concat_rows_all(
+                    [storage.zeros(getattr(like, name), 1, batch.capacity) if c.empty()
+                     else storage.grow(getattr(c, name), batch.capacity) for c in caches]))
+            batch._H = quant.dims(like.keys)[1]
+            template = next(e for e in batch.engines if e is not None)
+            batch._arrays = device_rows.stack(batch.engines, template)
             for e in batch.engines:
                 if e is not None:
                     device_rows.detach(e)
@@ -89,17 +91,36 @@ class DeviceBatchCache(BatchProtocol):
 
     @property
     def capacity(self) -> int:
-        return self.config.budget + 1
+        """Slots of every row's storage: ``budget + 1``, or what ``full`` rows grew to."""
+        return self._cap
+
+    def _room(self, slots: int) -> None:
+        """``full`` rows grow (steps of ``storage.STEP``): storage, stacked arrays and every
+        engine hold ``slots``."""
+        if slots <= self._cap:
+            return
+        cap = storage.capacity(slots, self.config, False)
+        if self.keys is not None:
+            self.keys, self.values = storage.grow(self.keys, cap), storage.grow(self.values, cap)
+        if self._arrays is not None:
+            self._arrays = device_rows.widen(self._arrays, cap)
+        for e in self.engines:
+            if e is not None:
+                e.capacity = cap
+        self._cap = cap
 
     @staticmethod
-    def copy_engine(engine: DeviceEngine, pins: Pins) -> DeviceEngine:
+    def copy_engine(engine: DeviceEngine, pins: Pins, slots: int | None = None) -> DeviceEngine:
         """A copy sharing no array object with ``engine`` (slice writes replace an array
-        object's contents), ranking with ``pins``; it reads keys only through the batch."""
+        object's contents), ranking with ``pins``; it reads keys only through the batch.
+        ``slots``: its arrays cut to that many slots (a ``full`` row handed back)."""
         new = copy.copy(engine)
         for name in DeviceEngine.ARRAYS:
             value = getattr(engine, name)
             if value is not None:
-                setattr(new, name, mx.array(value))
+                setattr(new, name, mx.array(value if slots is None else value[..., :slots]))
+        if slots is not None:
+            new.capacity = slots
         new.pins, new.stored_keys, new._keys = pins, None, None
         return new
 
@@ -111,10 +132,11 @@ class DeviceBatchCache(BatchProtocol):
         engine = self.engines[idx]
         if engine is None:
             return cache
-        n = self.capacity
+        n = self.capacity  # ``full``: the row's own width, not the widest row's
+        n = n if self.evicts else storage.capacity(engine.slots, self.config, False)
         engine = device_rows.load(self._arrays, engine, idx, self._H)
         try:
-            engine = self.copy_engine(engine, cache.pins)
+            engine = self.copy_engine(engine, cache.pins, n)
         finally:
             device_rows.detach(self.engines[idx])
         cache.adopt(engine, storage.row_copy(self.keys, idx, n),
@@ -142,6 +164,10 @@ class DeviceBatchCache(BatchProtocol):
         self._no_held("extend")
         other._no_held("extend")
         B0 = self.B
+        if not self.evicts:
+            cap = max(self._cap, other._cap)
+            self._room(cap)
+            other._room(cap)
         self._extend_remaining(other)
         H = self._H or other._H
         arrays = device_rows.concat(self._arrays, other._arrays, B0 * (H or 0),
@@ -181,6 +207,8 @@ class DeviceBatchCache(BatchProtocol):
         for i in np.nonzero(counts)[0]:
             if self.engines[i] is None:
                 self.engines[i] = self._new_engine(int(i), keys.shape[1], keys.shape[3])
+        if not self.evicts:
+            self._room(int(max(np.add(self.stored, counts))))
         self.seen = np.add(self.seen, counts).tolist()
         if C == 1 and (counts == 1).all():  # a plain decode step
             due = [i for i, e in enumerate(self.engines) if e.due]
@@ -227,6 +255,7 @@ class DeviceBatchCache(BatchProtocol):
 
     def _new_engine(self, i: int, H: int, head_dim: int) -> DeviceEngine:
         e = DeviceEngine(self.config, 1, H, head_dim, True)
+        e.reserve(self._cap)  # ``full``: as wide as the other rows
         e.pins = self.row_pins[i]
         if self._scale is not None:
             e.scale = self._scale

@@ -32,6 +32,12 @@ def stack(engines: list, template: DeviceEngine) -> dict:
     return out
 
 
+def widen(arrays: dict, slots: int) -> dict:
+    """Every stacked array with ``slots`` slots (its last axis; zeros appended): ``full``."""
+    return {name: mx.concatenate([a, mx.zeros((*a.shape[:-1], slots - a.shape[-1]), a.dtype)],
+                                 axis=-1) for name, a in arrays.items()}
+
+
 def detach(engine: DeviceEngine) -> DeviceEngine:
     for name in kinds(engine):
         setattr(engine, name, DETACHED)

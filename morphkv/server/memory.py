@@ -92,7 +92,7 @@ def startup_line(served, config, bound: int | None, per_token=None) -> str:
 def engine_and_pins(config) -> str:
     """Where selection runs in the server (every request runs in a batch:
     ``MorphKVCache.merge``), and what its caches pin."""
-    one = config.scoring == "attention" and config.rule.evicts  # ``DeviceBatchCache.accepts``
+    one = config.scoring == "attention"  # ``DeviceBatchCache.accepts``
     engine = "engine mlx (batches too" + (")" if one else ", row by row)")
     repeats = (f", less runs of {config.pin_repeats} tokens an earlier prompt of the "
                "conversation held" if config.pin_repeats else "")
