@@ -20,6 +20,7 @@ oldest goes.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -91,6 +92,22 @@ def move(x, src, dst, axis: int):
     return mx.put_along_axis(x, dst, mx.take_along_axis(x, src, axis=axis), axis=axis)
 
 
+@functools.cache
+def _one_row(kind: str, decay: float):
+    """``running_update``'s new scores for one token's row (R, n), compiled: one fused
+    kernel a decode step instead of ~7 (shapeless: ``n`` grows until the cache is full)."""
+
+    def new(old, row):
+        row = mx.where(mx.isnan(row), 0.0, row)
+        if kind == "sum":
+            return (old + row).astype(old.dtype)
+        if decay == 1.0:
+            return mx.maximum(old, row).astype(old.dtype)
+        return mx.maximum(old * decay, row.astype(mx.float32)).astype(old.dtype)
+
+    return mx.compile(new, shapeless=True)
+
+
 def running_update(acc, rows, n: int, k: int, kind: str, decay: float) -> None:
     """``acc[:, :n]`` (running scores) after k tokens' attention rows (R, k, n): h2o sums,
     peak keeps a running max (``decay``: max(d * peak, row) per token). Columns a row's
@@ -98,6 +115,9 @@ def running_update(acc, rows, n: int, k: int, kind: str, decay: float) -> None:
     non-finite key or query) adds nothing, as in the reference, so the running scores do not
     depend on how the tokens were chunked."""
     old = acc[:, :n]
+    if k == 1:  # a decode token
+        acc[:, :n] = _one_row(kind, decay)(old, rows[:, 0])
+        return
     rows = mx.where(mx.isnan(rows), 0.0, rows)
     if kind == "sum":
         new = old + (rows[:, 0] if k == 1 else rows.astype(mx.float32).sum(axis=1))
