@@ -7,7 +7,8 @@ then calls its item ``echo``, not ``model``. This script re-tallies stored runs 
 package's own ``of_full`` (of the full cache's right items, bootstrap over chats): nothing is
 run again, every answer is the one the run gave.
 
-    python docs/figures/said_echo.py FILE.json[:ALIAS=LABEL,...] ...  ->  said_echo.json
+    python docs/figures/said_echo.py FILE.json[:ALIAS=LABEL,...] ... [--out OUT.json]
+    (default out: said_echo.json beside this script)
 
 ``ALIAS=LABEL`` pools arms that ran under other labels (the preset of an earlier round) as one.
 """
@@ -35,7 +36,7 @@ def tally(chats: list[dict]) -> dict:
     return {label: {w: of_full(chats, label, w) for w in WHO} for label in labels}
 
 
-def main(specs: list[str]) -> None:
+def main(specs: list[str], out_path: Path) -> None:
     runs = {spec.partition(":")[0]: load(spec) for spec in specs}
     out = {Path(k).stem: tally(v) for k, v in runs.items()}
     out["pooled"] = tally([c for v in runs.values() for c in v])
@@ -47,8 +48,13 @@ def main(specs: list[str]) -> None:
                                                  f"{100 * s['interval'][2]:.0f}]"
                                                  if s["interval"] else "")
                 for w, s in by.items()))
-    Path(__file__).with_name("said_echo.json").write_text(json.dumps(out, indent=1))
+    out_path.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    out_path = Path(__file__).with_name("said_echo.json")
+    if "--out" in args:
+        at = args.index("--out")
+        out_path, args = Path(args[at + 1]), args[:at] + args[at + 2 :]
+    main(args, out_path)
