@@ -3,7 +3,8 @@
 One layer (``bench.layer``'s stream, real queries), filled past its budget, then ``--blocks``
 eviction blocks of single-token steps, each the update and attention as the hooked model runs
 them (``attention_step``). Each step's MLX graph (the output plus the storage the cache keeps)
-is exported with ``mx.export_to_dot`` before it is evaluated: ``kernels`` are the primitives
+and every array the cache holds (its selection state: positions, running scores, rings) is
+exported with ``mx.export_to_dot`` before it is evaluated: ``kernels`` are the primitives
 that run code on the device, ``views`` those that only re-describe memory (slices, reshapes,
 ...). Host syncs are the reads of MLX arrays on the host inside a step (``SyncCounter``),
 counted as they happen; averages over whole eviction blocks. ``--rows 4``: a batch of 4 rows
@@ -22,7 +23,7 @@ import mlx.core as mx
 
 from ..eval.runner import Evaluation, add_flags, markdown_table
 from ..mlxlm.hooks import attention_step, queries_by_hand
-from .layer import D, H, make_cache, stream
+from .layer import D, H, held, make_cache, stream
 
 NAME = "kernels"
 VIEWS = {"Slice", "Reshape", "Broadcast", "Transpose", "ExpandDims", "Squeeze", "Copy",
@@ -114,7 +115,7 @@ def count(spec: str, budget: int, groups: int, blocks: int, rows: int = 1) -> di
             if hasattr(cache, "prepare_attention"):
                 cache.size()  # the step's deferred work (an eviction) joins its graph
             syncs.active = False
-            nodes = graph_nodes([out, *storage_of(cache)])
+            nodes = graph_nodes([out, *storage_of(cache), *held(cache)])
             kernels += sum(1 for x in nodes if x not in VIEWS)
             views += sum(1 for x in nodes if x in VIEWS)
             mx.eval(out, *storage_of(cache), *getattr(cache, "state", []))

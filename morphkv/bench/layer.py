@@ -69,6 +69,7 @@ def held(cache, depth: int = 3) -> list:
     without building a saved state (``state`` snapshots, which decode never does)."""
     found = []
     for value in vars(cache).values():
+        value = list(value.values()) if isinstance(value, dict) else value
         for x in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(x, mx.array):
                 found.append(x)
