@@ -13,8 +13,8 @@ run again, every answer is the one the run gave.
 ``ALIAS=LABEL`` pools arms that ran under other labels (the preset of an earlier round) as one.
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 from morphkv.eval.chat_items import WHO
@@ -52,9 +52,8 @@ def main(specs: list[str], out_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    out_path = Path(__file__).with_name("said_echo.json")
-    if "--out" in args:
-        at = args.index("--out")
-        out_path, args = Path(args[at + 1]), args[:at] + args[at + 2 :]
-    main(args, out_path)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("specs", nargs="+", help="FILE.json[:ALIAS=LABEL,...]")
+    ap.add_argument("--out", type=Path, default=Path(__file__).with_name("said_echo.json"))
+    args = ap.parse_args()
+    main(args.specs, args.out)

@@ -87,6 +87,11 @@ def moves(victims, n: int, block: int):
     return (order + (n - block)).astype(victims.dtype), mx.sort(victims, axis=1)
 
 
+def widened(a, slots: int):
+    """``a`` with ``slots`` slots on its last axis (zeros appended): ``full``'s growth."""
+    return mx.concatenate([a, mx.zeros((*a.shape[:-1], slots - a.shape[-1]), a.dtype)], axis=-1)
+
+
 def move(x, src, dst, axis: int):
     """x with the rows dst (along ``axis``) replaced by the rows src."""
     return mx.put_along_axis(x, dst, mx.take_along_axis(x, src, axis=axis), axis=axis)
@@ -233,8 +238,7 @@ class DeviceEngine:
         for name in self.ARRAYS:
             a = getattr(self, name)
             if a is not None:
-                pad = mx.zeros((*a.shape[:-1], cap - a.shape[-1]), a.dtype)
-                setattr(self, name, mx.concatenate([a, pad], axis=-1))
+                setattr(self, name, widened(a, cap))
         self.capacity = cap
 
     # ---- feeding -------------------------------------------------------------------------

@@ -132,8 +132,8 @@ class DeviceBatchCache(BatchProtocol):
         engine = self.engines[idx]
         if engine is None:
             return cache
-        n = self.capacity  # ``full``: the row's own width, not the widest row's
-        n = n if self.evicts else storage.capacity(engine.slots, self.config, False)
+        # ``full``: the row's own width, not the widest row's
+        n = self.capacity if self.evicts else storage.capacity(engine.slots, self.config, False)
         engine = device_rows.load(self._arrays, engine, idx, self._H)
         try:
             engine = self.copy_engine(engine, cache.pins, n)

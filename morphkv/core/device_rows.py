@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .device import DeviceEngine, _lowest, _norms16, move, moves, running_update
+from .device import DeviceEngine, _lowest, _norms16, move, moves, running_update, widened
 
 NAMES = DeviceEngine.ARRAYS
 DETACHED = mx.zeros((0,), mx.float16)  # an engine's array while the stack holds it
@@ -33,9 +33,8 @@ def stack(engines: list, template: DeviceEngine) -> dict:
 
 
 def widen(arrays: dict, slots: int) -> dict:
-    """Every stacked array with ``slots`` slots (its last axis; zeros appended): ``full``."""
-    return {name: mx.concatenate([a, mx.zeros((*a.shape[:-1], slots - a.shape[-1]), a.dtype)],
-                                 axis=-1) for name, a in arrays.items()}
+    """Every stacked array with ``slots`` slots (``device.widened``): ``full`` rows grow."""
+    return {name: widened(a, slots) for name, a in arrays.items()}
 
 
 def detach(engine: DeviceEngine) -> DeviceEngine:
