@@ -54,7 +54,7 @@ def attend(queries, keys, values, n: int, scale: float, sinks=None, quant=None, 
     if quant is not None and k > 1:
         # many queries: dequantized once, then float products (on the CPU MLX's quantized
         # matmul is far slower for a chunk's queries); the same stored values
-        sources = [tuple(dequantize(x, *quant) for x in src) for src in sources]
+        sources = [tuple(dequantize(x, *quant, mx.float32) for x in src) for src in sources]
         quant = None
     first = sources[0][0]
     H = (first[0] if isinstance(first, tuple) else first).shape[1]

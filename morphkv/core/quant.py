@@ -21,15 +21,28 @@ GROUP_SIZES = (32, 64, 128)
 Storage = mx.array | tuple  # a plain array, or (packed, scales, biases)
 
 
+def scale_dtype(dtype):
+    """The dtype of the scales and biases stored for keys arriving in ``dtype``: float16 for a
+    float32 model (as a float16 model stores them: 4 bytes a group, not 8; an 8-bit step is
+    far coarser than float16's rounding), else the arriving dtype."""
+    return mx.float16 if dtype == mx.float32 else dtype
+
+
 def quantize(x: mx.array, group_size: int, bits: int) -> tuple:
+    """``(packed, scales, biases)`` of ``x``, the scales and biases in ``scale_dtype``."""
+    x = x.astype(scale_dtype(x.dtype))
     return tuple(mx.quantize(x, group_size=group_size, bits=bits))
 
 
-def dequantize(x: Storage, group_size: int, bits: int) -> mx.array:
-    """A float array (the arriving dtype) of what is stored; a plain array is returned as is."""
+def dequantize(x: Storage, group_size: int, bits: int, dtype=None) -> mx.array:
+    """A float array of what is stored, computed in ``dtype`` (default: the scales'; float32
+    gives what mlx's quantized matmul computes); a plain array is returned as is."""
     if not isinstance(x, tuple):
         return x
-    return mx.dequantize(*x, group_size=group_size, bits=bits)
+    packed, scales, biases = x
+    if dtype is not None and dtype != scales.dtype:
+        scales, biases = scales.astype(dtype), biases.astype(dtype)
+    return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
 
 
 def apply(fn: Callable, *xs: Storage) -> Storage:
@@ -58,7 +71,7 @@ def dims(x: Storage) -> tuple[int, int, int]:
 
 
 def dtype(x: Storage):
-    """The dtype keys arrived in (a triplet's scales keep it)."""
+    """The stored float dtype: a plain array's, a triplet's scales' (``scale_dtype``)."""
     return x[1].dtype if isinstance(x, tuple) else x.dtype
 
 

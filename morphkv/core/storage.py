@@ -49,7 +49,8 @@ def check(keys, values, stored_keys, stored_values, config, rows: int | None) ->
         if (new.shape[1], new.shape[3]) != (H, D):
             raise ValueError(f"{name} of shape {tuple(new.shape)} do not match the cache: "
                              f"expected n_kv_heads {H}, head_dim {D}")
-        if new.dtype != quant.dtype(old):
+        arriving = quant.scale_dtype(new.dtype) if isinstance(old, tuple) else new.dtype
+        if quant.dtype(old) not in (new.dtype, arriving):  # an older save: float32 scales
             raise ValueError(f"{name} dtype {new.dtype} differs from the stored "
                              f"{quant.dtype(old)}")
 
