@@ -13,6 +13,7 @@ from mlx_lm.models import cache as mlx_cache
 
 import morphkv
 from morphkv import METHODS, KVCacheBuilder, KVCacheConfig
+from morphkv.core import quant
 from morphkv.eval.models import greedy_tokens, tiny_llama
 
 CONFIG = dict(morphkv_budget=20, morphkv_n_sink=2, morphkv_window=4)
@@ -278,3 +279,27 @@ def test_bound_known_early_equals_bytes_once_full(bits):
     bound = cache.nbytes_bound
     cache.update_and_fetch(k[:, :, 5:], k[:, :, 5:])
     assert bound == cache.nbytes
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_scales_are_two_bytes_and_attention_computes_in_float32(model, dtype):
+    """Scales and biases are stored in float16 for float32 keys (4 bytes a group of 64, not 8:
+    a 64-dim row is 68 bytes at 8 bits) and in the arriving dtype otherwise; the stored rows
+    dequantize to the keys within an 8-bit step, and a chunk's attention (dequantized in
+    float32) equals token-by-token decoding (mlx's quantized matmul) on a float32 model."""
+    k, v = random_kv(T=10, dtype=dtype)
+    cache = KVCacheBuilder.build(KVCacheConfig(kv_bits=8, kv_group_size=64, scoring="proxy",
+                                                **CONFIG))
+    keys, _ = cache.update_and_fetch(k, v)
+    want = mx.float16 if dtype == mx.float32 else dtype
+    assert keys[1].dtype == keys[2].dtype == want
+    assert cache.morphkv_kept_bytes == 10 * 2 * (64 + 2 * 2)
+    got, k = quant.dequantize(keys, 64, 8, mx.float32), k.astype(mx.float32)
+    step = (k.max(-1, keepdims=True) - k.min(-1, keepdims=True)) / 255  # one 8-bit step
+    slack = 2 ** -8 if dtype == mx.bfloat16 else 2 ** -11  # the scales' own rounding
+    assert bool(mx.all(mx.abs(got - k) <= step * (1 + 255 * slack) + 2 * slack * mx.abs(k)))
+    if dtype == mx.float32:
+        config = KVCacheConfig(method="full", kv_bits=8, **CONFIG)
+        a, _ = run(model, config, 1)
+        b, _ = run(model, config, 70)
+        np.testing.assert_allclose(a, b, atol=2e-3)
