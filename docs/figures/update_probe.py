@@ -3,6 +3,7 @@ the updated fact's old and new values stand? For each value: its token positions
 whether they are pinned, and in how many (layer, KV head) cells each is still held.
 
     python docs/figures/update_probe.py --first 136 --chats 2
+    python docs/figures/update_probe.py --first 144 --chats 2 --all  (round 20b's loop losses)
 
 Prints one block per chat; nothing is chosen from it (round 17b's losses, read once)."""
 
@@ -24,6 +25,7 @@ def main() -> None:
     ap.add_argument("--first", type=int, default=136)
     ap.add_argument("--chats", type=int, default=2)
     ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--all", action="store_true", help="every asked value, not only the update")
     a = ap.parse_args()
     model, tok = load("qwen2.5-0.5b")
     patch_with_flags(model, ["--kv-memory", "1572864"])
@@ -42,12 +44,14 @@ def main() -> None:
         held = [np.asarray(c.kept_positions) for c in cache]  # (B, H, n) per layer
         cells = sum(h.shape[1] for h in held)
         pinned = set(cache[0].pins.positions().tolist())
-        for value in sorted({q.value, *[w for w in q.wrong if w in said]}):
+        asked = [x.value for x in chat.questions] if a.all else [q.value]
+        for value in sorted({*asked, *[w for w in q.wrong if w in said]}):
             for span in value_spans(tok, stream, value):
                 s, e = span.start, span.stop
                 whole = sum(bool(np.isin(span, h[0, k]).all())
                             for h in held for k in range(h.shape[1]))
-                print(f"  {'NEW' if value == q.value else 'old'} {value!r} at {s}-{e}: pinned "
+                label = "NEW" if value == q.value else "asked" if value in asked else "old"
+                print(f"  {label} {value!r} at {s}-{e}: pinned "
                       f"{all(p in pinned for p in span)}, whole in {whole} of {cells} "
                       "cells")
         first = value_spans(tok, stream, q.value)[0].start  # the update sentence around it
