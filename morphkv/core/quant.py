@@ -30,7 +30,8 @@ def scale_dtype(dtype):
 
 def quantize(x: mx.array, group_size: int, bits: int) -> tuple:
     """``(packed, scales, biases)`` of ``x``, the scales and biases in ``scale_dtype``."""
-    x = x.astype(scale_dtype(x.dtype))
+    if scale_dtype(x.dtype) != x.dtype:  # no cast node on the decode path when none is due
+        x = x.astype(scale_dtype(x.dtype))
     return tuple(mx.quantize(x, group_size=group_size, bits=bits))
 
 

@@ -49,10 +49,10 @@ def check(keys, values, stored_keys, stored_values, config, rows: int | None) ->
         if (new.shape[1], new.shape[3]) != (H, D):
             raise ValueError(f"{name} of shape {tuple(new.shape)} do not match the cache: "
                              f"expected n_kv_heads {H}, head_dim {D}")
-        arriving = quant.scale_dtype(new.dtype) if isinstance(old, tuple) else new.dtype
-        if quant.dtype(old) not in (new.dtype, arriving):  # an older save: float32 scales
-            raise ValueError(f"{name} dtype {new.dtype} differs from the stored "
-                             f"{quant.dtype(old)}")
+        stored = quant.dtype(old)  # quantized: scale_dtype's, or an older save's float32
+        if stored != new.dtype and not (
+                isinstance(old, tuple) and stored == quant.scale_dtype(new.dtype)):
+            raise ValueError(f"{name} dtype {new.dtype} differs from the stored {stored}")
 
 
 class Accepted(tuple):
