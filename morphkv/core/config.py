@@ -52,6 +52,10 @@ class KVCacheConfig:
             ``QuantizedKVCache``) and attention runs through mlx_lm's quantized path.
         kv_group_size: elements sharing one scale and bias when quantized (32, 64 or 128;
             must divide head_dim).
+        kv_smooth: with ``kv_bits``, on a model whose key projection adds a bias (Qwen2), store
+            keys with its outlier channels divided out and the queries multiplied back
+            (``morphkv.mlxlm.keyscale``: folded into the model's weights by ``patch_model`` /
+            ``KVCacheBuilder.for_model``, logits unchanged); no effect elsewhere.
         morphkv_block: tokens evicted at once (int >= 1): once ``budget`` tokens are stored,
             the next token triggers evicting the ``block`` lowest-scoring unprotected ones, and
             the next ``block - 1`` tokens fill the freed slots (1: evict one per token).
@@ -112,6 +116,7 @@ class KVCacheConfig:
     seed: int = 0
     kv_bits: int | None = None
     kv_group_size: int = 64
+    kv_smooth: bool = True
     morphkv_block: int = 1
     kv_memory: int | None = None
     morphkv_recent_share: float | None = None
@@ -269,6 +274,8 @@ class KVCacheConfig:
             raise ValueError(
                 f"kv_group_size must be one of {GROUP_SIZES}, got {self.kv_group_size!r}"
             )
+        if not isinstance(self.kv_smooth, bool):
+            raise ValueError(f"kv_smooth must be True or False, got {self.kv_smooth!r}")
         if self.kv_bits is not None and self.head_dim is not None:
             if self.head_dim % self.kv_group_size:
                 raise ValueError(

@@ -25,6 +25,7 @@ FIELDS = {  # a knob's name -> the KVCacheConfig field that holds it
     "seed": "seed",
     "kv_bits": "kv_bits",
     "kv_group_size": "kv_group_size",
+    "kv_smooth": "kv_smooth",
     "block": "morphkv_block",
     "kv_memory": "kv_memory",
     "recent_share": "morphkv_recent_share",

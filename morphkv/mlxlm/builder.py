@@ -9,7 +9,7 @@ from typing import Any
 
 from ..core.cache import MorphKVCache
 from ..core.config import VOTES, KVCacheConfig
-from . import forward, hooks
+from . import forward, hooks, keyscale
 from .layout import count_global, morph_caches, native_caches, native_factory, replace_global
 from .memory import resolve_for_model
 
@@ -89,6 +89,7 @@ class KVCacheBuilder:
                 f"caches: {', '.join(kinds) or 'none'}); morphkv has nothing to do here"
             )
         config = _scoring(model, config)
+        keyscale.follow(model, config)
         config = resolve_for_model(model, config, _factory)
         if config.pin_rank in VOTES or config.pin_repeats:  # the model's forward pass: one
             forward.watch(model)  # ranking over all layers; the prompt's token ids
@@ -113,6 +114,7 @@ def patch_model(model: Any, config: KVCacheConfig) -> Any:
     on every call. Returns the model; ``unpatch_model`` restores the original factory. A
     ``kv_memory`` config is resolved here, once: a size too small fails now."""
     config = config.validate(resolved=False)
+    keyscale.follow(model, config)
     native = native_factory(model)  # the factory to build on: never our own (no recursion)
     if config.kv_memory is not None:
         config = KVCacheBuilder.resolve_with(model, config, native)
@@ -129,6 +131,7 @@ def unpatch_model(model: Any) -> Any:
     """Undo ``patch_model``: the model's own factory again (one it had on the instance is
     put back)."""
     forward.unwatch(model)
+    keyscale.restore(model)
     installed = vars(model).get("make_cache")
     if installed is not None and hasattr(installed, "morphkv_native"):
         del model.make_cache

@@ -92,6 +92,10 @@ ARGS = {  # knob -> its flag's settings; the flag is --knob (morphkv.core.knobs)
                     "bits (default: as they arrive, unquantized)."),
     "kv_group_size": dict(type=int, choices=(32, 64, 128), help="Quantization group size with "
                           "--kv-bits (default: 64)."),
+    "kv_smooth": dict(action=argparse.BooleanOptionalAction, help="With --kv-bits, on a "
+                      "model whose key projection adds a bias (Qwen2): divide the keys' "
+                      "outlier channels out before rounding, the queries multiplied back "
+                      "(logits unchanged; default: on)."),
     "kv_memory": dict(type=_size, metavar="SIZE", help="Bytes of KV cache "
                       "per sequence over all layers (e.g. 64M, 1.5G, 512K: K/V storage plus "
                       "selection state); replaces --budget with the most tokens per KV head "
