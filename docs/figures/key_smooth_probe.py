@@ -4,7 +4,9 @@ set the rounding of 8-bit keys, and does dividing them out first fix it?
 Each key rotary pair (c, c + D/2) is divided by a per-(layer, KV head) scale before rounding
 and the query multiplied by it (q . k unchanged): the scale is the pair's largest magnitude
 over the median pair's, at least 1, fitted on the first ``FIT`` tokens' keys ("first") or
-read off the key projection's bias ("bias": a model constant, no data).
+read off the key projection's bias ("bias": a model constant, no data), or predicted from its
+weights, bias and input norm (``keyscale.channel_rms``) to the power 0.5, 0.75 or 1
+("weights^a"; the shipped rule is ``keyscale.ALPHA``).
 
     python docs/figures/key_smooth_probe.py attention   (attention KL per format, 1,200 tokens)
     python docs/figures/key_smooth_probe.py chat --first 143 --chats 6
@@ -30,6 +32,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from morphkv.eval import live
+from morphkv.mlxlm import keyscale
 from morphkv.model import load
 
 FIT, REPO = 32, Path(__file__).resolve().parents[2]
@@ -75,15 +78,19 @@ def attention(model, tok) -> dict:
         model(mx.array([ids]), cache=make_prompt_cache(model))
     finally:
         qwen2.scaled_dot_product_attention = plain
-    out = {"g64": [], "g32": [], "first": [], "bias": []}
+    out = {"g64": [], "g32": [], "first": [], "bias": [], "weights^0.5": [], "weights^0.75": [],
+           "weights^1": []}
     for layer, (q, k, scale) in zip(model.model.layers, seen, strict=True):
         rep = q.shape[1] // k.shape[1]
         out["g64"].append(attention_kl(q, k, rounded(k), scale))
         out["g32"].append(attention_kl(q, k, rounded(k, 32), scale))
         bias = layer.self_attn.k_proj.bias.astype(mx.float32).reshape(1, k.shape[1], 1, -1)
+        rms = keyscale.channel_rms(layer.self_attn, layer.input_layernorm)
+        rms = pair_scale(rms.reshape(1, k.shape[1], 1, -1))
         for name, s in (("first", pair_scale(mx.max(mx.abs(k[:, :, :FIT]), axis=2,
                                                      keepdims=True))),
-                        ("bias", pair_scale(mx.abs(bias) + 1e-3))):
+                        ("bias", pair_scale(mx.abs(bias) + 1e-3)),
+                        *((f"weights^{a}", rms ** a) for a in (0.5, 0.75, 1))):
             out[name].append(attention_kl(q * mx.repeat(s, rep, axis=1), k / s,
                                           rounded(k / s), scale))
     for name, v in out.items():

@@ -7,10 +7,15 @@ the rounding step of every other channel of the row. Dividing each key channel b
 Channels a rotary pair mixes share one ``s``, so it commutes with RoPE. The stored keys then
 have no outliers.
 
-Here ``s`` is read off the bias: per KV head, the larger magnitude of each rotary pair over the
-median pair's, at least 1. It is folded into the query and key projections' weights once, so
-the decode step does no extra work. Measured before it shipped: attention KL of 8-bit keys over
-1,200 tokens on Qwen2.5-0.5B 0.060 -> 0.010 (``docs/figures/key_smooth_probe.py``).
+Here ``s`` is read off the weights, no data: each key channel's RMS is estimated as
+``sqrt(b_c^2 + |W_c * g|^2)`` (bias, the key projection's row, the input norm's weight ``g``:
+the input is RMS-normalised, so ``W_c . x`` has about that spread; it tracks each channel's
+measured RMS on Qwen2.5-0.5B); per KV head, ``s`` is the larger estimate of each rotary pair
+over the median pair's, at least 1, to the power ``ALPHA``: the outliers come most of the way
+down to the median and no channel is scaled past it (a bias alone over-scales where it is
+small next to ``W x``). It is folded into the query and key projections' weights once, so the
+decode step does no extra work. Measured before it shipped: attention KL of 8-bit keys over
+1,200 tokens on Qwen2.5-0.5B 0.060 -> 0.005 (``docs/figures/key_smooth_probe.py``).
 
 ``follow(model, config)`` smooths the model for a quantizing config (``kv_bits`` with
 ``kv_smooth``, the default), undoes it for a quantizing config with ``kv_smooth=False``, and
@@ -29,7 +34,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-ORIGINAL = "_morphkv_key_scale"  # on the model: [(attn, q weight, q bias, k weight, k bias)]
+# s = (the pair's estimate over the median's) ** ALPHA: 0.75 of the way to the median, as
+# SmoothQuant's migration strength; on the probe text (README + engine.md, Qwen2.5-0.5B) the
+# attention KL of 8-bit keys was 0.0108 / 0.0051 / 0.0083 at 0.5 / 0.75 / 1 (0.060 unscaled)
+ALPHA = 0.75
+ORIGINAL = "_morphkv_key_scale"  # on the model: [(attn, s, q weight, q bias, k weight, k bias)]
 
 
 def _attention(layer: Any) -> Any | None:
@@ -44,16 +53,26 @@ def _attention(layer: Any) -> Any | None:
     return attn
 
 
-def pair_scale(bias: mx.array, heads: int, dims: int, traditional: bool) -> mx.array:
-    """(heads, D) float32: per KV head, each channel's rotary pair's larger bias magnitude over
-    the median pair's, at least 1 (channels at or past ``dims`` are not rotated: their own)."""
-    b = mx.abs(bias.astype(mx.float32)).reshape(heads, -1)
+def channel_rms(attn: Any, norm: Any) -> mx.array:
+    """(n_kv_heads * D,) float32: each key channel's RMS as the weights predict it,
+    ``sqrt(b^2 + |W_c * g|^2)`` (``g``: the input norm's weight, 1 without one)."""
+    w, b = attn.k_proj.weight.astype(mx.float32), attn.k_proj.bias.astype(mx.float32)
+    g = getattr(norm, "weight", None)
+    w = w if g is None or g.shape != (w.shape[1],) else w * g.astype(mx.float32)[None]
+    return mx.sqrt(mx.sum(w * w, axis=1) + b * b)
+
+
+def pair_scale(size: mx.array, heads: int, dims: int, traditional: bool) -> mx.array:
+    """(heads, D) float32: per KV head, each channel's rotary pair's larger ``size`` over the
+    median pair's, at least 1, to the power ``ALPHA`` (channels at or past ``dims`` are not
+    rotated: their own)."""
+    b = mx.abs(size.astype(mx.float32)).reshape(heads, -1)
     D, c = b.shape[1], mx.arange(b.shape[1])
     half = dims // 2
     partner = mx.where(c >= dims, c, (c ^ 1) if traditional else (c + half) % max(dims, 1))
     pair = mx.maximum(b, b[:, partner])
     median = mx.sort(pair, axis=1)[:, D // 2 : D // 2 + 1]
-    return mx.maximum(pair / mx.maximum(median, 1e-6), 1.0)
+    return mx.maximum(pair / mx.maximum(median, 1e-6), 1.0) ** ALPHA
 
 
 def _scale_rows(linear: nn.Linear, s: mx.array) -> None:
@@ -73,9 +92,10 @@ def smooth(model: Any) -> int:
         if attn is None:
             continue
         heads, qheads = attn.n_kv_heads, attn.n_heads
-        s = pair_scale(attn.k_proj.bias, heads, attn.rope.dims, attn.rope.traditional)
+        size = channel_rms(attn, getattr(layer, "input_layernorm", None))
+        s = pair_scale(size, heads, attn.rope.dims, attn.rope.traditional)
         q, k = attn.q_proj, attn.k_proj
-        saved.append((attn, q.weight, q.get("bias"), k.weight, k.bias))
+        saved.append((attn, s, q.weight, q.get("bias"), k.weight, k.bias))
         _scale_rows(k, (1.0 / s).reshape(-1))
         _scale_rows(q, mx.repeat(s, qheads // heads, axis=0).reshape(-1))
     if saved:
@@ -84,9 +104,14 @@ def smooth(model: Any) -> int:
     return len(saved)
 
 
+def applied(model: Any) -> list[mx.array]:
+    """The (n_kv_heads, D) scales the model's smoothed layers divide their keys by."""
+    return [t[1] for t in vars(model).get(ORIGINAL, [])]
+
+
 def restore(model: Any) -> None:
     """Put the original projection weights back (nothing if the model is not smoothed)."""
-    for attn, qw, qb, kw, kb in vars(model).pop(ORIGINAL, []):
+    for attn, _, qw, qb, kw, kb in vars(model).pop(ORIGINAL, []):
         attn.q_proj.weight, attn.k_proj.weight, attn.k_proj.bias = qw, kw, kb
         if qb is not None:
             attn.q_proj.bias = qb
