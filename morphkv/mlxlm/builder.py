@@ -77,7 +77,7 @@ class KVCacheBuilder:
         budget (``morphkv.recommended(memory=N)``) gets the most tokens per KV head whose
         caches hold at most ``kv_memory`` bytes over all these layers
         (``morphkv.mlxlm.memory``); ``ValueError`` when even the sinks and recent tokens do
-        not fit."""
+        not fit. A quantizing config smooths the model's keys (``keyscale``, ``kv_smooth``)."""
         config = config.validate(resolved=False)
         if config.head_dim is None:
             config = dataclasses.replace(config, head_dim=_model_head_dim(model))
@@ -112,7 +112,8 @@ def patch_model(model: Any, config: KVCacheConfig) -> Any:
     """Install ``model.make_cache`` so mlx_lm's ``generate``, ``stream_generate``,
     ``make_prompt_cache`` (and the server) build fresh caches (``KVCacheBuilder.for_model``)
     on every call. Returns the model; ``unpatch_model`` restores the original factory. A
-    ``kv_memory`` config is resolved here, once: a size too small fails now."""
+    ``kv_memory`` config is resolved here, once: a size too small fails now. A quantizing
+    config smooths the model's keys here (``keyscale``: ``kv_smooth``, logits unchanged)."""
     config = config.validate(resolved=False)
     keyscale.follow(model, config)
     native = native_factory(model)  # the factory to build on: never our own (no recursion)
@@ -129,7 +130,7 @@ def patch_model(model: Any, config: KVCacheConfig) -> Any:
 
 def unpatch_model(model: Any) -> Any:
     """Undo ``patch_model``: the model's own factory again (one it had on the instance is
-    put back)."""
+    put back) and its own query / key projections (``keyscale.restore``)."""
     forward.unwatch(model)
     keyscale.restore(model)
     installed = vars(model).get("make_cache")
