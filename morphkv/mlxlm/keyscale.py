@@ -48,8 +48,10 @@ def _attention(layer: Any) -> Any | None:
     q, k = getattr(attn, "q_proj", None), getattr(attn, "k_proj", None)
     if type(q) is not nn.Linear or type(k) is not nn.Linear or "bias" not in k:
         return None
-    if getattr(getattr(attn, "rope", None), "traditional", None) is None:
-        return None
+    rope = getattr(attn, "rope", None)
+    if getattr(rope, "traditional", None) is None or not isinstance(getattr(rope, "dims", None),
+                                                                    int):
+        return None  # a RoPE whose pairing it cannot see: left as it is
     return attn
 
 
@@ -77,7 +79,7 @@ def pair_scale(size: mx.array, heads: int, dims: int, traditional: bool) -> mx.a
 
 def _scale_rows(linear: nn.Linear, s: mx.array) -> None:
     """Multiply the output channels of ``linear`` by ``s`` (flat, one per output)."""
-    linear.weight = (linear.weight * s[:, None].astype(linear.weight.dtype))
+    linear.weight = linear.weight * s[:, None].astype(linear.weight.dtype)
     if "bias" in linear:
         linear.bias = linear.bias * s.astype(linear.bias.dtype)
 
