@@ -9,28 +9,21 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import _get_classes
 
 from morphkv import KVCacheBuilder, KVCacheConfig, patch_model, recommended, unpatch_model
 from morphkv.core import quant
 from morphkv.mlxlm import keyscale
+from tests.test_families import tiny as family_model
 
-ARGS = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
-            num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128)
 OUTLIERS = (29, 30, 61, 62)  # two rotary pairs of a 64-dim head: (29, 61), (30, 62)
 PROMPT = mx.array([[int(i) for i in np.random.default_rng(0).integers(0, 128, 80)]])
 EIGHT_BITS = KVCacheConfig(method="streaming_llm", morphkv_budget=512, kv_bits=8,
                            kv_group_size=32)
 
 
-QWEN3 = dict(head_dim=64, max_position_embeddings=512, tie_word_embeddings=False, rope_theta=1e4)
-
-
 def tiny(family: str = "qwen2"):
-    args = dict(ARGS, model_type=family, **(QWEN3 if family == "qwen3" else {}))
-    model_class, args_class = _get_classes(args)
-    mx.random.seed(0)
-    model = model_class(args_class.from_dict(args))
+    """test_families' tiny model with 64-dim heads; Qwen2's key bias gets two outlier pairs."""
+    model = family_model(family, hidden_size=256, **({"head_dim": 64} if family == "qwen3" else {}))
     for layer in model.layers:
         k = getattr(layer.self_attn.k_proj, "bias", None)
         if k is not None:  # Qwen's large key-bias entries
