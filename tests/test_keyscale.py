@@ -110,3 +110,33 @@ def test_eight_bit_keys_round_closer_with_the_outliers_divided_out():
 
     plain, divided = error(keys), error(smoothed, s)
     assert divided < 0.8 * plain, (divided, plain)
+
+
+def test_a_cache_saved_before_smoothing_existed_reads_back_unsmoothed(tmp_path):
+    """Keys saved without the field were stored unsmoothed: the loaded config says so, so a
+    check against the running (smoothing) config sees the difference instead of mixing them."""
+    import json
+
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    assert KVCacheConfig.from_json(EIGHT_BITS.to_json()).kv_smooth is True
+    old = json.loads(EIGHT_BITS.to_json())
+    del old["kv_smooth"]
+    assert KVCacheConfig.from_json(json.dumps(old)).kv_smooth is False
+    old["kv_bits"] = None  # a float cache: the field changes nothing, the default stays
+    assert KVCacheConfig.from_json(json.dumps(old)).kv_smooth is True
+    model = tiny()
+    caches = KVCacheBuilder.for_model(model, EIGHT_BITS)
+    model(PROMPT, cache=caches)
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, caches)
+    arrays, meta = mx.load(path, return_metadata=True)
+    for i in range(len(caches)):  # rewrite each config as a release before kv_smooth wrote it
+        name = f"{i}.0"  # mlx_lm stores the state's strings as arrays of code points
+        fields = json.loads("".join(chr(c) for c in arrays[name].tolist()))
+        del fields["kv_smooth"]
+        arrays[name] = mx.array([ord(c) for c in json.dumps(fields)])
+    mx.save_safetensors(path, arrays, metadata=meta)
+    loaded = load_prompt_cache(path)
+    assert loaded[0].config.kv_smooth is False
+    unpatch_model(model)

@@ -287,9 +287,14 @@ class KVCacheConfig:
 
     @classmethod
     def from_json(cls, text: str) -> KVCacheConfig:
-        """The config saved by ``to_json``; a malformed one raises ``ValueError``."""
+        """The config saved by ``to_json``; a malformed one raises ``ValueError``. A config
+        saved before ``kv_smooth`` existed with ``kv_bits`` stored its keys unsmoothed: it
+        reads back as ``kv_smooth=False``, so a check against the running config sees the
+        difference (a float config keeps the default: the field changes nothing there)."""
         try:
             fields = json.loads(text)
+            if isinstance(fields, dict) and "kv_smooth" not in fields:
+                fields["kv_smooth"] = fields.get("kv_bits") is None
             return cls(**fields)
         except (TypeError, ValueError) as e:
             raise ValueError(f"saved cache config is malformed: {e}") from None
