@@ -193,17 +193,19 @@ def test_a_chunk_longer_than_the_room_is_voted_in_pieces_as_mlx_lm_would_cut_it(
     assert_same_cache(cut, caches)
 
 
-def test_a_chunk_no_vote_can_need_runs_whole_with_the_same_result(monkeypatch):
-    """Turns whose pins stay within the room (31) are not cut: ``vote.piece`` gives the whole
-    chunk, and the caches equal those of the same chat cut into pieces before each turn (every
-    piece's vote returning unread); a chunk that could pass the room is still cut."""
-    turns = prompts_of([12, 9, 8], seed=5)
+def test_the_pieces_no_vote_needs_run_as_one_with_the_same_result(monkeypatch):
+    """Turns whose pins stay within the room (31) are not cut, and a longer one runs its
+    leading pieces as one up to where a vote can run (``vote.plan``); the caches equal those of
+    the same chat cut into every piece (each of those votes returning unread)."""
+    turns = prompts_of([12, 9, 40, 8], seed=5)
     model = model_for()
     fresh = model.make_cache()
-    assert vote.piece(fresh, 12) == 12 and vote.piece(fresh, 45) < 45
-    whole = chat(model, turns)
-    assert vote.piece(whole, 8) < 8 and vote.may_vote(whole[0], 8)  # pins near the room now
-    monkeypatch.setattr(vote, "may_vote", lambda cache, C: True)  # cut as before
+    size = vote.piece(fresh, 45)
+    assert vote.plan(fresh, 12, vote.piece(fresh, 12)) == [(0, 12)]
+    assert vote.plan(fresh, 45, size) == [(0, 28), *vote.pieces(45, size)[4:]] and size == 7
+    joined = chat(model, turns)
+    assert len(vote.plan(joined, 8, vote.piece(joined, 8))) == 2  # pins near the room now
+    monkeypatch.setattr(vote, "plan", lambda caches, C, size: vote.pieces(C, size))
     cut = chat(model, turns)
-    assert [c.pins.ranges() for c in cut] == [c.pins.ranges() for c in whole]
-    assert_same_cache(cut, whole)
+    assert [c.pins.ranges() for c in cut] == [c.pins.ranges() for c in joined]
+    assert_same_cache(cut, joined)

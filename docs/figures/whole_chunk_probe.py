@@ -1,9 +1,10 @@
 """Probe (stop 70): a prompt chunk whose pins cannot pass the vote's room, run whole or cut.
 
-``vote.piece`` used to cut every chunk longer than a quarter of the room into pieces (a vote
-before each) even where no vote could run; ``vote.may_vote`` now lets such a chunk run whole.
-This times one prompt into fresh caches of ``recommended(memory=...)`` both ways (the old way
-by forcing ``may_vote``), alternated, 5 runs each, and checks the logits are the same.
+The model's forward pass used to cut every chunk longer than a quarter of the vote's room into
+pieces (a vote before each) even where no vote could run; ``vote.plan`` now joins the leading
+pieces no vote needs. This times one prompt into fresh caches of ``recommended(memory=...)``
+both ways (the old way by making ``plan`` return every piece), alternated, 5 runs each, and
+checks that the logits are the same.
 
     OPENBLAS_NUM_THREADS=1 python docs/figures/whole_chunk_probe.py
 
@@ -30,19 +31,19 @@ CASES = ((None, 180, 2.81), ("qwen2.5-0.5b", 150, 1.5))  # model (None: SmolLM2)
 def one(name: str, tokens: int, mib: float, runs: int = 5) -> dict:
     model, tok = load(name)
     ids = mx.array(tok.encode((REPO / "docs/engine.md").read_text())[:tokens])[None]
-    config, may_vote = recommended(memory=int(mib * 2**20)), vote.may_vote
+    config, plan = recommended(memory=int(mib * 2**20)), vote.plan
     times, logits = {"cut": [], "whole": []}, {}
     try:
         for r in range(runs):
             for way in (("cut", "whole") if r % 2 else ("whole", "cut")):
-                vote.may_vote = (lambda c, C: True) if way == "cut" else may_vote
+                vote.plan = (lambda c, C, size: vote.pieces(C, size)) if way == "cut" else plan
                 caches = KVCacheBuilder.for_model(model, config)
                 t = time.perf_counter()
                 logits[way] = model(ids, cache=caches)
                 mx.eval(logits[way], [c.state for c in caches])
                 times[way].append(time.perf_counter() - t)
     finally:
-        vote.may_vote = may_vote
+        vote.plan = plan
     built = KVCacheBuilder.for_model(model, config)[0].config
     return {"model": name or "smollm2-135m", "tokens": tokens, "memory_mib": mib,
             "budget": built.budget, "piece_when_cut": max(2, min(tokens, vote.room(built) // 4)),

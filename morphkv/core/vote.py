@@ -68,34 +68,39 @@ def voting(caches: list) -> list:
 
 def piece(caches: list, C: int) -> int:
     """Columns a forward pass of ``C`` columns is cut into (``C``: not cut): where a vote
-    may run (``may_vote``), a quarter of its room, so each piece's vote keeps at least the room
-    less a quarter and the due reply. A whole chunk at once (mlx_lm's prefill step: up to 2,048;
-    the evals' 256) would leave it ``room - C``: nothing at all past the room (each layer then
-    ranks alone)."""
+    runs, a quarter of its room (``plan`` joins the pieces no vote needs), so each piece's vote
+    keeps at least the room less a quarter and the due reply. A whole chunk at once (mlx_lm's
+    prefill step: up to 2,048; the evals' 256) would leave it ``room - C``: nothing at all past
+    the room (each layer then ranks alone)."""
     if C < 4:
         return C
     those = voting(caches)
-    if not those:
-        return C
-    size = max(2, min(C, room(those[0].config) // 4))
-    return size if size < C and may_vote(those[0], C) else C
+    return max(2, min(C, room(those[0].config) // 4)) if those else C
 
 
-def may_vote(cache, C: int) -> bool:
-    """Could a vote run before any piece of a chunk of ``C`` columns: is there a row whose
-    pinned tokens (all it ever pinned: an upper bound on those held), with every token the chunk
-    pins and its due reply, pass the room? Where none can, the pieces' votes would all return
-    before reading a key, so the chunk runs whole: the same logits and caches in one forward pass
-    (``docs/figures/whole_chunk_probe.py``: a 150-token turn into Qwen2.5-0.5B's memory preset
-    0.61x the time of four pieces)."""
-    _, counts = cache.spans(C)
-    limit = room(cache.config)
-    for i, n in enumerate(counts.tolist()):
+def plan(caches: list, C: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) column ranges a forward pass of ``C`` columns runs as: ``pieces(C, size)``,
+    the leading pieces before which no vote can run joined into one. A vote before the piece
+    ending at column ``b`` can run only where a row's pinned tokens (all it ever pinned: an
+    upper bound on those held), its due reply and its columns up to ``b`` pass the room; below
+    that, every vote would return before reading a key, so joining changes nothing but the
+    number of forward passes (the same logits and caches; ``docs/figures/whole_chunk_probe.py``:
+    a 150-token turn into Qwen2.5-0.5B's memory preset whole in 0.67x the time of four
+    pieces)."""
+    cut = pieces(C, size)
+    cache = next(iter(voting(caches)), None)
+    if cache is None or len(cut) == 1:
+        return cut
+    starts, counts = cache.spans(C)
+    limit, rows = room(cache.config), []
+    for i, (s, n) in enumerate(zip(starts.tolist(), counts.tolist(), strict=True)):
         engine = cache.engines[i] if i < len(cache.engines) else None
         due = 0 if engine is None else cache.reply_due(i, engine.seen)
-        if n and len(cache.pins_of(i)) + cache.pinned_count(i, n, C) + due > limit:
-            return True
-    return False
+        if n:
+            rows.append((s, n, len(cache.pins_of(i)) + due))
+    free = sum(all(base + min(max(b - s, 0), n) <= limit for s, n, base in rows)
+               for _, b in cut)  # the bound grows with b: the free pieces lead
+    return [(0, cut[free - 1][1]), *cut[free:]] if free > 1 else cut
 
 
 def pieces(C: int, size: int) -> list[tuple[int, int]]:

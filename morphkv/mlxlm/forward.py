@@ -6,10 +6,11 @@ layer's caches at once, before the first layer takes a prefill chunk, and ``pin_
 model itself everywhere (``generate_step``, ``stream_generate``, ``BatchGenerator``, the
 server): ``watch`` gives the model instance a subclass of its own class whose ``__call__`` runs
 ``heard`` and ``vote.trim`` over the ``cache`` list, then the model's own ``__call__``. Where a
-vote may run (``vote.may_vote``), a chunk of token ids longer than a quarter of its room is run
-as pieces of that size (a vote before each, the logits joined), as mlx_lm's own prefill steps
-cut a prompt. The class keeps its name and module (the attention hook finds the same modules),
-weights and ``isinstance`` are unchanged, and ``unwatch`` puts the original class back.
+vote runs, a chunk of token ids longer than a quarter of its room is run as pieces of that size
+(a vote before each, the logits joined; ``vote.plan`` joins the leading pieces no vote needs),
+as mlx_lm's own prefill steps cut a prompt. The class keeps its name and module (the attention
+hook finds the same modules), weights and ``isinstance`` are unchanged, and ``unwatch`` puts the
+original class back.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _watched_call(cls: type):
             vote.trim(cache, C)
             return cls.__call__(self, *args, **kwargs)
         outs = []
-        for start, end in vote.pieces(C, size) if size < C else [(0, C)]:
+        for start, end in vote.plan(cache, C, size) if size < C else [(0, C)]:
             _set(cache, "pin_skip", None if skip is None else [m[start:end] for m in skip])
             vote.trim(cache, end - start, prompt=size < C)
             _set(cache, "prompt_piece", size < C and end - start == 1)
