@@ -139,4 +139,7 @@ def test_a_cache_saved_before_smoothing_existed_reads_back_unsmoothed(tmp_path):
     mx.save_safetensors(path, arrays, metadata=meta)
     loaded = load_prompt_cache(path)
     assert loaded[0].config.kv_smooth is False
+    from morphkv.runtime.cache_flags import describe  # what chat --load's refusal names
+
+    assert "--no-kv-smooth" in describe(loaded[0].config) and "smooth" not in describe(EIGHT_BITS)
     unpatch_model(model)
