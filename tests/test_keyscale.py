@@ -5,14 +5,17 @@ rotary pair, are applied once however often the model is patched, come off again
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from morphkv import KVCacheBuilder, KVCacheConfig, patch_model, recommended, unpatch_model
 from morphkv.core import quant
 from morphkv.mlxlm import keyscale
+from morphkv.runtime.cache_flags import describe
 from tests.test_families import tiny as family_model
 
 OUTLIERS = (29, 30, 61, 62)  # two rotary pairs of a 64-dim head: (29, 61), (30, 62)
@@ -115,10 +118,6 @@ def test_eight_bit_keys_round_closer_with_the_outliers_divided_out():
 def test_a_cache_saved_before_smoothing_existed_reads_back_unsmoothed(tmp_path):
     """Keys saved without the field were stored unsmoothed: the loaded config says so, so a
     check against the running (smoothing) config sees the difference instead of mixing them."""
-    import json
-
-    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
-
     assert KVCacheConfig.from_json(EIGHT_BITS.to_json()).kv_smooth is True
     old = json.loads(EIGHT_BITS.to_json())
     del old["kv_smooth"]
@@ -139,7 +138,6 @@ def test_a_cache_saved_before_smoothing_existed_reads_back_unsmoothed(tmp_path):
     mx.save_safetensors(path, arrays, metadata=meta)
     loaded = load_prompt_cache(path)
     assert loaded[0].config.kv_smooth is False
-    from morphkv.runtime.cache_flags import describe  # what chat --load's refusal names
-
+    # what chat --load's refusal names
     assert "--no-kv-smooth" in describe(loaded[0].config) and "smooth" not in describe(EIGHT_BITS)
-    unpatch_model(model)
+    keyscale.restore(model)

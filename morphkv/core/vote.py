@@ -94,7 +94,7 @@ def plan(caches: list, C: int, size: int) -> list[tuple[int, int]]:
     starts, counts = cache.spans(C)
     limit, rows = room(cache.config), []
     for i, (s, n) in enumerate(zip(starts.tolist(), counts.tolist(), strict=True)):
-        engine = cache.engines[i] if i < len(cache.engines) else None
+        engine = cache.engines[i]  # None before a row's first update: nothing due yet
         due = 0 if engine is None else cache.reply_due(i, engine.seen)
         if n:
             rows.append((s, n, len(cache.pins_of(i)) + due))

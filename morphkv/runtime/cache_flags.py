@@ -166,7 +166,8 @@ def describe(config: KVCacheConfig) -> str:
         text += f" block={config.block}"
     if config.kv_bits is not None:
         text += f" {config.kv_bits}-bit (groups of {config.kv_group_size})"
-        text += "" if config.kv_smooth else " keys unsmoothed (--no-kv-smooth)"
+        if not config.kv_smooth:
+            text += " keys unsmoothed (--no-kv-smooth)"
     if config.pin != "none":
         text += f" pin={config.pin}"
         if config.pin_rank != "rule":
